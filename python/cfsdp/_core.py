@@ -1,0 +1,156 @@
+"""The one door to the C core: picks ``cfsdp._C`` or its Python twins.
+
+``CFSDP_IMPL=c`` (the default) uses the C extension and fails loudly (an
+ImportError saying why) when it is missing or broken; ``CFSDP_IMPL=python``
+runs everything on the twins in ``cfsdp._ref``.  Tensors that are not on the
+CPU always take the twins' torch ops (the device-generic path), whatever the
+backend, so CUDA tensors never reach C.
+
+Tensors cross into C as (address, numel, dtype code); the caller guarantees
+the memory stays alive for the duration of the call (C allocates nothing).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import _ref
+
+_IMPL_ENV = "CFSDP_IMPL"
+
+
+def _pick_backend() -> str:
+    impl = os.environ.get(_IMPL_ENV, "c").strip().lower() or "c"
+    if impl not in ("c", "python"):
+        raise ImportError(
+            f"{_IMPL_ENV}={impl!r} is not a cfsdp backend; use {_IMPL_ENV}=c "
+            f"(the C core, default) or {_IMPL_ENV}=python (the pure-Python twins)"
+        )
+    return impl
+
+
+backend: str = _pick_backend()
+_C = None
+if backend == "c":
+    try:
+        from . import _C  # type: ignore[attr-defined,no-redef]
+    except ImportError as e:  # never fall back silently
+        raise ImportError(
+            "cfsdp's C extension cfsdp._C could not be imported "
+            f"({type(e).__name__}: {e}). Rebuild it with `pip install .` from the "
+            f"cfsdp source tree, or set {_IMPL_ENV}=python to run on the "
+            "pure-Python twins (slower)."
+        ) from e
+
+# dtype codes shared with csrc/cfsdp.h (CF_DTYPE_*)
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+}
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of one parameter that lies in one rank's shard."""
+
+    param_start: int  # first element of the flattened parameter in the shard
+    numel: int  # elements of the parameter in the shard (0: none)
+    shard_offset: int  # where they start in the rank's shard
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A unit's flat layout; see ``cfsdp._ref.layout`` for the invariants."""
+
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    align_numel: int
+    world_size: int
+    flat_numel: int  # numel of the unsharded flat parameter (padding included)
+    shard_numel: int  # numel of every rank's (padded) shard
+    slices: tuple[tuple[ShardSlice, ...], ...]  # [rank][param]
+
+    @property
+    def padded_numel(self) -> int:
+        """Numel of the all-gather buffer: ``world_size * shard_numel``."""
+        return self.world_size * self.shard_numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Flat ``[start, end)`` owned by ``rank`` (end may pass ``flat_numel``)."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+def plan_layout(numels: Sequence[int], align_numel: int, world_size: int) -> Layout:
+    numels = tuple(int(n) for n in numels)
+    fn = _C.plan_layout if _C is not None else _ref.plan_layout_lists
+    offsets, flat_numel, shard_numel, flat_slices = fn(numels, align_numel, world_size)
+    p = len(numels)
+    slices = tuple(
+        tuple(
+            ShardSlice(*flat_slices[3 * (r * p + i) : 3 * (r * p + i) + 3])
+            for i in range(p)
+        )
+        for r in range(world_size)
+    )
+    return Layout(
+        numels, tuple(offsets), align_numel, world_size, flat_numel, shard_numel, slices
+    )
+
+
+def _c_ok(*tensors: torch.Tensor) -> bool:
+    return _C is not None and all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype in DTYPE_CODES
+        for t in tensors
+    )
+
+
+def shard_fill(
+    dst: torch.Tensor,
+    shard_start: int,
+    srcs: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+) -> None:
+    """Fill one rank's shard straight from the original tensors; see the twin."""
+    if len(srcs) != len(offsets):
+        raise AssertionError("shard_fill: srcs and offsets differ in length")
+    for s in srcs:
+        if s.dtype != dst.dtype:
+            raise AssertionError(f"shard_fill: dtype {s.dtype} != {dst.dtype}")
+    if _c_ok(dst, *srcs):
+        _C.shard_fill(
+            dst.data_ptr(),
+            dst.numel(),
+            dst.element_size(),
+            shard_start,
+            [(s.data_ptr(), s.numel(), o) for s, o in zip(srcs, offsets)],
+        )
+    else:
+        _ref.shard_fill(dst, shard_start, srcs, offsets)
+
+
+def scale_cast_add(
+    dst: torch.Tensor, src: torch.Tensor, divisor: float, accumulate: bool
+) -> None:
+    """``dst (+)= cast(src / divisor)`` in one pass; see the twin for rounding."""
+    if dst.numel() != src.numel():
+        raise AssertionError(
+            f"scale_cast_add: numel {dst.numel()} != {src.numel()}"
+        )
+    if _c_ok(dst, src):
+        _C.scale_cast_add(
+            dst.data_ptr(),
+            DTYPE_CODES[dst.dtype],
+            src.data_ptr(),
+            DTYPE_CODES[src.dtype],
+            dst.numel(),
+            float(divisor),
+            bool(accumulate),
+        )
+    else:
+        _ref.scale_cast_add(dst, src, divisor, accumulate)

@@ -1,0 +1,13 @@
+"""Pure-Python twins of every entry point of the C core ``cfsdp._C``.
+
+Each function here has the same contract as its C counterpart (see ``csrc/``);
+``cfsdp._core`` picks one or the other (``CFSDP_IMPL=c|python``), and the unit
+tests run both and compare.  The twins are also the device-generic path: they
+use only torch ops, so they serve CUDA tensors as well as CPU ones.
+"""
+
+from .layout import plan_layout_lists
+from .copy import shard_fill
+from .reduce import scale_cast_add
+
+__all__ = ["plan_layout_lists", "shard_fill", "scale_cast_add"]

@@ -1,0 +1,56 @@
+"""Flat layout planner (twin of ``csrc/layout.c``).
+
+The layout of a unit is torch FSDP1's ``FlatParameter`` layout:
+
+* parameters are laid out in order; when ``align_numel > 0`` (torch does this
+  for ``use_orig_params=True``) padding is inserted before a parameter whose
+  offset is not a multiple of ``align_numel``, and after the last parameter the
+  total is padded to a multiple of ``world_size``;
+* ``flat_numel`` is the numel of the unsharded flat parameter (padding included);
+* every rank holds ``shard_numel = ceil(flat_numel / world_size)`` elements;
+  rank ``r`` owns flat elements ``[r * shard_numel, (r + 1) * shard_numel)``;
+  the part past ``flat_numel`` is zero padding.
+
+``slices`` is a flat tuple, rank-major then parameter-major, of triples
+``(param_start, numel, shard_offset)``: the elements
+``[param_start, param_start + numel)`` of the flattened parameter live at
+``[shard_offset, shard_offset + numel)`` of that rank's shard.  A parameter
+with no elements in a rank's shard gets ``(0, 0, 0)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def plan_layout_lists(
+    numels: Sequence[int], align_numel: int, world_size: int
+) -> tuple[tuple[int, ...], int, int, tuple[int, ...]]:
+    """Return ``(offsets, flat_numel, shard_numel, slices)``; see module doc."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if align_numel < 0:
+        raise ValueError(f"align_numel must be >= 0, got {align_numel}")
+    offsets = []
+    total = 0
+    for n in numels:
+        if n < 0:
+            raise ValueError(f"numel must be >= 0, got {n}")
+        if align_numel > 0 and total % align_numel:
+            total += align_numel - total % align_numel
+        offsets.append(total)
+        total += n
+    if align_numel > 0 and total % world_size:
+        total += world_size - total % world_size
+    flat_numel = total
+    shard_numel = -(-flat_numel // world_size)
+    slices: list[int] = []
+    for r in range(world_size):
+        lo, hi = r * shard_numel, (r + 1) * shard_numel
+        for off, n in zip(offsets, numels):
+            s, e = max(off, lo), min(off + n, hi)
+            if e > s:
+                slices += (s - off, e - s, s - lo)
+            else:
+                slices += (0, 0, 0)
+    return tuple(offsets), flat_numel, shard_numel, tuple(slices)
