@@ -1,2 +1,73 @@
-"""cfsdp: torch FSDP with its hot paths in C. Placeholder during bring-up."""
+"""cfsdp: torch's FSDP with its hot paths in C.
+
+Switch a training script with one import::
+
+    from cfsdp import FullyShardedDataParallel as FSDP
+
+Public names mirror ``torch.distributed.fsdp.__all__`` (torch 2.13); configs and
+enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
+(default) or ``"python"`` (``CFSDP_IMPL=python``, the pure-Python twins).
+"""
+
 from ._core import backend
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from ._fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # FSDP1
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    # FSDP2
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPModule",
+    "fully_shard",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "register_fsdp_forward_method",
+    "UnshardHandle",
+    "share_comm_ctx",
+]

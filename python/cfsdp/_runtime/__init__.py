@@ -1,0 +1,1 @@
+"""The runtime shared by both faces: units, hooks, collectives, reduction."""

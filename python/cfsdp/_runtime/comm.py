@@ -1,0 +1,55 @@
+"""The collective engine: plain functions over a process group.
+
+Every rank issues a unit's collectives in the same order; each function
+returns a handle to wait on (``None`` when issued synchronously).  Gloo and
+NCCL both execute the collectives of one process group in issue order, so an
+asynchronous all-gather issued for prefetching is complete before a later
+collective's result is used.  This is the one seam where an intra-node C path
+(shared memory) slots in later.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Pending:
+    """A collective in flight and the tensors it must keep alive."""
+
+    __slots__ = ("work", "keep")
+
+    def __init__(self, work: Optional[dist.Work], *keep: torch.Tensor):
+        self.work = work
+        self.keep = keep
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.keep = ()
+
+
+def all_gather(
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> Pending:
+    """Gather every rank's ``shard`` into ``out`` (``world_size * shard.numel()``)."""
+    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    return Pending(work, out, shard)
+
+
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> Pending:
+    """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
+    work = dist.reduce_scatter_tensor(
+        out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+    return Pending(work, out, inp)
+
+
+def broadcast(t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup) -> None:
+    """Broadcast ``t`` in place from the group's rank ``src_rank_in_group``."""
+    dist.broadcast(t, group=group, group_src=src_rank_in_group)

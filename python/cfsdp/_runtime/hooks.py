@@ -1,0 +1,179 @@
+"""Forward/backward hooks, root lazy init and the end-of-backward callback.
+
+Written once for both faces.  A face owns one ``UnitState`` per wrapped module
+(or ``fully_shard`` call); the first one whose forward runs becomes the root and
+owns a ``RootState`` shared by every ``UnitState`` below it.
+
+Order of events in one training step (FULL_SHARD):
+
+1. root pre-forward: lazy init on the first step; reset per-step state.
+2. each unit's pre-forward: unshard (all-gather), bind forward views; record the
+   unit in the execution order on the first step; forward-prefetch the next.
+3. each unit's post-forward: reshard (non-root), register pre-backward hooks on
+   the outputs that require grad.
+4. pre-backward (first output gradient of a unit): unshard again, move any
+   existing sharded gradient aside; backward-prefetch the next unit.  The root's
+   first pre-backward queues the end-of-backward callback.
+5. post-backward (the flat gradient is accumulated): reduce-scatter (async), then
+   reshard.
+6. end of backward: wait for every reduction, fold it into the sharded gradient,
+   reshard anything still unsharded, publish gradients, reset states.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from .unit import PendingReduce, TrainingState, Unit
+
+BACKWARD_PRE = "BACKWARD_PRE"
+BACKWARD_POST = "BACKWARD_POST"
+
+
+class RootState:
+    """State shared by every unit below one root."""
+
+    def __init__(self, backward_prefetch: Optional[str], forward_prefetch: bool):
+        self.states: list["UnitState"] = []
+        self.exec_order: list["UnitState"] = []
+        self.recording = True  # first iteration: record the forward order
+        self.pending: list[PendingReduce] = []
+        self.callback_queued = False
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+
+
+class UnitState:
+    """A face's per-module runtime state."""
+
+    def __init__(self, unit: Optional[Unit], name: str, reshard_after_forward: bool):
+        self.unit = unit
+        self.name = name
+        self.reshard_after_forward = reshard_after_forward
+        self.is_root: Optional[bool] = None
+        self.root: Optional[RootState] = None
+        self.training_state = TrainingState.IDLE
+        self.order_index: Optional[int] = None
+        if unit is not None:
+            unit.post_backward_fn = self._post_backward
+
+    # ---------------------------------------------------------------- forward
+    def pre_forward(self) -> None:
+        root = self.root
+        if root is None:
+            raise AssertionError("cfsdp: pre_forward before lazy init")
+        self.training_state = TrainingState.FORWARD
+        if root.recording and self.order_index is None:
+            self.order_index = len(root.exec_order)
+            root.exec_order.append(self)
+        u = self.unit
+        if u is None:
+            return
+        u.drop_grad_if_orig_grads_cleared()
+        u.unshard()
+        if root.forward_prefetch and not root.recording:
+            nxt = self._neighbour(+1)
+            if nxt is not None and nxt.unit is not None:
+                nxt.unit.unshard(async_op=True)
+        u.use_forward_views()
+
+    def post_forward(self, output: Any) -> Any:
+        u = self.unit
+        needs_grad = torch.is_grad_enabled()
+        if u is not None and (not self.is_root or not needs_grad) and self.reshard_after_forward:
+            u.reshard()
+        self.training_state = TrainingState.IDLE
+        hooked = needs_grad and self._register_pre_backward(output)
+        if self.is_root and not hooked and self.root is not None:
+            # Nothing will run backward from this forward: free everything now
+            # so eval / no_grad forwards never leave full parameters behind.
+            for st in self.root.states:
+                if st.unit is not None:
+                    st.unit.reshard()
+        return output
+
+    def _register_pre_backward(self, output: Any) -> bool:
+        flat, _ = tree_flatten(output)
+        hooked = False
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+                hooked = True
+        return hooked
+
+    def _neighbour(self, step: int) -> Optional["UnitState"]:
+        root = self.root
+        if self.order_index is None or root is None:
+            return None
+        j = self.order_index + step
+        if 0 <= j < len(root.exec_order):
+            return root.exec_order[j]
+        return None
+
+    # --------------------------------------------------------------- backward
+    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            return grad
+        root = self.root
+        if root is None:
+            raise AssertionError("cfsdp: backward before lazy init")
+        if not root.callback_queued:
+            root.callback_queued = True
+            Variable._execution_engine.queue_callback(self._final_callback)
+        self.training_state = TrainingState.BACKWARD_PRE
+        u = self.unit
+        if u is not None:
+            u.unshard()
+            u.take_grad_for_backward()
+        if root.backward_prefetch == BACKWARD_PRE:
+            self._prefetch_backward()
+        return grad
+
+    def _prefetch_backward(self) -> None:
+        nxt = self._neighbour(-1)
+        if nxt is not None and nxt.unit is not None and nxt.training_state not in (
+            TrainingState.BACKWARD_PRE,
+            TrainingState.BACKWARD_POST,
+        ):
+            nxt.unit.unshard(async_op=True)
+
+    def _post_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        root = self.root
+        if root is None:
+            raise AssertionError("cfsdp: post-backward before lazy init")
+        self.training_state = TrainingState.BACKWARD_POST
+        if root.backward_prefetch == BACKWARD_POST:
+            self._prefetch_backward()
+        # Keep one reduction in flight: finish older ones before issuing.
+        while root.pending:
+            root.pending.pop(0).finish()
+        root.pending.append(unit.reduce_grad(grad))
+        unit.reshard()
+
+    def _final_callback(self) -> None:
+        root = self.root
+        if root is None:
+            raise AssertionError("cfsdp: final callback without root")
+        while root.pending:
+            root.pending.pop(0).finish()
+        for st in root.states:
+            if st.unit is not None:
+                st.unit.reshard()
+                st.unit.publish_grad()
+            st.training_state = TrainingState.IDLE
+        root.callback_queued = False
+        root.recording = False
+
+
+def lazy_init_root(root_state: UnitState, tree: list[UnitState], backward_prefetch, forward_prefetch) -> None:
+    """Make ``root_state`` the root of ``tree`` (root first, then the rest)."""
+    rs = RootState(backward_prefetch, forward_prefetch)
+    rs.states = list(tree)
+    for st in tree:
+        st.is_root = st is root_state
+        st.root = rs
+        st.order_index = None
