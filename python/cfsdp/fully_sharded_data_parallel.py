@@ -187,6 +187,12 @@ def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> N
                 "param_init_fn / meta-device modules)",
                 3,
             )
+        if p.dim() == 0:
+            raise ValueError(
+                f"FSDP does not shard scalar (0-dim) parameters, but '{fqn}' is one. Make it "
+                "a 1-D tensor with one element (e.g. nn.Parameter(torch.tensor([v]))), or "
+                "pass it in ignored_states."
+            )
         if not p.is_floating_point():
             raise ValueError(
                 f"FSDP can only shard floating-point parameters, but '{fqn}' has dtype "

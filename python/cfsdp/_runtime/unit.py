@@ -145,6 +145,11 @@ class Unit:
                     f"parameter '{i.fqn}' has dtype {p.dtype}. Register it as a buffer, "
                     "or pass its module in ignored_modules / the parameter in ignored_states."
                 )
+            if p.dim() == 0:
+                raise ValueError(
+                    f"FSDP does not shard scalar (0-dim) parameters, but {where}'s '{i.fqn}' "
+                    "is one. Make it a 1-D tensor with one element, or pass it in ignored_states."
+                )
             if p.dtype != dtype:
                 raise ValueError(
                     f"All parameters of one FSDP unit must share a dtype: {where}'s "
