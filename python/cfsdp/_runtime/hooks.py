@@ -22,16 +22,32 @@ Order of events in one training step (FULL_SHARD):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 
 from .unit import PendingReduce, TrainingState, Unit
 
 BACKWARD_PRE = "BACKWARD_PRE"
 BACKWARD_POST = "BACKWARD_POST"
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested output: tensors, lists, tuples (named too),
+    sets, dicts (also ``OrderedDict`` / ``ModelOutput``-like) and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
 
 
 class RootState:
@@ -97,10 +113,9 @@ class UnitState:
         return output
 
     def _register_pre_backward(self, output: Any) -> bool:
-        flat, _ = tree_flatten(output)
         hooked = False
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in iter_tensors(output):
+            if t.requires_grad:
                 t.register_hook(self._pre_backward_hook)
                 hooked = True
         return hooked
