@@ -1,0 +1,70 @@
+# cfsdp build targets.  `make build`: editable install with warnings as
+# errors.  `make sanitize`: build the C core with ASan + UBSan into a separate
+# tree (build/sanitize/lib, put first on PYTHONPATH) and run tests/unit
+# against it; the normal in-place extension of the editable install is never
+# touched, so it keeps working during and after the run.  pytest runs with
+# --capture=sys so a sanitizer report (written to fd 2) reaches the log.
+
+# Every target sets up what it needs on a fresh machine: a virtual environment
+# in .venv with torch==2.13.0 (always pinned: an unpinned torch pulls a CUDA
+# build of several GB) and the test/benchmark tools, then the C build.
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+PYTHON3 ?= python3
+TORCH_PIN := torch==2.13.0
+DEPS := $(TORCH_PIN) pytest pytest-timeout hypothesis numpy matplotlib
+STAMP := $(VENV)/.cfsdp-deps
+# 2 ranks on 2 cores: one thread per rank.
+export OMP_NUM_THREADS ?= 1
+SAN_DIR := build/sanitize
+SAN_LIB := $(abspath $(SAN_DIR)/lib)
+SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	PYTHONPATH=$(SAN_LIB)$${PYTHONPATH:+:$$PYTHONPATH}
+
+.PHONY: venv build sanitize test test-unit test-dist demo bench
+
+$(STAMP): Makefile
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(DEPS)
+	touch $@
+
+venv: $(STAMP)
+
+build: $(STAMP)
+	CFSDP_WERROR=1 $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+
+# The whole suite: unit tests, the C core under ASan/UBSan, the distributed
+# tests with the C core, then everything again on the pure-Python twins.
+test: build
+	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
+	$(MAKE) --no-print-directory sanitize
+	CFSDP_IMPL=c $(PY) -m pytest -q tests/distributed
+	CFSDP_IMPL=python $(PY) -m pytest -q tests
+
+test-unit: build
+	$(PY) -m pytest -q tests/unit
+
+test-dist: build
+	$(PY) -m pytest -q tests/distributed
+
+# The main job: cfsdp against torch's FSDP on 2 CPU ranks.
+demo: build
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 demo/train_demo.py
+
+bench: build
+	mkdir -p benchmarks/out
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp.py \
+		--model all --out benchmarks/out/bench.json
+	$(PY) benchmarks/plot.py benchmarks/out/bench.json --out benchmarks/results.png
+
+sanitize: $(STAMP)
+	rm -rf $(SAN_DIR)
+	CFSDP_SANITIZE=1 CFSDP_WERROR=1 $(PY) setup.py -q build \
+		--build-base $(SAN_DIR)/tmp --build-lib $(SAN_LIB) --force
+	$(SAN_ENV) $(PY) -c "import cfsdp._C as m; \
+		assert m.__file__.startswith('$(SAN_LIB)'), m.__file__; \
+		print('sanitized extension:', m.__file__)"
+	$(SAN_ENV) CFSDP_HYPOTHESIS_PROFILE=sanitize $(PY) -m pytest -q -p no:cacheprovider \
+		--capture=sys tests/unit

@@ -1,0 +1,125 @@
+/*
+ * cfsdp.h -- types shared by every file of the C core: dtype codes, status
+ * codes, the error record and the error-propagation macros.
+ *
+ * Design.  The C core knows nothing of Python or torch.  Every internal
+ * function returns a cf_status; CF_OK is zero and anything else is an error
+ * whose human-readable message has been written into a caller-provided cf_err
+ * (a plain struct on the caller's stack: no globals, so the core is
+ * re-entrant and safe to call with the GIL released).  CF_CHECK propagates a
+ * failing status to the caller; CF_CHECK_GOTO jumps to the function's single
+ * cleanup label.  Only module.c turns a cf_err into a Python exception:
+ * CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError, CF_ENOMEM ->
+ * MemoryError.
+ */
+#ifndef CFSDP_H
+#define CFSDP_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+/* Dtype codes; must match cfsdp._core.DTYPE_CODES. */
+typedef enum {
+    CF_DTYPE_FP32 = 0,
+    CF_DTYPE_FP64 = 1,
+    CF_DTYPE_BF16 = 2,
+    CF_DTYPE_FP16 = 3,
+    CF_DTYPE_COUNT = 4
+} cf_dtype;
+
+typedef enum {
+    CF_OK = 0,
+    CF_EINVAL = 1,    /* bad argument (ValueError) */
+    CF_EOVERFLOW = 2, /* a size or offset does not fit (OverflowError) */
+    CF_ENOMEM = 3     /* an index array could not be allocated (MemoryError) */
+} cf_status;
+
+#define CF_ERR_MSG_LEN 256
+
+/* The error record: status plus a message, filled by cf_err_set. */
+typedef struct {
+    cf_status status;
+    char msg[CF_ERR_MSG_LEN];
+} cf_err;
+
+/* Initialise an error record to "no error". */
+static inline void cf_err_init(cf_err *err)
+{
+    err->status = CF_OK;
+    err->msg[0] = '\0';
+}
+
+/*
+ * Record an error (printf-style message, truncated to CF_ERR_MSG_LEN) and
+ * return its status, so a caller can write `return cf_err_set(err, ...)`.
+ * `status` must not be CF_OK.
+ */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static inline cf_status cf_err_set(cf_err *err, cf_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+    err->status = status;
+    return status;
+}
+
+/* Propagate a failing status to the caller. */
+#define CF_CHECK(expr)                      \
+    do {                                    \
+        cf_status cf_check_st_ = (expr);    \
+        if (cf_check_st_ != CF_OK)          \
+            return cf_check_st_;            \
+    } while (0)
+
+/* Store a failing status in `st` and jump to the cleanup `label`. */
+#define CF_CHECK_GOTO(expr, st, label)      \
+    do {                                    \
+        (st) = (expr);                      \
+        if ((st) != CF_OK)                  \
+            goto label;                     \
+    } while (0)
+
+/* Size in bytes of one element of a valid dtype (0 for an unknown code). */
+static inline size_t cf_dtype_size(int code)
+{
+    switch (code) {
+    case CF_DTYPE_FP32: return 4;
+    case CF_DTYPE_FP64: return 8;
+    case CF_DTYPE_BF16: return 2;
+    case CF_DTYPE_FP16: return 2;
+    default: return 0;
+    }
+}
+
+/* Overflow-checked int64 arithmetic for non-negative operands. */
+static inline int cf_add_i64_overflows(int64_t a, int64_t b, int64_t *out)
+{
+    if (a > INT64_MAX - b)
+        return 1;
+    *out = a + b;
+    return 0;
+}
+
+static inline int cf_mul_i64_overflows(int64_t a, int64_t b, int64_t *out)
+{
+    if (a != 0 && b > INT64_MAX / a)
+        return 1;
+    *out = a * b;
+    return 0;
+}
+
+static inline int cf_mul_size_overflows(size_t a, size_t b, size_t *out)
+{
+    if (a != 0 && b > SIZE_MAX / a)
+        return 1;
+    *out = a * b;
+    return 0;
+}
+
+#endif /* CFSDP_H */

@@ -1,0 +1,358 @@
+/*
+ * module.c -- the Python face of the C core: module cfsdp._C.
+ *
+ * Design.  This is the only file that includes Python.h.  Each entry point
+ * parses its arguments (METH_FASTCALL, positional only) into plain C values
+ * and malloc'd index arrays while holding the GIL, releases the GIL around
+ * the pure-C work (layout.c, copy.c, reduce.c validate, then touch bytes),
+ * and turns a failing cf_status into a Python exception in one place,
+ * cf_py_raise: CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError,
+ * CF_ENOMEM -> MemoryError.  Tensors arrive as integer addresses; C never
+ * allocates or frees tensor memory and the caller keeps it alive.
+ * The module uses multi-phase initialisation (PEP 489) and keeps no state,
+ * so it is safe in sub-interpreters and has no mutable globals.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdbool.h>
+#include <stdlib.h>
+
+#include "cfsdp.h"
+#include "copy.h"
+#include "layout.h"
+#include "reduce.h"
+
+/* Raise the Python exception for a failed status; always returns NULL. */
+static PyObject *cf_py_raise(const cf_err *err)
+{
+    PyObject *type;
+    switch (err->status) {
+    case CF_EINVAL: type = PyExc_ValueError; break;
+    case CF_EOVERFLOW: type = PyExc_OverflowError; break;
+    case CF_ENOMEM: type = PyExc_MemoryError; break;
+    default: type = PyExc_SystemError; break;
+    }
+    PyErr_SetString(type, err->msg[0] ? err->msg : "cfsdp._C: unknown error");
+    return NULL;
+}
+
+/* 0 if `nargs == expected`, else -1 with TypeError set. */
+static int cf_py_check_nargs(const char *fname, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs == expected)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd positional arguments (%zd given)",
+                 fname, expected, nargs);
+    return -1;
+}
+
+/* Convert an int-like object to int64; 0 on success, -1 with an exception. */
+static int cf_py_int64(PyObject *obj, const char *what, int64_t *out)
+{
+    long long v;
+    if (!PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* Convert an int address (e.g. Tensor.data_ptr()) to a pointer. */
+static int cf_py_addr(PyObject *obj, const char *what, void **out)
+{
+    void *p;
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int address, not %.100s", what,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    p = PyLong_AsVoidPtr(obj);
+    if (p == NULL && PyErr_Occurred())
+        return -1;
+    *out = p;
+    return 0;
+}
+
+/* A tuple of Python ints from an int64 array; new reference or NULL. */
+static PyObject *cf_py_int_tuple(const int64_t *v, size_t n)
+{
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    if (t == NULL)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong((long long)v[i]);
+        if (x == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
+    }
+    return t;
+}
+
+PyDoc_STRVAR(cf_py_plan_layout_doc,
+"plan_layout($module, numels, align_numel, world_size, /)\n"
+"--\n"
+"\n"
+"Plan a unit's flat layout (torch FSDP1's FlatParameter layout).\n"
+"\n"
+"Returns (offsets, flat_numel, shard_numel, slices): the flat offset of\n"
+"each parameter, the padded flat numel, every rank's shard numel, and a\n"
+"flat tuple, rank-major then parameter-major, of triples\n"
+"(param_start, numel, shard_offset).  Same result as\n"
+"cfsdp._ref.plan_layout_lists.  ValueError for a negative numel,\n"
+"align_numel < 0 or world_size < 1; OverflowError if sizes overflow int64.");
+
+static PyObject *cf_py_plan_layout(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq = NULL, *result = NULL, *offsets_t = NULL, *slices_t = NULL;
+    int64_t *numels = NULL, *offsets = NULL, *slices = NULL;
+    int64_t align_numel, world_size, flat_numel = 0, shard_numel = 0;
+    size_t n, n_slices = 0;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("plan_layout", nargs, 3) < 0)
+        return NULL;
+    if (cf_py_int64(args[1], "align_numel", &align_numel) < 0 ||
+        cf_py_int64(args[2], "world_size", &world_size) < 0)
+        return NULL;
+    seq = PySequence_Fast(args[0], "numels must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    n = (size_t)PySequence_Fast_GET_SIZE(seq);
+    CF_CHECK_GOTO(cf_layout_slices_len(n, world_size, &n_slices, &err), st, fail);
+
+    numels = malloc((n ? n : 1) * sizeof *numels);
+    offsets = malloc((n ? n : 1) * sizeof *offsets);
+    if (n_slices > SIZE_MAX / sizeof *slices) {
+        CF_CHECK_GOTO(cf_err_set(&err, CF_EOVERFLOW, "layout is too large"), st, fail);
+    }
+    slices = malloc((n_slices ? n_slices : 1) * sizeof *slices);
+    if (numels == NULL || offsets == NULL || slices == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (cf_py_int64(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i), "numel", &numels[i]) < 0)
+            goto done;
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_layout_plan(numels, n, align_numel, world_size, offsets, &flat_numel,
+                        &shard_numel, slices, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        goto fail;
+
+    offsets_t = cf_py_int_tuple(offsets, n);
+    if (offsets_t == NULL)
+        goto done;
+    slices_t = cf_py_int_tuple(slices, n_slices);
+    if (slices_t == NULL)
+        goto done;
+    result = Py_BuildValue("(OLLO)", offsets_t, (long long)flat_numel,
+                           (long long)shard_numel, slices_t);
+    goto done;
+
+fail:
+    cf_py_raise(&err);
+done:
+    Py_XDECREF(offsets_t);
+    Py_XDECREF(slices_t);
+    Py_XDECREF(seq);
+    free(numels);
+    free(offsets);
+    free(slices);
+    return result;
+}
+
+PyDoc_STRVAR(cf_py_shard_fill_doc,
+"shard_fill($module, dst_addr, dst_numel, elem_size, shard_start, srcs, /)\n"
+"--\n"
+"\n"
+"Fill one rank's shard from the original tensors, zeroing the padding.\n"
+"\n"
+"dst holds flat elements [shard_start, shard_start + dst_numel) of the\n"
+"unit's flat buffer; srcs is a sequence of (src_addr, src_numel,\n"
+"flat_offset).  Element size elem_size bytes, for dst and all sources.\n"
+"Same bytes as cfsdp._ref.shard_fill.  Runs with the GIL released.\n"
+"ValueError for negative sizes/offsets or NULL addresses; OverflowError\n"
+"if an end offset or byte size overflows.");
+
+static PyObject *cf_py_shard_fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq = NULL, *result = NULL;
+    cf_copy_src *srcs = NULL;
+    void *dst;
+    int64_t dst_numel, elem_size, shard_start;
+    size_t n;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("shard_fill", nargs, 5) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 ||
+        cf_py_int64(args[1], "dst_numel", &dst_numel) < 0 ||
+        cf_py_int64(args[2], "elem_size", &elem_size) < 0 ||
+        cf_py_int64(args[3], "shard_start", &shard_start) < 0)
+        return NULL;
+    seq = PySequence_Fast(args[4], "srcs must be a sequence of (addr, numel, offset)");
+    if (seq == NULL)
+        return NULL;
+    n = (size_t)PySequence_Fast_GET_SIZE(seq);
+    srcs = malloc((n ? n : 1) * sizeof *srcs);
+    if (srcs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i),
+                                         "each src must be a (addr, numel, offset) tuple");
+        void *addr;
+        int ok;
+        if (item == NULL)
+            goto done;
+        if (PySequence_Fast_GET_SIZE(item) != 3) {
+            PyErr_Format(PyExc_ValueError,
+                         "src %zu must be (addr, numel, offset), got %zd items", i,
+                         PySequence_Fast_GET_SIZE(item));
+            Py_DECREF(item);
+            goto done;
+        }
+        ok = cf_py_addr(PySequence_Fast_GET_ITEM(item, 0), "src_addr", &addr) == 0 &&
+             cf_py_int64(PySequence_Fast_GET_ITEM(item, 1), "src_numel", &srcs[i].numel) == 0 &&
+             cf_py_int64(PySequence_Fast_GET_ITEM(item, 2), "flat_offset", &srcs[i].offset) == 0;
+        Py_DECREF(item);
+        if (!ok)
+            goto done;
+        srcs[i].addr = addr;
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_copy_shard_fill(dst, dst_numel, elem_size, shard_start, srcs, n, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK) {
+        cf_py_raise(&err);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+
+done:
+    Py_XDECREF(seq);
+    free(srcs);
+    return result;
+}
+
+PyDoc_STRVAR(cf_py_scale_cast_add_doc,
+"scale_cast_add($module, dst_addr, dst_dtype_code, src_addr, src_dtype_code,\n"
+"               numel, divisor, accumulate, /)\n"
+"--\n"
+"\n"
+"dst = (dst if accumulate else 0) + cast(src / divisor), in one pass.\n"
+"\n"
+"Rounds exactly as torch's `t = src / divisor` (skipped when divisor == 1),\n"
+"`t.to(dst.dtype)`, `dst.add_(t)` / `dst.copy_(t)` on the CPU; dtype codes\n"
+"fp32=0, fp64=1, bf16=2, fp16=3.  Same bits as cfsdp._ref.scale_cast_add\n"
+"(NaN payloads aside).  Runs with the GIL released.  ValueError for an\n"
+"unknown dtype code, negative numel or NULL address.");
+
+static PyObject *cf_py_scale_cast_add(PyObject *module, PyObject *const *args,
+                                      Py_ssize_t nargs)
+{
+    void *dst, *src;
+    int64_t dst_code, src_code, numel;
+    double divisor;
+    int accumulate;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("scale_cast_add", nargs, 7) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 ||
+        cf_py_int64(args[1], "dst_dtype_code", &dst_code) < 0 ||
+        cf_py_addr(args[2], "src_addr", &src) < 0 ||
+        cf_py_int64(args[3], "src_dtype_code", &src_code) < 0 ||
+        cf_py_int64(args[4], "numel", &numel) < 0)
+        return NULL;
+    divisor = PyFloat_AsDouble(args[5]);
+    if (divisor == -1.0 && PyErr_Occurred())
+        return NULL;
+    accumulate = PyObject_IsTrue(args[6]);
+    if (accumulate < 0)
+        return NULL;
+    if (dst_code < 0 || dst_code >= CF_DTYPE_COUNT || src_code < 0 ||
+        src_code >= CF_DTYPE_COUNT) {
+        cf_err_set(&err, CF_EINVAL, "unknown dtype code (dst %lld, src %lld); expected 0..%d",
+                   (long long)dst_code, (long long)src_code, CF_DTYPE_COUNT - 1);
+        return cf_py_raise(&err);
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_reduce_scale_cast_add(dst, (int)dst_code, src, (int)src_code, numel, divisor,
+                                  accumulate != 0, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef cf_py_methods[] = {
+    {"plan_layout", (PyCFunction)(void (*)(void))cf_py_plan_layout, METH_FASTCALL,
+     cf_py_plan_layout_doc},
+    {"shard_fill", (PyCFunction)(void (*)(void))cf_py_shard_fill, METH_FASTCALL,
+     cf_py_shard_fill_doc},
+    {"scale_cast_add", (PyCFunction)(void (*)(void))cf_py_scale_cast_add, METH_FASTCALL,
+     cf_py_scale_cast_add_doc},
+    {NULL, NULL, 0, NULL}};
+
+/* Py_mod_exec: add the dtype-code constants; 0 on success, -1 on error. */
+static int cf_py_exec(PyObject *m)
+{
+    if (PyModule_AddIntConstant(m, "DTYPE_FP32", CF_DTYPE_FP32) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_FP64", CF_DTYPE_FP64) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_BF16", CF_DTYPE_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_FP16", CF_DTYPE_FP16) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot cf_py_slots[] = {
+    {Py_mod_exec, (void *)cf_py_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#ifdef Py_GIL_DISABLED
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL}};
+
+PyDoc_STRVAR(cf_py_module_doc,
+"The C core of cfsdp: flat layout planning, shard copies and gradient\n"
+"scale/cast/accumulate.  Use it through cfsdp._core; every function has a\n"
+"pure-Python twin in cfsdp._ref.");
+
+static struct PyModuleDef cf_py_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "cfsdp._C",
+    .m_doc = cf_py_module_doc,
+    .m_size = 0,
+    .m_methods = cf_py_methods,
+    .m_slots = cf_py_slots,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&cf_py_module);
+}
