@@ -1,0 +1,102 @@
+"""The public API mirrors torch.distributed.fsdp (torch 2.13), no process group needed."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.nn as nn
+
+import cfsdp
+from cfsdp import FullyShardedDataParallel as FSDP
+
+
+def test_all_names_mirror_torch():
+    assert sorted(cfsdp.__all__) == sorted(tfsdp.__all__)
+    for name in cfsdp.__all__:
+        assert hasattr(cfsdp, name), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
+        "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision",
+        "OptimStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig",
+        "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
+        "StateDictType", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    ],
+)
+def test_configs_are_torchs_objects(name):
+    assert getattr(cfsdp, name) is getattr(tfsdp, name)
+
+
+def test_wrap_policies_are_torchs():
+    import torch.distributed.fsdp.wrap as twrap
+
+    import cfsdp.wrap as cwrap
+
+    for name in cwrap.__all__:
+        assert getattr(cwrap, name) is getattr(twrap, name), name
+
+
+def test_constructor_signature_matches_torch():
+    ours = inspect.signature(FSDP.__init__).parameters
+    theirs = inspect.signature(tfsdp.FullyShardedDataParallel.__init__).parameters
+    assert list(ours) == list(theirs)
+    for name, p in theirs.items():
+        assert ours[name].default == p.default, name
+        assert ours[name].kind == p.kind, name
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP), "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP"),
+        (dict(sharding_strategy=tfsdp.ShardingStrategy.NO_SHARD), "sharding_strategy=ShardingStrategy.NO_SHARD"),
+        (dict(sharding_strategy=tfsdp.ShardingStrategy.HYBRID_SHARD), "sharding_strategy=ShardingStrategy.HYBRID_SHARD"),
+        (dict(cpu_offload=tfsdp.CPUOffload(offload_params=True)), "cpu_offload=CPUOffload(offload_params=True)"),
+        (dict(mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.bfloat16)), "mixed_precision="),
+        (dict(param_init_fn=lambda m: None), "param_init_fn"),
+    ],
+)
+def test_not_implemented_arguments_are_named(kwargs, needle):
+    with pytest.raises(NotImplementedError) as e:
+        FSDP(nn.Linear(2, 2), **kwargs)
+    assert needle in str(e.value)
+    assert "README" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["no_sync", "clip_grad_norm_", "register_comm_hook", "optim_state_dict", "full_optim_state_dict"],
+)
+def test_not_implemented_methods_are_named(method):
+    with pytest.raises(NotImplementedError, match=method):
+        getattr(FSDP, method)(None)
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("fully_shard", (nn.Linear(2, 2),)),
+        ("register_fsdp_forward_method", (nn.Linear(2, 2), "forward")),
+        ("share_comm_ctx", ([nn.Linear(2, 2)],)),
+    ],
+)
+def test_fully_shard_face_not_implemented_yet(name, args):
+    with pytest.raises(NotImplementedError, match=name):
+        getattr(cfsdp, name)(*args)
+
+
+def test_fsdp_module_classes_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="FSDPModule"):
+        cfsdp.FSDPModule()
+    with pytest.raises(NotImplementedError, match="UnshardHandle"):
+        cfsdp.UnshardHandle()
+
+
+def test_backend_is_reported():
+    assert cfsdp.backend in ("c", "python")
