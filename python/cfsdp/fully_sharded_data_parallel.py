@@ -47,6 +47,11 @@ _IN_STATE_DICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
 _STALE_HOOK_INSTALLED = False
 
 
+class WrongTypeError(TypeError, ValueError):
+    """A wrong type in an argument's entries.  torch's FSDP1 raises ``ValueError``
+    there, so this is both: code written against torch keeps catching it."""
+
+
 def _not_implemented(what: str, issue: int) -> NotImplementedError:
     return NotImplementedError(
         f"cfsdp.FullyShardedDataParallel: {what} is not implemented yet "
@@ -140,7 +145,7 @@ def _ignored_params_and_modules(
     if ignored_modules is not None:
         for i, m in enumerate(ignored_modules):
             if not isinstance(m, nn.Module):
-                raise TypeError(
+                raise WrongTypeError(
                     f"ignored_modules must contain nn.Module instances, but entry {i} is a "
                     f"{type(m).__name__}"
                 )
@@ -158,8 +163,9 @@ def _ignored_params_and_modules(
         elif all(isinstance(s, nn.Module) for s in states):
             mods.extend(states)
         else:
-            raise TypeError(
-                "ignored_states must contain only nn.Parameter or only nn.Module entries."
+            raise WrongTypeError(
+                "ignored_states must contain only nn.Parameter or only nn.Module entries; "
+                "pass parameters and modules in two separate FSDP calls, or only modules."
             )
     for i, m in enumerate(mods):
         if isinstance(m, (FullyShardedDataParallel, _TorchFSDP)):

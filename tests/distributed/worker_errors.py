@@ -1,0 +1,304 @@
+"""Bad input to cfsdp.FullyShardedDataParallel: the right exception type, a message naming the thing.
+
+Run by tests/distributed/test_errors.py under torchrun (gloo, W=2). Each case is a subtest.
+Where torch's FSDP1 rejects the same input, the subtest checks torch too (same exception
+type), so the expectation written here is torch's behaviour and not a guess.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+import _harness as h
+import cfsdp
+from cfsdp import (
+    CPUOffload,
+    FullyShardedDataParallel as CFSDP,
+    MixedPrecision,
+    ShardingStrategy,
+)
+
+CPU = torch.device("cpu")
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Module()
+        self.encoder.inner_unit = Inner()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.proj(self.encoder.inner_unit(x))
+
+
+class StrayModule(nn.Linear):
+    """Not part of any model here: only ever passed as a (wrong) ignored module."""
+
+
+class Failures:
+    def __init__(self, ctx: h.Context):
+        self.ctx = ctx
+        self.items: list[str] = []
+
+    def expect(self, who: str, exc: type[BaseException], fn: Callable[[], Any], *needles: str) -> None:
+        """``fn()`` must raise ``exc`` (or a subclass) whose message contains every needle."""
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            msg = str(e)
+            if not isinstance(e, exc):
+                self.items.append(f"{who}: expected {exc.__name__}, got {type(e).__name__}: {msg}")
+                return
+            missing = [n for n in needles if n not in msg]
+            if missing:
+                self.items.append(f"{who}: {type(e).__name__} message does not mention {missing}: {msg!r}")
+            return
+        self.items.append(f"{who}: expected {exc.__name__}, nothing was raised")
+
+    def ok(self, who: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            self.items.append(f"{who}: expected no error, got {type(e).__name__}: {e}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise AssertionError(f"{len(self.items)} problem(s) on rank {self.ctx.rank}:\n  "
+                                 + "\n  ".join(self.items))
+
+
+def kw(ctx, **extra) -> dict:
+    d = dict(process_group=ctx.pg, device_id=CPU)
+    d.update(extra)
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@h.subtest
+def auto_wrap_over_existing_units(ctx):
+    """auto_wrap_policy on a module that already contains FSDP units -> ValueError naming the unit."""
+    f = Failures(ctx)
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        m = Net()
+        m.encoder.inner_unit = wrapper(m.encoder.inner_unit, **kw(ctx))
+        f.expect(who, ValueError,
+                 lambda: wrapper(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **kw(ctx)),
+                 "encoder.inner_unit")
+    f.raise_if_any()
+
+
+@h.subtest
+def integer_parameter(ctx):
+    """A non-floating parameter in a unit -> ValueError naming its FQN."""
+    f = Failures(ctx)
+    m = Net()
+    m.encoder.inner_unit.counts = nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=False)
+    f.expect("cfsdp", ValueError, lambda: CFSDP(m, **kw(ctx)), "encoder.inner_unit.counts")
+    f.raise_if_any()
+
+
+@h.subtest
+def scalar_parameter(ctx):
+    """torch FSDP1 rejects 0-dim parameters with a ValueError naming the parameter; so must cfsdp."""
+    f = Failures(ctx)
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        m = Net()
+        m.encoder.inner_unit.gain = nn.Parameter(torch.tensor(2.0))
+        f.expect(who, ValueError, lambda: wrapper(m, **kw(ctx)), "gain")
+    # cfsdp names the full FQN, as for every other parameter error
+    m = Net()
+    m.encoder.inner_unit.gain = nn.Parameter(torch.tensor(2.0))
+    f.expect("cfsdp (FQN)", ValueError, lambda: CFSDP(m, **kw(ctx)), "encoder.inner_unit.gain")
+    f.raise_if_any()
+
+
+@h.subtest
+def meta_device_parameters(ctx):
+    """Deferred init is not done yet: parameters on meta -> NotImplementedError naming an FQN."""
+    f = Failures(ctx)
+    with torch.device("meta"):
+        m = Net()
+    fqns = [n for n, _ in m.named_parameters()]
+    try:
+        CFSDP(m, **kw(ctx))
+    except NotImplementedError as e:
+        if not any(n in str(e) for n in fqns):
+            f.items.append(f"cfsdp: NotImplementedError names none of {fqns}: {e!r}")
+    except BaseException as e:  # noqa: BLE001
+        f.items.append(f"cfsdp: expected NotImplementedError, got {type(e).__name__}: {e}")
+    else:
+        f.items.append("cfsdp: expected NotImplementedError for meta-device parameters, nothing raised")
+    # only some parameters on meta
+    m = Net()
+    m.proj.to_empty(device="meta")
+    f.expect("cfsdp (partly meta)", NotImplementedError, lambda: CFSDP(m, **kw(ctx)), "proj.weight")
+    f.raise_if_any()
+
+
+@h.subtest(grid={"device_id": ["cuda", "cuda:0"]})
+def cuda_device_id_without_cuda(ctx, device_id):
+    """device_id=cuda on this CPU-only machine -> ValueError naming device_id."""
+    f = Failures(ctx)
+    assert not torch.cuda.is_available(), "this case needs a machine without CUDA"
+    f.expect("cfsdp", ValueError, lambda: CFSDP(Net(), process_group=ctx.pg,
+                                                  device_id=torch.device(device_id)), "device_id")
+    f.raise_if_any()
+
+
+@h.subtest
+def ignored_modules_not_a_submodule(ctx):
+    f = Failures(ctx)
+    f.expect("cfsdp", ValueError,
+             lambda: CFSDP(Net(), ignored_modules=[StrayModule(2, 2)], **kw(ctx)), "StrayModule")
+    f.raise_if_any()
+
+
+@h.subtest
+def ignored_modules_non_module_entry(ctx):
+    """A non-Module entry -> an error that is both a TypeError (a wrong type) and a ValueError.
+
+    torch 2.13 raises TypeError for a non-iterable ``ignored_modules`` (checked on both) but
+    ValueError for a non-Module *entry* (``_check_ignored_states`` runs first); cfsdp raises
+    ``WrongTypeError``, a subclass of both, so code catching torch's ValueError still works.
+    """
+    f = Failures(ctx)
+    for exc in (TypeError, ValueError):
+        m = Net()
+        f.expect(f"cfsdp [str entry, {exc.__name__}]", exc,
+                 lambda: CFSDP(m, ignored_modules=["proj"], **kw(ctx)), "entry 0")
+        m = Net()
+        f.expect(f"cfsdp [Parameter entry, {exc.__name__}]", exc,
+                 lambda: CFSDP(m, ignored_modules=[m.proj.weight], **kw(ctx)), "entry 0")
+    m = Net()
+    f.expect("torch [str entry]", ValueError, lambda: TorchFSDP(m, ignored_modules=["proj"], **kw(ctx)))
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        m = Net()
+        f.expect(f"{who} [not iterable]", TypeError, lambda: wrapper(m, ignored_modules=5, **kw(ctx)))
+    f.raise_if_any()
+
+
+@h.subtest
+def ignored_modules_with_fsdp_unit(ctx):
+    f = Failures(ctx)
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        m = Net()
+        m.encoder.inner_unit = wrapper(m.encoder.inner_unit, **kw(ctx))
+        f.expect(who, ValueError, lambda: wrapper(m, ignored_modules=[m.encoder.inner_unit], **kw(ctx)),
+                 "ignored_modules")
+    f.raise_if_any()
+
+
+@h.subtest
+def ignored_modules_and_ignored_states(ctx):
+    f = Failures(ctx)
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        m = Net()
+        f.expect(f"{who} [both]", ValueError,
+                 lambda: wrapper(m, ignored_modules=[m.proj], ignored_states=[m.proj.weight], **kw(ctx)),
+                 "ignored_modules", "ignored_states")
+        m = Net()
+        f.expect(f"{who} [params and modules mixed]", ValueError,
+                 lambda: wrapper(m, ignored_states=[m.proj, m.encoder.inner_unit.lin.weight], **kw(ctx)),
+                 "ignored_states")
+    f.raise_if_any()
+
+
+@h.subtest
+def process_group_and_device_mesh(ctx):
+    f = Failures(ctx)
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        f.expect(who, ValueError, lambda: wrapper(Net(), device_mesh=mesh, **kw(ctx)),
+                 "process_group", "device_mesh")
+    f.raise_if_any()
+
+
+@h.subtest
+def optimizer_built_before_wrapping(ctx):
+    """use_orig_params=False replaces the parameters: an optimizer over the old ones is stale.
+
+    The step must fail loudly (RuntimeError naming the stale parameter's FQN and saying to
+    build the optimizer after wrapping), never silently update parameters FSDP no longer uses.
+    """
+    f = Failures(ctx)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    fqns = [n for n, _ in m.named_parameters()]
+    model = CFSDP(m, use_orig_params=False, **kw(ctx))
+    model(torch.randn(2, 4)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        msg = str(e)
+        if not any(n in msg for n in fqns):
+            f.items.append(f"cfsdp: RuntimeError names none of the stale FQNs {fqns}: {msg!r}")
+        if not re.search(r"after\b.*wrap", msg, flags=re.IGNORECASE | re.DOTALL):
+            f.items.append(f"cfsdp: RuntimeError does not say to build the optimizer after wrapping: {msg!r}")
+    except BaseException as e:  # noqa: BLE001
+        f.items.append(f"cfsdp: expected RuntimeError at optimizer.step(), got {type(e).__name__}: {e}")
+    else:
+        f.items.append("cfsdp: optimizer.step() over pre-wrapping parameters did not raise")
+    f.raise_if_any()
+
+
+@h.subtest
+def optimizer_built_after_wrapping_is_fine(ctx):
+    """The counterpart of the case above: the supported order steps without error."""
+    f = Failures(ctx)
+    model = CFSDP(Net(), use_orig_params=False, **kw(ctx))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    f.ok("cfsdp", opt.step)
+    f.raise_if_any()
+
+
+@h.subtest(grid={"strategy": [ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
+                              ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]})
+def unsupported_sharding_strategy(ctx, strategy):
+    f = Failures(ctx)
+    f.expect("cfsdp", NotImplementedError, lambda: CFSDP(Net(), sharding_strategy=strategy, **kw(ctx)),
+             "sharding_strategy", strategy.name)
+    f.raise_if_any()
+
+
+@h.subtest
+def unsupported_arguments(ctx):
+    """Not in this slice: NotImplementedError naming the argument."""
+    f = Failures(ctx)
+    f.expect("cfsdp [mixed_precision]", NotImplementedError,
+             lambda: CFSDP(Net(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), **kw(ctx)),
+             "mixed_precision")
+    f.expect("cfsdp [cpu_offload]", NotImplementedError,
+             lambda: CFSDP(Net(), cpu_offload=CPUOffload(offload_params=True), **kw(ctx)), "cpu_offload")
+    f.expect("cfsdp [param_init_fn]", NotImplementedError,
+             lambda: CFSDP(Net(), param_init_fn=lambda mod: None, **kw(ctx)), "param_init_fn")
+    # the supported values of the same arguments are accepted
+    f.ok("cfsdp [cpu_offload=CPUOffload(offload_params=False)]",
+         lambda: CFSDP(Net(), cpu_offload=CPUOffload(offload_params=False), **kw(ctx)))
+    f.ok("cfsdp [sharding_strategy=FULL_SHARD, mixed_precision=None]",
+         lambda: CFSDP(Net(), sharding_strategy=ShardingStrategy.FULL_SHARD, mixed_precision=None, **kw(ctx)))
+    f.raise_if_any()
+
+
+if __name__ == "__main__":
+    h.main()
