@@ -80,21 +80,10 @@ def _install_stale_optimizer_check() -> None:
         _STALE_HOOK_INSTALLED = True
 
 
-def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
-    if device_mesh is not None:
-        if process_group is not None:
-            raise ValueError(
-                "Pass either process_group or device_mesh to FullyShardedDataParallel, not both."
-            )
-        if device_mesh.ndim != 1:
-            raise _not_implemented(
-                f"device_mesh with {device_mesh.ndim} dimensions (hybrid sharding)", 3
-            )
-        return device_mesh.get_group(0)
-    if isinstance(process_group, tuple):
-        raise _not_implemented("process_group=(shard_group, replicate_group) (hybrid sharding)", 3)
-    if process_group is not None:
-        return process_group
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def _default_group() -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "FullyShardedDataParallel needs a process group, but the default process group "
@@ -102,6 +91,56 @@ def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
             "with backend='gloo' on CPU under torchrun), or pass process_group=."
         )
     return dist.distributed_c10d._get_default_group()
+
+
+def _resolve_groups(
+    process_group, device_mesh, strategy: ShardingStrategy
+) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    """``(shard_group, replicate_group)``; the second is None unless hybrid."""
+    if device_mesh is not None and process_group is not None:
+        raise ValueError(
+            "Pass either process_group or device_mesh to FullyShardedDataParallel, not both."
+        )
+    hybrid = strategy in _HYBRID
+    if device_mesh is not None:
+        if hybrid:
+            if device_mesh.ndim != 2:
+                raise ValueError(
+                    f"sharding_strategy={strategy} needs a 2-D device_mesh (replicate, shard), "
+                    f"got {device_mesh.ndim} dimension(s)."
+                )
+            return device_mesh.get_group(1), device_mesh.get_group(0)
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"sharding_strategy={strategy} needs a 1-D device_mesh, got "
+                f"{device_mesh.ndim} dimensions; for hybrid sharding use HYBRID_SHARD."
+            )
+        return device_mesh.get_group(0), None
+    if hybrid:
+        if isinstance(process_group, tuple) and len(process_group) == 2 and all(
+            isinstance(g, dist.ProcessGroup) for g in process_group
+        ):
+            return process_group[0], process_group[1]
+        if process_group is None:
+            _default_group()
+            raise _not_implemented(
+                f"sharding_strategy={strategy} with process_group=None (cfsdp needs the "
+                "groups: pass device_mesh=init_device_mesh(..., (replicas, shards)) or "
+                "process_group=(shard_group, replicate_group))",
+                3,
+            )
+        raise ValueError(
+            f"sharding_strategy={strategy} expects process_group=(shard_group, "
+            f"replicate_group) or a 2-D device_mesh, got {type(process_group).__name__}."
+        )
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            "process_group=(shard_group, replicate_group) is only valid with "
+            "sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2."
+        )
+    if process_group is not None:
+        return process_group, None
+    return _default_group(), None
 
 
 def _resolve_device(module: nn.Module, device_id) -> torch.device:
@@ -250,8 +289,6 @@ class FullyShardedDataParallel(nn.Module):
                 "use one implementation for the whole model."
             )
         # --- arguments not implemented yet: never silently ignored
-        if sharding_strategy not in (None, ShardingStrategy.FULL_SHARD):
-            raise _not_implemented(f"sharding_strategy={sharding_strategy}", 3)
         if cpu_offload is not None and cpu_offload.offload_params:
             raise _not_implemented("cpu_offload=CPUOffload(offload_params=True)", 3)
         if mixed_precision is not None:
@@ -261,7 +298,17 @@ class FullyShardedDataParallel(nn.Module):
         if backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
             raise ValueError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
 
-        group = _resolve_group(process_group, device_mesh)
+        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(
+                f"sharding_strategy must be a ShardingStrategy, got {type(strategy).__name__}"
+            )
+        group, replicate_group = _resolve_groups(process_group, device_mesh, strategy)
+        if group.size() == 1 and strategy is not ShardingStrategy.NO_SHARD:
+            # As torch: with one rank to shard over, sharding is a no-op.
+            strategy = ShardingStrategy.NO_SHARD
+            if replicate_group is not None and replicate_group.size() > 1:
+                group, replicate_group = replicate_group, None
         device = _resolve_device(module, device_id)
         ignored_params, ignored_mods = _ignored_params_and_modules(
             module, ignored_modules, ignored_states
@@ -283,6 +330,8 @@ class FullyShardedDataParallel(nn.Module):
         self._forward_prefetch = forward_prefetch
         self._limit_all_gathers = limit_all_gathers  # only meaningful with CUDA streams
         self._process_group = group
+        self._replicate_group = replicate_group
+        self.sharding_strategy = strategy
         self.compute_device = device
         self.rank = group.rank()
         self.world_size = group.size()
@@ -318,11 +367,21 @@ class FullyShardedDataParallel(nn.Module):
             self._sync_module_states(module, managed, ignored_mods)
         self._fsdp_wrapped_module = module
         unit = (
-            Unit(module, managed, group, use_orig_params, device, type(module).__name__)
+            Unit(
+                module,
+                managed,
+                group,
+                use_orig_params,
+                device,
+                type(module).__name__,
+                sharded=strategy is not ShardingStrategy.NO_SHARD,
+                replicate_group=replicate_group,
+            )
             if managed
             else None
         )
-        self._state = UnitState(unit, type(module).__name__, reshard_after_forward=True)
+        reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
         _install_stale_optimizer_check()
 
     # ----------------------------------------------------------------- init
@@ -551,6 +610,31 @@ class FullyShardedDataParallel(nn.Module):
             [clean_tensor_name(k) for k in result.unexpected_keys],
         )
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (unsharded, unreduced) inside the context;
+        the first backward after it reduces the sum.  Root only, as torch."""
+        self._lazy_init()
+        if not self._state.is_root:
+            raise RuntimeError(
+                "no_sync() on an inner FullyShardedDataParallel instance is not supported; "
+                "call no_sync() on the root FSDP module (it applies to every unit below it)."
+            )
+        if self._state.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                "no_sync() must be entered between steps, not during forward/backward or "
+                "inside summon_full_params."
+            )
+        wrappers = FullyShardedDataParallel.fsdp_modules(self)
+        old = [(w, w._state.sync_gradients) for w in wrappers]
+        for w in wrappers:
+            w._state.sync_gradients = False
+        try:
+            yield
+        finally:
+            for w, flag in old:
+                w._state.sync_gradients = flag
+
     # --------------------------------------------- not implemented (yet)
     def _nyi(name: str, issue: int):  # type: ignore[misc]
         def method(*args, **kwargs):
@@ -560,7 +644,6 @@ class FullyShardedDataParallel(nn.Module):
         method.__doc__ = f"Not implemented yet in cfsdp (issue {issue}); raises NotImplementedError."
         return method
 
-    no_sync = _nyi("no_sync", 3)
     clip_grad_norm_ = _nyi("clip_grad_norm_", 3)
     register_comm_hook = _nyi("register_comm_hook", 3)
     state_dict_type = staticmethod(_nyi("state_dict_type", 4))

@@ -54,9 +54,6 @@ def test_constructor_signature_matches_torch():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP), "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP"),
-        (dict(sharding_strategy=tfsdp.ShardingStrategy.NO_SHARD), "sharding_strategy=ShardingStrategy.NO_SHARD"),
-        (dict(sharding_strategy=tfsdp.ShardingStrategy.HYBRID_SHARD), "sharding_strategy=ShardingStrategy.HYBRID_SHARD"),
         (dict(cpu_offload=tfsdp.CPUOffload(offload_params=True)), "cpu_offload=CPUOffload(offload_params=True)"),
         (dict(mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.bfloat16)), "mixed_precision="),
         (dict(param_init_fn=lambda m: None), "param_init_fn"),
@@ -71,7 +68,7 @@ def test_not_implemented_arguments_are_named(kwargs, needle):
 
 @pytest.mark.parametrize(
     "method",
-    ["no_sync", "clip_grad_norm_", "register_comm_hook", "optim_state_dict", "full_optim_state_dict"],
+    ["clip_grad_norm_", "register_comm_hook", "optim_state_dict", "full_optim_state_dict"],
 )
 def test_not_implemented_methods_are_named(method):
     with pytest.raises(NotImplementedError, match=method):

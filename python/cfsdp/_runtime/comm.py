@@ -50,6 +50,12 @@ def reduce_scatter(
     return Pending(work, out, inp)
 
 
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> Pending:
+    """Sum ``t`` over the ranks of ``group``, in place."""
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return Pending(work, t)
+
+
 def broadcast(t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup) -> None:
     """Broadcast ``t`` in place from the group's rank ``src_rank_in_group``."""
     dist.broadcast(t, group=group, group_src=src_rank_in_group)

@@ -70,6 +70,8 @@ class UnitState:
         self.unit = unit
         self.name = name
         self.reshard_after_forward = reshard_after_forward
+        # False inside no_sync(): gradients accumulate unsharded, unreduced.
+        self.sync_gradients = True
         self.is_root: Optional[bool] = None
         self.root: Optional[RootState] = None
         self.training_state = TrainingState.IDLE
@@ -163,6 +165,13 @@ class UnitState:
         self.training_state = TrainingState.BACKWARD_POST
         if root.backward_prefetch == BACKWARD_POST:
             self._prefetch_backward()
+        if not self.sync_gradients:
+            unit.keep_unsharded_grad(grad)
+            # Like torch: under no_sync, strategies that keep parameters
+            # unsharded after forward keep them through backward too.
+            if self.reshard_after_forward:
+                unit.reshard()
+            return
         # Keep one reduction in flight: finish older ones before issuing.
         while root.pending:
             root.pending.pop(0).finish()
@@ -176,9 +185,14 @@ class UnitState:
         while root.pending:
             root.pending.pop(0).finish()
         for st in root.states:
-            if st.unit is not None:
-                st.unit.reshard()
-                st.unit.publish_grad()
+            u = st.unit
+            if u is not None:
+                if st.sync_gradients or st.reshard_after_forward:
+                    u.reshard()
+                if st.sync_gradients:
+                    u.publish_grad()
+                else:
+                    u.publish_unsharded_grad()
             st.training_state = TrainingState.IDLE
         root.callback_queued = False
         root.recording = False

@@ -75,40 +75,56 @@ class Unit:
         use_orig_params: bool,
         device: torch.device,
         name_for_errors: str,
+        sharded: bool = True,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ):
         self.module = module
         self.group = group
         self.rank = group.rank()
         self.world_size = group.size()
+        # NO_SHARD: every rank holds the whole flat parameter and gradients are
+        # all-reduced; the layout then has one "rank".
+        self.sharded = sharded
+        # HSDP: the sharded gradient is also all-reduced over this group.
+        self.replicate_group = replicate_group
+        dp_size = self.world_size * (replicate_group.size() if replicate_group is not None else 1)
         self.use_orig_params = use_orig_params
         self.device = device
         self.state = TrainingState.IDLE
-        self.pre_divide, self.post_divide = divide_factors(self.world_size)
+        self.pre_divide, self.post_divide = divide_factors(dp_size)
         self.infos, self.shared = self._collect(module, params)
         self._validate(name_for_errors)
         dtype = self.infos[0].param.dtype
         self.dtype = dtype
         self.requires_grad = any(i.param.requires_grad for i in self.infos)
         align = _ALIGN_BYTES // dtype.itemsize if use_orig_params else 0
-        self.layout = _core.plan_layout([i.numel for i in self.infos], align, self.world_size)
+        lay_ws = self.world_size if sharded else 1
+        self._lay_rank = self.rank if sharded else 0
+        self.layout = _core.plan_layout([i.numel for i in self.infos], align, lay_ws)
         self._split_sizes, self._split_index = self._plan_splits()
 
         lay = self.layout
         self.shard = torch.empty(lay.shard_numel, dtype=dtype, device=device)
         _core.shard_fill(
             self.shard,
-            self.rank * lay.shard_numel,
+            self._lay_rank * lay.shard_numel,
             [i.param.detach().contiguous() for i in self.infos],
             lay.offsets,
         )
+        if not sharded:
+            self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
         self.flat_param._cfsdp_flattened = True  # type: ignore[attr-defined]
-        self.unsharded = torch.empty(lay.padded_numel, dtype=dtype, device=device)
-        self.is_unsharded = False
+        self.unsharded = torch.empty(lay.padded_numel if sharded else 0, dtype=dtype, device=device)
+        self.is_unsharded = not sharded
         self._pending_unshard: Optional[comm.Pending] = None
         self.saved_grad: Optional[torch.Tensor] = None
+        # True while flat_param.grad is an unsharded gradient accumulated
+        # under no_sync() (not yet reduced).
+        self.grad_unsharded = False
         self._install_initial_views()
-        self._free_unsharded()
+        if sharded:
+            self._free_unsharded()
         if self.requires_grad:
             self.flat_param.register_post_accumulate_grad_hook(self._on_grad_ready)
         # Set by the owning face: called with (unit, unsharded_grad) when the
@@ -200,8 +216,8 @@ class Unit:
         return self.layout.flat_numel
 
     def _full_views(self) -> list[torch.Tensor]:
-        """Views of ``unsharded`` with the original shapes (no autograd)."""
-        u = self.unsharded
+        """Views of the full flat buffer with the original shapes (no autograd)."""
+        u = self.unsharded if self.sharded else self.shard
         return [
             u[off : off + i.numel].view(i.shape)
             for off, i in zip(self.layout.offsets, self.infos)
@@ -209,13 +225,16 @@ class Unit:
 
     def shard_views(self) -> list[torch.Tensor]:
         """This rank's slice of each original parameter, as 1-D views of ``shard``."""
+        if not self.sharded:
+            return self._full_views()
         out = []
         for sl in self.layout.slices[self.rank]:
             out.append(self.shard[sl.shard_offset : sl.shard_offset + sl.numel])
         return out
 
     def _install_initial_views(self) -> None:
-        self._alloc_unsharded()
+        if self.sharded:
+            self._alloc_unsharded()
         views = self._full_views()
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
@@ -250,6 +269,8 @@ class Unit:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather of the unit (no-op if unsharded or in flight)."""
+        if not self.sharded:
+            return
         if self.is_unsharded or self._pending_unshard is not None:
             if not async_op:
                 self.wait_unshard()
@@ -272,7 +293,7 @@ class Unit:
         """Free the unsharded buffer and point every parameter back at the shard."""
         if self._pending_unshard is not None:
             self.wait_unshard()
-        if not self.is_unsharded:
+        if not self.is_unsharded or not self.sharded:
             return
         self.flat_param.data = self.shard
         self._free_unsharded()
@@ -317,7 +338,7 @@ class Unit:
 
     def params_as_sharded(self, writeback: bool) -> None:
         """Undo :meth:`params_as_full`; copy full values back to the shard if asked."""
-        if writeback:
+        if writeback and self.sharded:
             lo, hi = self.layout.shard_range(self.rank)
             self.shard.copy_(self.unsharded[lo:hi])
         views = self._full_views()
@@ -342,13 +363,18 @@ class Unit:
         self.post_backward_fn(self, grad)
 
     def reduce_grad(self, grad: torch.Tensor) -> "PendingReduce":
-        """Pre-divide, pad and issue the reduce-scatter of the unsharded flat
-        gradient; the result is folded into ``saved_grad`` by ``finish``."""
+        """Pre-divide and issue the reduction of the unsharded flat gradient:
+        a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
+        post-divides and folds the result into the unit's gradient."""
         lay = self.layout
         if grad.numel() != lay.flat_numel:
             raise AssertionError(
                 f"unsharded grad has {grad.numel()} elements, expected {lay.flat_numel}"
             )
+        if not self.sharded:
+            if self.pre_divide > 1:
+                scale_cast_add(grad, grad, self.pre_divide, False)
+            return PendingReduce(self, comm.all_reduce(grad, self.group, True), grad)
         if lay.flat_numel == lay.padded_numel and grad.is_contiguous():
             inp = grad
             if self.pre_divide > 1:
@@ -360,28 +386,67 @@ class Unit:
         out = torch.empty(lay.shard_numel, dtype=grad.dtype, device=grad.device)
         return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True), out)
 
+    def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
+        """no_sync(): keep the local unsharded gradient (accumulating) unreduced."""
+        self.flat_param.grad = grad
+        self.grad_unsharded = True
+
     def take_grad_for_backward(self) -> None:
-        """Before backward: move an existing sharded gradient aside so the
-        new unsharded one can accumulate, and fold it back in ``finish``."""
+        """Before backward: move an existing *sharded* gradient aside so the
+        new unsharded one can accumulate, and fold it back in ``finish``.  An
+        unsharded gradient from no_sync() (or NO_SHARD's full gradient) stays
+        in place and keeps accumulating."""
         g = self.flat_param.grad
-        if g is not None:
-            if self.saved_grad is not None:
-                raise AssertionError("cfsdp unit already holds a saved gradient")
-            self.saved_grad = g
-            self.flat_param.grad = None
+        if g is None or self.grad_unsharded or not self.sharded:
+            return
+        if self.saved_grad is not None:
+            raise AssertionError("cfsdp unit already holds a saved gradient")
+        self.saved_grad = g
+        self.flat_param.grad = None
 
     def publish_grad(self) -> None:
-        """After backward: expose the sharded gradient to the optimizer."""
+        """After a synchronising backward: expose the reduced gradient to the
+        optimizer (sharded for sharded strategies, full for NO_SHARD)."""
         if self.saved_grad is not None:
             self.flat_param.grad = self.saved_grad
             self.saved_grad = None
+        self.grad_unsharded = False
         if self.use_orig_params:
             g = self.flat_param.grad
+            if not self.sharded:
+                views = self._grad_views(g)
+                for info, v in zip(self.infos, views):
+                    info.param.grad = v if info.param.requires_grad else None
+                return
             for info, sl in zip(self.infos, self.layout.slices[self.rank]):
                 if g is None or sl.numel == 0 or not info.param.requires_grad:
                     info.param.grad = None
                 else:
                     info.param.grad = g[sl.shard_offset : sl.shard_offset + sl.numel]
+
+    def _grad_views(self, g: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        if g is None:
+            return [None] * len(self.infos)
+        return [
+            g[off : off + i.numel].view(i.shape) for off, i in zip(self.layout.offsets, self.infos)
+        ]
+
+    def publish_unsharded_grad(self) -> None:
+        """After a no_sync() backward with use_orig_params=True: each original
+        parameter's ``.grad`` is a full-shape view of the unsharded gradient
+        (as torch does, although the parameter itself is sharded)."""
+        if not self.use_orig_params:
+            return
+        for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):
+            if v is None or not info.param.requires_grad:
+                info.param.grad = None
+            elif info.param.shape == v.shape:
+                info.param.grad = v
+            else:
+                # .grad must match the parameter's (sharded) shape; go around
+                # the check through .data, as torch's FSDP1 does.
+                info.param.grad = torch.empty_like(info.param)
+                info.param.grad.data = v
 
     def drop_grad_if_orig_grads_cleared(self) -> None:
         """With use_orig_params=True the optimizer sees the original parameters:
@@ -390,6 +455,7 @@ class Unit:
         if self.use_orig_params and self.flat_param.grad is not None:
             if all(i.param.grad is None for i in self.infos):
                 self.flat_param.grad = None
+                self.grad_unsharded = False
 
 
 class PendingReduce:
@@ -405,10 +471,24 @@ class PendingReduce:
     def finish(self) -> None:
         self.pending.wait()
         u = self.unit
-        out = self.out.to(u.dtype) if self.out.dtype != u.dtype else self.out
-        if u.saved_grad is None:
+        if not u.sharded:  # NO_SHARD: the all-reduced gradient is the gradient
             if u.post_divide > 1:
-                scale_cast_add(out, out, u.post_divide, False)
+                scale_cast_add(self.out, self.out, u.post_divide, False)
+            u.flat_param.grad = self.out
+            return
+        out = self.out
+        if u.replicate_group is not None:  # HSDP: reduce across replicas too
+            comm.all_reduce(out, u.replicate_group, False).wait()
+        # torch's order: post-divide in the reduction dtype, cast to the
+        # gradient dtype, then accumulate; scale_cast_add does all three.
+        div = u.post_divide if u.post_divide > 1 else 1.0
+        if u.saved_grad is not None:
+            scale_cast_add(u.saved_grad, out, div, True)
+        elif out.dtype == u.dtype:
+            if div != 1.0:
+                scale_cast_add(out, out, div, False)
             u.saved_grad = out
         else:
-            scale_cast_add(u.saved_grad, out, u.post_divide if u.post_divide > 1 else 1.0, True)
+            g = torch.empty(out.numel(), dtype=u.dtype, device=out.device)
+            scale_cast_add(g, out, div, False)
+            u.saved_grad = g

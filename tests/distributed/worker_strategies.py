@@ -1,0 +1,188 @@
+"""Sharding strategies and no_sync(): cfsdp against torch FSDP1 (and the single process).
+
+Run by test_strategies.py under torchrun (gloo, CPU) at W=2 and W=4; every subtest runs in one
+spawn (see _harness.py). Hybrid strategies need a 2-D layout, so they run at W=4 only, as
+2 replicas x 2 shards, with the groups given both as a 2-D ``device_mesh`` and as a
+``(shard_group, replicate_group)`` tuple.
+
+Tolerances: cfsdp vs torch FSDP1 is **bitwise** everywhere here, for the reasons given in
+worker_parity.py (same fp32 ops in the same order, same collectives, same divide factors).
+For HSDP the gradient is reduce-scattered within the shard group, all-reduced across replicas
+and divided by torch's factors for the whole data-parallel size, in that order, as torch does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import ShardingStrategy as SS
+
+import _harness as h
+from cfsdp import FullyShardedDataParallel as CFSDP
+from worker_parity import (
+    CPU,
+    LOSSES,
+    Mismatches,
+    build,
+    make_batches,
+    make_optim,
+    make_policy,
+    run_parity,
+    wrap_odd,
+    wrap_root,
+)
+
+HYBRID = (SS.HYBRID_SHARD, SS._HYBRID_SHARD_ZERO2)
+_MESH = {}
+
+
+def hybrid_mesh():
+    """A (replicate=2, shard=W/2) mesh over all ranks, made once per spawn."""
+    if "mesh" not in _MESH:
+        _MESH["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+    return _MESH["mesh"]
+
+
+def groups_kw(ctx, strategy, how: str) -> dict:
+    if strategy not in HYBRID:
+        return {"process_group": ctx.pg}
+    mesh = hybrid_mesh()
+    if how == "mesh":
+        return {"process_group": None, "device_mesh": mesh}
+    return {"process_group": (mesh.get_group(1), mesh.get_group(0))}
+
+
+def strategies(world: int) -> list:
+    out = [SS.SHARD_GRAD_OP, SS.NO_SHARD]
+    return out + list(HYBRID) if world == 4 else out
+
+
+# one grid for both world sizes: hybrid points are skipped at W=2 inside the subtest
+GRID_STRATEGIES = [SS.FULL_SHARD, SS.SHARD_GRAD_OP, SS.NO_SHARD, *HYBRID]
+
+
+@h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True], "how": ["tuple", "mesh"]})
+def strategy_parity(ctx, strategy, use_orig_params: bool, how: str):
+    """Losses, grads, params, summon and state dict against torch FSDP1 and the single process."""
+    if strategy in HYBRID and ctx.world_size < 4:
+        return
+    if strategy not in HYBRID and how == "mesh":
+        return
+    kw = dict(groups_kw(ctx, strategy, how), sharding_strategy=strategy,
+              auto_wrap_policy=make_policy("module"))
+    run_parity(ctx, "transformer", use_orig_params, "adamw", wrap_root, fsdp_kwargs=kw, steps=6)
+
+
+@h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True], "kind": ["transformer", "odd"]})
+def no_sync_accumulation(ctx, strategy, use_orig_params: bool, kind: str):
+    """Micro-batches under no_sync() then one synchronising backward, also mixed with plain
+    accumulation across backwards; compared bitwise to torch FSDP1 every step (losses, the
+    gradients the optimizer sees, parameters), and the gradient after no_sync to the single
+    process's gradient of the mean micro-batch loss."""
+    if strategy in HYBRID and ctx.world_size < 4:
+        return
+    if kind == "odd" and (use_orig_params is False):
+        # torch 2.13 FSDP1 mis-accumulates the 1-element unit of "odd" when use_orig_params=False
+        # (see worker_parity.grad_accumulation_and_eval); the transformer covers that path.
+        return
+    mm = Mismatches(ctx)
+    base = build(kind)
+    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=use_orig_params, device_id=CPU,
+              sharding_strategy=strategy)
+    if kind == "odd":
+        models = [wrap_odd(w, copy.deepcopy(base), **kw) for w in (TorchFSDP, CFSDP)]
+    else:
+        models = [w(copy.deepcopy(base), auto_wrap_policy=make_policy("module"), **kw)
+                  for w in (TorchFSDP, CFSDP)]
+    W, r = ctx.world_size, ctx.rank
+    micro = 3
+    batches = make_batches(kind, micro * W, steps=4)  # chunk micro*r+m is micro-batch m of rank r
+    loss_fn = LOSSES[kind]
+    record = []
+    for model in models:
+        # SGD: AdamW divides near-zero gradients by their own square root, which turns the
+        # rounding difference of the single-process sum into visible updates (see worker_parity)
+        opt = make_optim("sgd", model.parameters())
+        losses, grads = [], []
+        for step, chunks in enumerate(batches):
+            opt.zero_grad(set_to_none=True)
+            for m in range(micro):
+                # step 1 accumulates without no_sync for its first micro-batch (reduced, sharded
+                # grads) then no_sync for the second; other steps no_sync all but the last
+                use_no_sync = m < micro - 1 and not (step == 1 and m == 0)
+                ctx_mgr = model.no_sync() if use_no_sync else contextlib.nullcontext()
+                with ctx_mgr:
+                    x, y = chunks[micro * r + m]
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                losses.append(loss.detach().clone())
+            grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
+            opt.step()
+        record.append((losses, grads, [p.detach().clone() for p in model.parameters()], model.state_dict()))
+    (tl, tg, tp, tsd), (cl, cg, cp, csd) = record
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss of micro-batch {i}", a, b)
+    for s, (ga, gb) in enumerate(zip(cg, tg)):
+        mm.check(len(ga) == len(gb), f"step {s}: {len(ga)} grads vs torch {len(gb)}")
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            mm.tensors(f"step {s}: grad of parameter #{i} seen by the optimizer", a, b)
+    for i, (a, b) in enumerate(zip(cp, tp)):
+        mm.tensors(f"local parameter #{i} at the end", a, b)
+    mm.check(list(csd) == list(tsd), f"state_dict keys {list(csd)} != torch {list(tsd)}")
+    for k in tsd:
+        mm.tensors(f"state_dict[{k}] at the end", csd.get(k), tsd[k])
+    # the single process: the same micro-batches, mean over every rank's micro-batches
+    ref = copy.deepcopy(base)
+    opt = make_optim("sgd", ref.parameters())
+    for chunks in batches:
+        opt.zero_grad(set_to_none=True)
+        (torch.stack([loss_fn(ref(x), y) for x, y in chunks]).sum() / W).backward()
+        opt.step()
+    for k, v in ref.state_dict().items():
+        if k.rsplit(".", 1)[-1] not in ("running_mean", "running_var", "num_batches_tracked"):
+            mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False, b_name="ref")
+    mm.raise_if_any()
+
+
+@h.subtest
+def no_sync_errors(ctx):
+    """no_sync() on an inner unit (once the root is known: before the first forward an
+    inner unit would become a root itself, in torch as in cfsdp) is rejected by torch and by
+    cfsdp; so is a tuple of groups for a non-hybrid strategy and a 1-D mesh for a hybrid one."""
+    mm = Mismatches(ctx)
+    (x, y), = make_batches("transformer", 1, steps=1)[0]
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        model = wrapper(build("transformer"), auto_wrap_policy=make_policy("module"),
+                        process_group=ctx.pg, device_id=CPU)
+        LOSSES["transformer"](model(x), y).backward()
+        inner = next(m for m in model.modules() if isinstance(m, wrapper) and m is not model)
+        try:
+            with inner.no_sync():
+                pass
+        except RuntimeError as e:
+            mm.check("root" in str(e), f"{who}: no_sync on inner unit: message lacks 'root': {e}")
+        else:
+            mm.add(f"{who}: no_sync() on an inner unit did not raise")
+    try:
+        CFSDP(build("seq"), process_group=(ctx.pg, ctx.pg), device_id=CPU)
+    except ValueError as e:
+        mm.check("HYBRID_SHARD" in str(e), f"tuple process_group with FULL_SHARD: {e}")
+    else:
+        mm.add("cfsdp: a (shard, replicate) tuple with FULL_SHARD did not raise")
+    mesh1 = init_device_mesh("cpu", (ctx.world_size,))
+    try:
+        CFSDP(build("seq"), device_mesh=mesh1, sharding_strategy=SS.HYBRID_SHARD, device_id=CPU)
+    except ValueError as e:
+        mm.check("2-D device_mesh" in str(e), f"1-D mesh with HYBRID_SHARD: {e}")
+    else:
+        mm.add("cfsdp: a 1-D mesh with HYBRID_SHARD did not raise")
+    mm.raise_if_any()
+
+
+if __name__ == "__main__":
+    h.main()
