@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -20,8 +21,9 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.fsdp import wrap as _torch_wrap
+from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
 
-from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, lazy_init_root
+from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.unit import TrainingState, Unit
 from ._state_dict import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
 from .api import (
@@ -291,8 +293,10 @@ class FullyShardedDataParallel(nn.Module):
         # --- arguments not implemented yet: never silently ignored
         if cpu_offload is not None and cpu_offload.offload_params:
             raise _not_implemented("cpu_offload=CPUOffload(offload_params=True)", 3)
-        if mixed_precision is not None:
-            raise _not_implemented(f"mixed_precision={mixed_precision}", 3)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}"
+            )
         if param_init_fn is not None:
             raise _not_implemented("param_init_fn (deferred initialisation)", 3)
         if backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
@@ -331,6 +335,11 @@ class FullyShardedDataParallel(nn.Module):
         self._limit_all_gathers = limit_all_gathers  # only meaningful with CUDA streams
         self._process_group = group
         self._replicate_group = replicate_group
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        # original dtypes of the buffers (clean names), restored in state dicts
+        self._buffer_orig_dtypes = {
+            clean_tensor_name(n): b.dtype for n, b in module.named_buffers()
+        }
         self.sharding_strategy = strategy
         self.compute_device = device
         self.rank = group.rank()
@@ -376,6 +385,7 @@ class FullyShardedDataParallel(nn.Module):
                 type(module).__name__,
                 sharded=strategy is not ShardingStrategy.NO_SHARD,
                 replicate_group=replicate_group,
+                mixed_precision=mixed_precision,
             )
             if managed
             else None
@@ -395,12 +405,40 @@ class FullyShardedDataParallel(nn.Module):
                     "or pass the unwrapped module with the policy."
                 )
         token = _AUTO_WRAP_IGNORED.set(frozenset(ignored_params))
+        mp = kwargs.get("mixed_precision")
         try:
+            if mp is not None:
+                # as torch: modules of these classes (BatchNorm by default) become
+                # their own units without mixed precision, run in fp32
+                overridden = _override_module_mixed_precision(module, mp._module_classes_to_ignore)
+                if overridden:
+                    warnings.warn(
+                        "Both mixed precision and an auto_wrap_policy were given to "
+                        f"FullyShardedDataParallel; submodules of type {overridden} are wrapped "
+                        "as separate units with mixed precision disabled.",
+                        stacklevel=3,
+                    )
             if isinstance(policy, _torch_wrap._Policy):
                 targets = policy._run_policy(module, ignored_mods, dict(kwargs, auto_wrap_policy=None))
+                if mp is not None:
+                    targets = _torch_wrap._run_mixed_precision_override_policy(
+                        module, mp._module_classes_to_ignore, ignored_mods,
+                        dict(kwargs, auto_wrap_policy=None), targets,
+                    )
                 wrap_fn = _torch_wrap._construct_wrap_fn(module, targets, FullyShardedDataParallel)
                 _torch_wrap._post_order_apply(module, wrap_fn)
             elif callable(policy):
+                if mp is not None:
+                    policy = functools.partial(
+                        _torch_wrap._or_policy,
+                        policies=[
+                            policy,
+                            functools.partial(
+                                _torch_wrap._wrap_module_cls_individually,
+                                module_classes=mp._module_classes_to_ignore,
+                            ),
+                        ],
+                    )
                 _torch_wrap._recursive_wrap(
                     module,
                     auto_wrap_policy=policy,
@@ -484,6 +522,21 @@ class FullyShardedDataParallel(nn.Module):
             None: None,
         }[self._backward_prefetch]
         lazy_init_root(st, tree, prefetch, self._forward_prefetch)
+        self._cast_buffers_for_compute()
+
+    def _cast_buffers_for_compute(self) -> None:
+        """Root lazy init: cast every buffer to its owning unit's
+        ``mixed_precision.buffer_dtype`` (the innermost unit wins), as torch."""
+        visited: set = set()
+        for w in reversed(FullyShardedDataParallel.fsdp_modules(self)):
+            dtype = w.mixed_precision.buffer_dtype
+            for mod in w.modules():
+                for name, b in list(mod._buffers.items()):
+                    if b is None or b in visited:
+                        continue
+                    visited.add(b)
+                    if dtype is not None and b.is_floating_point() and b.dtype != dtype:
+                        b.data = b.to(dtype)
 
     # ------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -495,6 +548,11 @@ class FullyShardedDataParallel(nn.Module):
                     "FullyShardedDataParallel forward was called inside summon_full_params; "
                     "leave the summon_full_params context first."
                 )
+        mp = self.mixed_precision
+        if mp.param_dtype is not None and (
+            mp.cast_forward_inputs or (st.is_root and mp.cast_root_forward_inputs)
+        ):
+            args, kwargs = cast_floating(mp.param_dtype, (args, kwargs))
         st.pre_forward()
         out = self._fsdp_wrapped_module(*args, **kwargs)
         return st.post_forward(out)
@@ -553,17 +611,26 @@ class FullyShardedDataParallel(nn.Module):
             with _summoned(wrappers, writeback=False):
                 raw = super().state_dict(prefix=prefix, keep_vars=True)
                 storages = {
-                    w._state.unit.unsharded.untyped_storage().data_ptr()
+                    w._state.unit.full_storage_ptr()
                     for w in wrappers
                     if w._state.unit is not None
                 }
+                orig_dtypes = {}
+                for w in wrappers:  # buffers back to their original dtype, as torch
+                    if w.mixed_precision.buffer_dtype is not None:
+                        pre = prefix + _module_prefix(self, w)
+                        for n, d in w._buffer_orig_dtypes.items():
+                            orig_dtypes.setdefault(pre + n, d)
                 out: "OrderedDict[str, Any]" = OrderedDict() if destination is None else destination
                 for k, v in raw.items():
+                    ck = clean_tensor_name(k)
                     if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages:
                         v = v.detach().clone()
+                    elif ck in orig_dtypes and v.dtype != orig_dtypes[ck]:
+                        v = v.detach().to(orig_dtypes[ck])
                     elif isinstance(v, torch.Tensor) and not keep_vars:
                         v = v.detach()
-                    out[clean_tensor_name(k)] = v
+                    out[ck] = v
                 meta = getattr(raw, "_metadata", None)
                 if meta is not None:
                     out_meta = getattr(out, "_metadata", None)
@@ -660,6 +727,15 @@ class FullyShardedDataParallel(nn.Module):
     del _nyi
 
 
+def _module_prefix(root: nn.Module, target: nn.Module) -> str:
+    """Clean FQN prefix (with a trailing dot, or empty) of ``target`` under ``root``."""
+    for name, m in root.named_modules():
+        if m is target:
+            name = clean_tensor_name(name + ".")
+            return name
+    raise AssertionError("module not found under root")
+
+
 @contextlib.contextmanager
 def _summoned(wrappers: list[FullyShardedDataParallel], writeback: bool):
     """Unshard ``wrappers`` with full ``nn.Parameter`` s; reshard on exit."""
@@ -679,7 +755,9 @@ def _summoned(wrappers: list[FullyShardedDataParallel], writeback: bool):
         for w in wrappers:
             u = w._state.unit
             if u is not None:
-                u.unshard()
+                if u.is_unsharded and not u.holds_full_precision:
+                    u.reshard()  # summon shows full precision, as torch
+                u.unshard(full_precision=True)
                 u.params_as_full()
             w._state.training_state = TrainingState.SUMMON
             done.append(w)

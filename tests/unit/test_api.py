@@ -55,7 +55,6 @@ def test_constructor_signature_matches_torch():
     "kwargs, needle",
     [
         (dict(cpu_offload=tfsdp.CPUOffload(offload_params=True)), "cpu_offload=CPUOffload(offload_params=True)"),
-        (dict(mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.bfloat16)), "mixed_precision="),
         (dict(param_init_fn=lambda m: None), "param_init_fn"),
     ],
 )

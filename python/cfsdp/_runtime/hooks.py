@@ -50,6 +50,24 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name))
 
 
+def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
+    """``obj`` with every floating-point tensor in it cast to ``dtype`` (same
+    containers as :func:`iter_tensors`)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, cast_floating(dtype, v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(cast_floating(dtype, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floating(dtype, v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: cast_floating(dtype, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        )
+    return obj
+
+
 class RootState:
     """State shared by every unit below one root."""
 

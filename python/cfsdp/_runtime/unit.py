@@ -77,6 +77,7 @@ class Unit:
         name_for_errors: str,
         sharded: bool = True,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        mixed_precision=None,
     ):
         self.module = module
         self.group = group
@@ -95,9 +96,19 @@ class Unit:
         self.infos, self.shared = self._collect(module, params)
         self._validate(name_for_errors)
         dtype = self.infos[0].param.dtype
-        self.dtype = dtype
+        self.dtype = dtype  # of the shard, the optimizer's parameters and gradients
         self.requires_grad = any(i.param.requires_grad for i in self.infos)
-        align = _ALIGN_BYTES // dtype.itemsize if use_orig_params else 0
+        # Mixed precision, with torch FSDP1's rules: forward/backward in
+        # param_dtype; gradients reduced in reduce_dtype, which defaults to
+        # param_dtype when only that is given, else to the parameter dtype.
+        mp = mixed_precision
+        mp_param = getattr(mp, "param_dtype", None)
+        mp_reduce = getattr(mp, "reduce_dtype", None)
+        self.param_dtype = mp_param or dtype
+        self.reduce_dtype = mp_param if (mp_param and not mp_reduce) else (mp_reduce or dtype)
+        self.keep_low_precision_grads = bool(getattr(mp, "keep_low_precision_grads", False))
+        self.uses_mp = self.param_dtype != dtype
+        align = _ALIGN_BYTES // self.param_dtype.itemsize if use_orig_params else 0
         lay_ws = self.world_size if sharded else 1
         self._lay_rank = self.rank if sharded else 0
         self.layout = _core.plan_layout([i.numel for i in self.infos], align, lay_ws)
@@ -115,16 +126,27 @@ class Unit:
             self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
         self.flat_param._cfsdp_flattened = True  # type: ignore[attr-defined]
-        self.unsharded = torch.empty(lay.padded_numel if sharded else 0, dtype=dtype, device=device)
-        self.is_unsharded = not sharded
+        # The forward buffer (param_dtype): the all-gather output, or for
+        # NO_SHARD with mixed precision the low-precision copy of the shard.
+        fwd_numel = lay.padded_numel if sharded else (lay.flat_numel if self.uses_mp else 0)
+        self.unsharded = torch.empty(fwd_numel, dtype=self.param_dtype, device=device)
+        # Full-precision gather for summon/state dicts under mixed precision.
+        self.unsharded_full = (
+            torch.empty(lay.padded_numel, dtype=dtype, device=device)
+            if (sharded and self.uses_mp)
+            else None
+        )
+        if self.unsharded_full is not None:
+            self.unsharded_full.untyped_storage().resize_(0)
+        # The buffer the parameters currently live in (None while sharded).
+        self._buf: Optional[torch.Tensor] = None if (sharded or self.uses_mp) else self.shard
         self._pending_unshard: Optional[comm.Pending] = None
+        self._pending_buf: Optional[torch.Tensor] = None
         self.saved_grad: Optional[torch.Tensor] = None
         # True while flat_param.grad is an unsharded gradient accumulated
         # under no_sync() (not yet reduced).
         self.grad_unsharded = False
         self._install_initial_views()
-        if sharded:
-            self._free_unsharded()
         if self.requires_grad:
             self.flat_param.register_post_accumulate_grad_hook(self._on_grad_ready)
         # Set by the owning face: called with (unit, unsharded_grad) when the
@@ -215,27 +237,52 @@ class Unit:
     def flat_numel(self) -> int:
         return self.layout.flat_numel
 
-    def _full_views(self) -> list[torch.Tensor]:
-        """Views of the full flat buffer with the original shapes (no autograd)."""
-        u = self.unsharded if self.sharded else self.shard
+    @property
+    def is_unsharded(self) -> bool:
+        return self._buf is not None
+
+    @property
+    def holds_full_precision(self) -> bool:
+        """Unsharded in the parameters' own dtype (as summon needs)?"""
+        return self._buf is not None and self._buf.dtype == self.dtype
+
+    def full_storage_ptr(self) -> int:
+        """Address of the storage the unsharded parameters live in (summon)."""
+        if self._buf is None:
+            raise AssertionError("cfsdp unit: not unsharded")
+        return self._buf.untyped_storage().data_ptr()
+
+    def _views_of(self, buf: torch.Tensor) -> list[torch.Tensor]:
         return [
-            u[off : off + i.numel].view(i.shape)
+            buf[off : off + i.numel].view(i.shape)
             for off, i in zip(self.layout.offsets, self.infos)
         ]
 
+    def _full_views(self) -> list[torch.Tensor]:
+        """Views of the current unsharded buffer with the original shapes."""
+        if self._buf is None:
+            raise AssertionError("cfsdp unit: full views of a sharded unit")
+        return self._views_of(self._buf)
+
     def shard_views(self) -> list[torch.Tensor]:
-        """This rank's slice of each original parameter, as 1-D views of ``shard``."""
+        """This rank's slice of each original parameter, as views of ``shard``
+        (1-D slices when sharded; the full shapes with NO_SHARD)."""
         if not self.sharded:
-            return self._full_views()
+            return self._views_of(self.shard)
         out = []
         for sl in self.layout.slices[self.rank]:
             out.append(self.shard[sl.shard_offset : sl.shard_offset + sl.numel])
         return out
 
     def _install_initial_views(self) -> None:
-        if self.sharded:
-            self._alloc_unsharded()
-        views = self._full_views()
+        if self.sharded or self.uses_mp:
+            # views with full shapes, whose storage is then freed until the
+            # first unshard (as torch leaves its module attributes)
+            _alloc(self.unsharded)
+            views = self._views_of(self.unsharded)
+            _free(self.unsharded)
+        else:
+            views = self._views_of(self.shard)
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
@@ -258,46 +305,55 @@ class Unit:
                 s.param._cfsdp_flattened = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------- unshard/reshard
-    def _alloc_unsharded(self) -> None:
-        st = self.unsharded.untyped_storage()
-        want = self.layout.padded_numel * self.unsharded.element_size()
-        if st.size() != want:
-            st.resize_(want)
-
-    def _free_unsharded(self) -> None:
-        self.unsharded.untyped_storage().resize_(0)
-
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather of the unit (no-op if unsharded or in flight)."""
-        if not self.sharded:
-            return
-        if self.is_unsharded or self._pending_unshard is not None:
+    def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
+        """Make the full parameters available: issue the all-gather (sharded)
+        or the low-precision copy (NO_SHARD with mixed precision).  A no-op if
+        already unsharded or in flight; ``full_precision`` is for summon."""
+        if self._buf is not None or self._pending_unshard is not None:
             if not async_op:
                 self.wait_unshard()
             return
-        self._alloc_unsharded()
-        self._pending_unshard = comm.all_gather(
-            self.unsharded, self.shard, self.group, async_op=True
-        )
+        low = self.uses_mp and not full_precision
+        if not self.sharded:
+            if low:
+                _alloc(self.unsharded)
+                scale_cast_add(self.unsharded, self.shard, 1.0, False)
+                self._use_buf(self.unsharded)
+            else:
+                self._use_buf(self.shard)
+            return
+        target = self.unsharded if (low or not self.uses_mp) else self.unsharded_full
+        _alloc(target)
+        src = self.shard
+        if low:  # the all-gather input: the shard cast in one C pass
+            src = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
+            scale_cast_add(src, self.shard, 1.0, False)
+        self._pending_buf = target
+        self._pending_unshard = comm.all_gather(target, src, self.group, async_op=True)
         if not async_op:
             self.wait_unshard()
+
+    def _use_buf(self, buf: torch.Tensor) -> None:
+        self._buf = buf
+        self.flat_param.data = buf[: self.layout.flat_numel]
 
     def wait_unshard(self) -> None:
         if self._pending_unshard is not None:
             self._pending_unshard.wait()
             self._pending_unshard = None
-            self.is_unsharded = True
-            self.flat_param.data = self.unsharded[: self.layout.flat_numel]
+            buf, self._pending_buf = self._pending_buf, None
+            self._use_buf(buf)
 
     def reshard(self) -> None:
         """Free the unsharded buffer and point every parameter back at the shard."""
         if self._pending_unshard is not None:
             self.wait_unshard()
-        if not self.is_unsharded or not self.sharded:
+        if self._buf is None or (not self.sharded and not self.uses_mp):
             return
         self.flat_param.data = self.shard
-        self._free_unsharded()
-        self.is_unsharded = False
+        if self._buf is not self.shard:
+            _free(self._buf)
+        self._buf = None
         if self.use_orig_params:
             for info in self.infos:
                 info.module.__dict__.pop(info.name, None)
@@ -316,7 +372,8 @@ class Unit:
 
     # ------------------------------------------------- summon / state dicts
     def params_as_full(self) -> None:
-        """Expose full parameters as ``nn.Parameter`` s (unsharded first)."""
+        """Expose full parameters as ``nn.Parameter`` s (unsharded first, in
+        full precision)."""
         views = self._full_views()
         if self.use_orig_params:
             for info, v in zip(self.infos, views):
@@ -338,10 +395,10 @@ class Unit:
 
     def params_as_sharded(self, writeback: bool) -> None:
         """Undo :meth:`params_as_full`; copy full values back to the shard if asked."""
-        if writeback and self.sharded:
-            lo, hi = self.layout.shard_range(self.rank)
-            self.shard.copy_(self.unsharded[lo:hi])
         views = self._full_views()
+        if writeback and self._buf is not self.shard:
+            lo, hi = self.layout.shard_range(self.rank)
+            self.shard.copy_(self._buf[lo:hi])
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
@@ -371,6 +428,8 @@ class Unit:
             raise AssertionError(
                 f"unsharded grad has {grad.numel()} elements, expected {lay.flat_numel}"
             )
+        if grad.dtype != self.reduce_dtype:  # torch casts before dividing
+            grad = grad.to(self.reduce_dtype)
         if not self.sharded:
             if self.pre_divide > 1:
                 scale_cast_add(grad, grad, self.pre_divide, False)
@@ -401,14 +460,19 @@ class Unit:
             return
         if self.saved_grad is not None:
             raise AssertionError("cfsdp unit already holds a saved gradient")
-        self.saved_grad = g
+        # accumulate in the parameters' dtype even if the optimizer was shown a
+        # low-precision gradient (keep_low_precision_grads)
+        self.saved_grad = g if g.dtype == self.dtype else g.to(self.dtype)
         self.flat_param.grad = None
 
     def publish_grad(self) -> None:
         """After a synchronising backward: expose the reduced gradient to the
         optimizer (sharded for sharded strategies, full for NO_SHARD)."""
         if self.saved_grad is not None:
-            self.flat_param.grad = self.saved_grad
+            g = self.saved_grad
+            if self.keep_low_precision_grads and g.dtype != self.param_dtype:
+                g = g.to(self.param_dtype)
+            set_grad(self.flat_param, g)
             self.saved_grad = None
         self.grad_unsharded = False
         if self.use_orig_params:
@@ -416,13 +480,13 @@ class Unit:
             if not self.sharded:
                 views = self._grad_views(g)
                 for info, v in zip(self.infos, views):
-                    info.param.grad = v if info.param.requires_grad else None
+                    set_grad(info.param, v if info.param.requires_grad else None)
                 return
             for info, sl in zip(self.infos, self.layout.slices[self.rank]):
                 if g is None or sl.numel == 0 or not info.param.requires_grad:
                     info.param.grad = None
                 else:
-                    info.param.grad = g[sl.shard_offset : sl.shard_offset + sl.numel]
+                    set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
 
     def _grad_views(self, g: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         if g is None:
@@ -438,15 +502,7 @@ class Unit:
         if not self.use_orig_params:
             return
         for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):
-            if v is None or not info.param.requires_grad:
-                info.param.grad = None
-            elif info.param.shape == v.shape:
-                info.param.grad = v
-            else:
-                # .grad must match the parameter's (sharded) shape; go around
-                # the check through .data, as torch's FSDP1 does.
-                info.param.grad = torch.empty_like(info.param)
-                info.param.grad.data = v
+            set_grad(info.param, v if info.param.requires_grad else None)
 
     def drop_grad_if_orig_grads_cleared(self) -> None:
         """With use_orig_params=True the optimizer sees the original parameters:
@@ -472,9 +528,12 @@ class PendingReduce:
         self.pending.wait()
         u = self.unit
         if not u.sharded:  # NO_SHARD: the all-reduced gradient is the gradient
+            g = self.out
             if u.post_divide > 1:
-                scale_cast_add(self.out, self.out, u.post_divide, False)
-            u.flat_param.grad = self.out
+                scale_cast_add(g, g, u.post_divide, False)
+            if g.dtype != u.dtype and not u.keep_low_precision_grads:
+                g = g.to(u.dtype)
+            set_grad(u.flat_param, g)
             return
         out = self.out
         if u.replicate_group is not None:  # HSDP: reduce across replicas too
@@ -492,3 +551,27 @@ class PendingReduce:
             g = torch.empty(out.numel(), dtype=u.dtype, device=out.device)
             scale_cast_add(g, out, div, False)
             u.saved_grad = g
+
+
+def _alloc(t: torch.Tensor) -> None:
+    """Give ``t`` (whose storage may have been freed) its full storage back."""
+    st = t.untyped_storage()
+    want = t.numel() * t.element_size()
+    if st.size() != want:
+        st.resize_(want)
+
+
+def _free(t: torch.Tensor) -> None:
+    """Free ``t``'s storage, keeping the tensor (and views of it) for reuse."""
+    t.untyped_storage().resize_(0)
+
+
+def set_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
+    """``p.grad = g`` even when ``g``'s shape or dtype differs from ``p``'s (a
+    sharded parameter with a full gradient under no_sync, a low-precision
+    gradient): the check is side-stepped through ``.data``, as torch's FSDP1 does."""
+    if g is None or (g.shape == p.shape and g.dtype == p.dtype):
+        p.grad = g
+        return
+    p.grad = torch.empty_like(p)
+    p.grad.data = g
