@@ -291,8 +291,6 @@ class FullyShardedDataParallel(nn.Module):
                 "use one implementation for the whole model."
             )
         # --- arguments not implemented yet: never silently ignored
-        if cpu_offload is not None and cpu_offload.offload_params:
-            raise _not_implemented("cpu_offload=CPUOffload(offload_params=True)", 3)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}"
@@ -307,13 +305,21 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(
                 f"sharding_strategy must be a ShardingStrategy, got {type(strategy).__name__}"
             )
+        device = _resolve_device(module, device_id)
         group, replicate_group = _resolve_groups(process_group, device_mesh, strategy)
+        if cpu_offload is not None and cpu_offload.offload_params and device.type != "cpu":
+            # On a CPU compute device the shards and gradients already live on the
+            # CPU and the optimizer steps there, which is all offloading means.
+            raise _not_implemented(
+                f"cpu_offload=CPUOffload(offload_params=True) with compute device {device} "
+                "(the GPU path cannot be tested here)",
+                3,
+            )
         if group.size() == 1 and strategy is not ShardingStrategy.NO_SHARD:
             # As torch: with one rank to shard over, sharding is a no-op.
             strategy = ShardingStrategy.NO_SHARD
             if replicate_group is not None and replicate_group.size() > 1:
                 group, replicate_group = replicate_group, None
-        device = _resolve_device(module, device_id)
         ignored_params, ignored_mods = _ignored_params_and_modules(
             module, ignored_modules, ignored_states
         )
@@ -336,6 +342,7 @@ class FullyShardedDataParallel(nn.Module):
         self._process_group = group
         self._replicate_group = replicate_group
         self.mixed_precision = mixed_precision or MixedPrecision()
+        self.cpu_offload = cpu_offload or CPUOffload()
         # original dtypes of the buffers (clean names), restored in state dicts
         self._buffer_orig_dtypes = {
             clean_tensor_name(n): b.dtype for n, b in module.named_buffers()

@@ -19,6 +19,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffload
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as SS
 
@@ -147,6 +148,17 @@ def no_sync_accumulation(ctx, strategy, use_orig_params: bool, kind: str):
         if k.rsplit(".", 1)[-1] not in ("running_mean", "running_var", "num_batches_tracked"):
             mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False, b_name="ref")
     mm.raise_if_any()
+
+
+@h.subtest(grid={"strategy": [SS.FULL_SHARD, SS.NO_SHARD], "use_orig_params": [False, True]})
+def cpu_offload(ctx, strategy, use_orig_params: bool):
+    """CPUOffload(offload_params=True) on CPU ranks. torch's FSDP1 refuses to run it without an
+    accelerator ("Cannot access accelerator device"), so the oracle is torch *without* offload
+    (on a CPU compute device offloading changes where nothing lives: shards, gradients and the
+    optimizer step are on the CPU either way) and, through run_parity, the single process."""
+    run_parity(ctx, "transformer", use_orig_params, "adamw", wrap_root, steps=4,
+               fsdp_kwargs={"sharding_strategy": strategy, "auto_wrap_policy": make_policy("module")},
+               cfsdp_kwargs={"cpu_offload": CPUOffload(offload_params=True)})
 
 
 @h.subtest

@@ -54,7 +54,6 @@ def test_constructor_signature_matches_torch():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(cpu_offload=tfsdp.CPUOffload(offload_params=True)), "cpu_offload=CPUOffload(offload_params=True)"),
         (dict(param_init_fn=lambda m: None), "param_init_fn"),
     ],
 )
