@@ -1,4 +1,4 @@
-"""Sharding strategies and no_sync(): cfsdp against torch FSDP1 (and the single process).
+"""Sharding strategies, no_sync(), CPU offload and frozen parameters: cfsdp against torch FSDP1 (and the single process).
 
 Run by test_strategies.py under torchrun (gloo, CPU) at W=2 and W=4; every subtest runs in one
 spawn (see _harness.py). Hybrid strategies need a 2-D layout, so they run at W=4 only, as
@@ -18,10 +18,12 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffload
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as SS
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
 from cfsdp import FullyShardedDataParallel as CFSDP
@@ -159,6 +161,82 @@ def cpu_offload(ctx, strategy, use_orig_params: bool):
     run_parity(ctx, "transformer", use_orig_params, "adamw", wrap_root, steps=4,
                fsdp_kwargs={"sharding_strategy": strategy, "auto_wrap_policy": make_policy("module")},
                cfsdp_kwargs={"cpu_offload": CPUOffload(offload_params=True)})
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank adapter, in one module."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 2):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, d_in) * 0.1)
+        self.b = nn.Parameter(torch.randn(d_out, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class LoRANet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([LoRALinear(6, 6) for _ in range(3)])
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = torch.tanh(blk(x))
+        return self.head(x)
+
+
+@h.subtest(grid={"strategy": [SS.FULL_SHARD, SS.SHARD_GRAD_OP, SS.NO_SHARD]})
+def frozen_and_trainable_in_one_unit(ctx, strategy):
+    """use_orig_params=True with a frozen base and trainable adapters in the same unit (LoRA):
+    losses, the adapters' gradients and parameters bitwise equal to torch FSDP1; the frozen
+    parameters get no gradient and do not change. (cfsdp computes no gradient for frozen
+    parameters at all, torch computes and discards it; the trainable gradients are the same.)"""
+    mm = Mismatches(ctx)
+    torch.manual_seed(0)
+    base = LoRANet()
+    models = [w(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU, use_orig_params=True,
+                sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({LoRALinear}))
+              for w in (TorchFSDP, CFSDP)]
+    record = []
+    for model in models:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        g = torch.Generator().manual_seed(7 + ctx.rank)
+        losses, grads = [], []
+        for _ in range(4):
+            x = torch.randn(5, 6, generator=g)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append([(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()])
+            opt.step()
+            opt.zero_grad()
+        record.append((losses, grads, model.state_dict()))
+    (tl, tg, tsd), (cl, cg, csd) = record
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss at step {i}", a, b)
+    for s, (ga, gb) in enumerate(zip(cg, tg)):
+        for (n, a), (_, b) in zip(ga, gb):
+            mm.check((a is None) == (b is None), f"step {s}: grad of {n}: None vs torch {b is None}")
+            if a is not None and b is not None:
+                mm.tensors(f"step {s}: grad of {n}", a, b)
+    for k in tsd:
+        mm.tensors(f"state_dict[{k}] at the end", csd.get(k), tsd[k])
+        if ".base." in k:
+            mm.tensors(f"frozen {k} unchanged", csd.get(k), base.state_dict()[k])
+    # with use_orig_params=False torch and cfsdp both refuse a unit with mixed requires_grad
+    for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        try:
+            wrapper(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU, use_orig_params=False,
+                    auto_wrap_policy=ModuleWrapPolicy({LoRALinear}))
+        except ValueError as e:
+            mm.check("requires_grad" in str(e) or "frozen" in str(e), f"{who}: message: {e}")
+        else:
+            mm.add(f"{who}: mixed requires_grad with use_orig_params=False did not raise")
+    mm.raise_if_any()
 
 
 @h.subtest

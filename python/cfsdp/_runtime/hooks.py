@@ -109,7 +109,7 @@ class UnitState:
         u = self.unit
         if u is None:
             return
-        u.drop_grad_if_orig_grads_cleared()
+        u.before_forward()
         u.unshard()
         if root.forward_prefetch and not root.recording:
             nxt = self._neighbour(+1)

@@ -147,8 +147,8 @@ class Unit:
         # under no_sync() (not yet reduced).
         self.grad_unsharded = False
         self._install_initial_views()
-        if self.requires_grad:
-            self.flat_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooked = False
+        self.refresh_requires_grad()
         # Set by the owning face: called with (unit, unsharded_grad) when the
         # flat gradient is ready in backward.
         self.post_backward_fn = None
@@ -202,19 +202,13 @@ class Unit:
                     "(or pass the matching device_id)."
                 )
         rgs = {i.param.requires_grad for i in self.infos}
-        if len(rgs) > 1:
+        if len(rgs) > 1 and not self.use_orig_params:
             frozen = next(i.fqn for i in self.infos if not i.param.requires_grad)
-            if not self.use_orig_params:
-                raise ValueError(
-                    f"FSDP with use_orig_params=False needs uniform requires_grad within "
-                    f"a unit, but {where}'s parameter '{frozen}' is frozen while others "
-                    "are not. Wrap frozen and trainable parameters in separate units, or "
-                    "use use_orig_params=True."
-                )
-            raise NotImplementedError(
-                f"mixed requires_grad within one unit with use_orig_params=True "
-                f"({where}'s parameter '{frozen}' is frozen) is not implemented yet in "
-                "cfsdp; wrap frozen and trainable parameters in separate units."
+            raise ValueError(
+                f"FSDP with use_orig_params=False needs uniform requires_grad within "
+                f"a unit, but {where}'s parameter '{frozen}' is frozen while others "
+                "are not. Wrap frozen and trainable parameters in separate units, or "
+                "use use_orig_params=True."
             )
 
     def _plan_splits(self) -> tuple[list[int], list[int]]:
@@ -360,11 +354,26 @@ class Unit:
             for s in self.shared:
                 s.module.__dict__.pop(s.name, None)
 
+    def refresh_requires_grad(self) -> None:
+        """With use_orig_params=True the flat parameter requires grad while any
+        original parameter does (they may be frozen after wrapping, as torch)."""
+        if self.use_orig_params:
+            self.requires_grad = any(i.param.requires_grad for i in self.infos)
+            self.flat_param.requires_grad_(self.requires_grad)
+        if self.requires_grad and not self._hooked:
+            self.flat_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self._hooked = True
+
     def use_forward_views(self) -> None:
         """Bind each original parameter name to a view of ``flat_param``
-        (through autograd, so gradients flow into the flat gradient)."""
+        (through autograd, so gradients flow into the flat gradient).  Frozen
+        parameters (use_orig_params=True) get detached views: no gradient is
+        computed for them, so their part of the flat gradient stays zero."""
         chunks = torch.split(self.flat_param, self._split_sizes)
-        views = [chunks[j].view(i.shape) for j, i in zip(self._split_index, self.infos)]
+        views = [
+            chunks[j].view(i.shape) if i.param.requires_grad else chunks[j].view(i.shape).detach()
+            for j, i in zip(self._split_index, self.infos)
+        ]
         for info, v in zip(self.infos, views):
             info.module.__dict__[info.name] = v
         for s in self.shared:
@@ -503,6 +512,12 @@ class Unit:
             return
         for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):
             set_grad(info.param, v if info.param.requires_grad else None)
+
+    def before_forward(self) -> None:
+        """Per-step bookkeeping of the original parameters (use_orig_params)."""
+        if self.use_orig_params:
+            self.refresh_requires_grad()
+            self.drop_grad_if_orig_grads_cleared()
 
     def drop_grad_if_orig_grads_cleared(self) -> None:
         """With use_orig_params=True the optimizer sees the original parameters:
