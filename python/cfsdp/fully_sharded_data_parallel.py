@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -222,6 +223,57 @@ def _ignored_params_and_modules(
     return params, ignored_mods
 
 
+def _materialize(module, param_init_fn, ignored_params, ignored_mods, device) -> None:
+    """Deferred initialisation, torch's rules: if this unit's parameters (or
+    any buffer outside ignored modules) are on the meta device, materialise the
+    modules of this unit (breadth first, stopping at nested units and ignored
+    modules) with ``param_init_fn(module)``, or else ``to_empty`` +
+    ``reset_parameters()`` on each module that holds state directly.  With
+    auto-wrapping, inner units are materialised and sharded first, so the peak
+    is about one unit at full size plus the shards."""
+    managed = [
+        p for p in module.parameters()
+        if p not in ignored_params and not getattr(p, "_cfsdp_flattened", False)
+    ]
+    is_meta = any(p.is_meta for p in managed) or any(
+        b.is_meta for m in module.modules() if m not in ignored_mods for b in m.buffers(recurse=False)
+    )
+    if not is_meta:
+        return
+    order = [module]
+    seen = {module}
+    i = 0
+    while i < len(order):
+        for child in order[i].children():
+            if child not in seen and not isinstance(child, FullyShardedDataParallel) and child not in ignored_mods:
+                seen.add(child)
+                order.append(child)
+        i += 1
+    names = {m: n for n, m in module.named_modules()}
+    with torch.no_grad():
+        for m in order:
+            if param_init_fn is not None:
+                param_init_fn(m)
+                continue
+            if not any(True for _ in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))):
+                continue
+            if not callable(getattr(m, "reset_parameters", None)):
+                raise ValueError(
+                    f"Module '{clean_tensor_name(names.get(m, ''))}' ({type(m).__name__}) is on the "
+                    "meta device but has no reset_parameters() to initialise it after "
+                    "to_empty(). Give it one, or pass param_init_fn=."
+                )
+            m.to_empty(device=device, recurse=False)
+            m.reset_parameters()
+    for name, p in module.named_parameters():
+        if p.is_meta and p not in ignored_params:
+            raise ValueError(
+                f"Parameter '{clean_tensor_name(name)}' is still on the meta device after "
+                "deferred initialisation; param_init_fn must materialise every parameter "
+                "of the module it is given (e.g. module.to_empty(device=..., recurse=False))."
+            )
+
+
 def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> None:
     """Check every parameter the wrapper tree will shard, naming it by FQN."""
     for name, p in module.named_parameters():
@@ -229,11 +281,7 @@ def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> N
             continue
         fqn = clean_tensor_name(name)
         if p.device.type == "meta":
-            raise _not_implemented(
-                f"deferred initialisation (parameter '{fqn}' is on the meta device; "
-                "param_init_fn / meta-device modules)",
-                3,
-            )
+            continue  # materialised unit by unit (deferred initialisation)
         if p.dim() == 0:
             raise ValueError(
                 f"FSDP does not shard scalar (0-dim) parameters, but '{fqn}' is one. Make it "
@@ -295,8 +343,10 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}"
             )
-        if param_init_fn is not None:
-            raise _not_implemented("param_init_fn (deferred initialisation)", 3)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(
+                f"param_init_fn must be callable (module -> None), got {type(param_init_fn).__name__}"
+            )
         if backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
             raise ValueError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
 
@@ -374,6 +424,7 @@ class FullyShardedDataParallel(nn.Module):
                 ),
             )
 
+        _materialize(module, param_init_fn, ignored_params, ignored_mods, device)
         managed = [
             p
             for p in dict.fromkeys(module.parameters())

@@ -239,6 +239,77 @@ def frozen_and_trainable_in_one_unit(ctx, strategy):
     mm.raise_if_any()
 
 
+def _meta_mlp():
+    """Every module holding state has reset_parameters() (torch's contract for meta init)."""
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(6, 9), nn.LayerNorm(9), nn.Sequential(nn.Linear(9, 9), nn.Tanh()),
+                             nn.Linear(9, 3))
+
+
+def _init_fn(module: nn.Module) -> None:
+    """A param_init_fn: materialise the module's own tensors and fill them deterministically."""
+    module.to_empty(device=CPU, recurse=False)
+    with torch.no_grad():
+        for i, t in enumerate(list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))):
+            if t.is_floating_point():
+                t.copy_(torch.linspace(-0.3, 0.3, t.numel()).reshape(t.shape) * (1 + 0.1 * i))
+
+
+@h.subtest(grid={"init": ["reset_parameters", "param_init_fn"], "use_orig_params": [False, True]})
+def deferred_init(ctx, init: str, use_orig_params: bool):
+    """A model built on the meta device, materialised unit by unit (torch's order: inner units
+    first, breadth first within a unit) by reset_parameters() or by param_init_fn; then trained.
+    Bitwise against torch FSDP1 given the same construction (same RNG draws in the same order).
+    A module with state but no reset_parameters() is an error in both."""
+    mm = Mismatches(ctx)
+    results = []
+    for wrapper in (TorchFSDP, CFSDP):
+        torch.manual_seed(1)
+        kw = dict(process_group=ctx.pg, device_id=CPU, use_orig_params=use_orig_params,
+                  auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        if init == "param_init_fn":
+            kw["param_init_fn"] = _init_fn
+        model = wrapper(_meta_mlp(), **kw)
+        mm.check(all(not p.is_meta for p in model.parameters()), f"{wrapper.__name__}: meta params left")
+        sd0 = model.state_dict()
+        opt = make_optim("adamw", model.parameters())
+        g = torch.Generator().manual_seed(3 + ctx.rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 6, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        results.append((sd0, losses, model.state_dict()))
+    (t0, tl, tsd), (c0, cl, csd) = results
+    mm.check(list(c0) == list(t0), "state_dict keys after materialisation differ")
+    for k in t0:
+        mm.tensors(f"materialised state_dict[{k}]", c0.get(k), t0[k])
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss at step {i}", a, b)
+    for k in tsd:
+        mm.tensors(f"state_dict[{k}] at the end", csd.get(k), tsd[k])
+    if init == "reset_parameters":
+        class NoReset(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+        with torch.device("meta"):
+            bad = NoReset()
+        for who, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+            try:
+                wrapper(copy.deepcopy(bad), process_group=ctx.pg, device_id=CPU)
+            except Exception as e:  # noqa: BLE001 - torch raises AttributeError, cfsdp ValueError
+                if who == "cfsdp":
+                    mm.check(isinstance(e, ValueError) and "reset_parameters" in str(e),
+                             f"cfsdp: expected a ValueError naming reset_parameters, got {e!r}")
+            else:
+                mm.add(f"{who}: a meta module without reset_parameters() did not raise")
+    mm.raise_if_any()
+
+
 @h.subtest
 def no_sync_errors(ctx):
     """no_sync() on an inner unit (once the root is known: before the first forward an

@@ -54,7 +54,6 @@ def test_constructor_signature_matches_torch():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(param_init_fn=lambda m: None), "param_init_fn"),
     ],
 )
 def test_not_implemented_arguments_are_named(kwargs, needle):
