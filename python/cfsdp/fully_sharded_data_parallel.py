@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.fsdp import wrap as _torch_wrap
+from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
 from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
 
 from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
@@ -760,6 +761,35 @@ class FullyShardedDataParallel(nn.Module):
             for w, flag in old:
                 w._state.sync_gradients = flag
 
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Replace gradient reduction with ``hook`` on every unit of this root
+        (torch's contract: ``hook(state, grad, output)`` for sharded strategies,
+        ``hook(state, grad)`` for NO_SHARD; e.g. the hooks of
+        ``torch.distributed.algorithms._comm_hooks.default_hooks``).  Call it on
+        the root, before the first forward."""
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable, got {hook!r}")
+        if not self.check_is_root():
+            raise RuntimeError(
+                "register_comm_hook can only be called on the root FullyShardedDataParallel "
+                "instance; call it on the outermost wrapper."
+            )
+        low = hook in _LOW_PRECISION_HOOKS
+        wrappers = FullyShardedDataParallel.fsdp_modules(self)
+        for w in wrappers:
+            if w.sharding_strategy in _HYBRID:
+                raise ValueError(
+                    f"Communication hooks are not supported with sharding_strategy={w.sharding_strategy} "
+                    "(as in torch); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
+                )
+            u = w._state.unit
+            if u is not None and u.comm_hook is not None:
+                raise RuntimeError("A communication hook is already registered on this model.")
+        for w in wrappers:
+            u = w._state.unit
+            if u is not None:
+                u.comm_hook, u.comm_hook_state, u.comm_hook_low_precision = hook, state, low
+
     # --------------------------------------------- not implemented (yet)
     def _nyi(name: str, issue: int):  # type: ignore[misc]
         def method(*args, **kwargs):
@@ -770,7 +800,6 @@ class FullyShardedDataParallel(nn.Module):
         return method
 
     clip_grad_norm_ = _nyi("clip_grad_norm_", 3)
-    register_comm_hook = _nyi("register_comm_hook", 3)
     state_dict_type = staticmethod(_nyi("state_dict_type", 4))
     set_state_dict_type = staticmethod(_nyi("set_state_dict_type", 4))
     get_state_dict_type = staticmethod(_nyi("get_state_dict_type", 4))

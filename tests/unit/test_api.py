@@ -66,7 +66,7 @@ def test_bad_arguments_are_named_before_any_communication(kwargs, exc, needle):
 
 @pytest.mark.parametrize(
     "method",
-    ["clip_grad_norm_", "register_comm_hook", "optim_state_dict", "full_optim_state_dict"],
+    ["clip_grad_norm_", "optim_state_dict", "full_optim_state_dict"],
 )
 def test_not_implemented_methods_are_named(method):
     with pytest.raises(NotImplementedError, match=method):

@@ -152,6 +152,11 @@ class Unit:
         # Set by the owning face: called with (unit, unsharded_grad) when the
         # flat gradient is ready in backward.
         self.post_backward_fn = None
+        # register_comm_hook: hook(state, grad[, output]) replaces the reduction
+        # (and FSDP's own divides); a low-precision hook also does the casts.
+        self.comm_hook = None
+        self.comm_hook_state = None
+        self.comm_hook_low_precision = False
 
     # ------------------------------------------------------------------ init
     @staticmethod
@@ -437,8 +442,10 @@ class Unit:
             raise AssertionError(
                 f"unsharded grad has {grad.numel()} elements, expected {lay.flat_numel}"
             )
-        if grad.dtype != self.reduce_dtype:  # torch casts before dividing
-            grad = grad.to(self.reduce_dtype)
+        if grad.dtype != self.reduce_dtype and not self.comm_hook_low_precision:
+            grad = grad.to(self.reduce_dtype)  # torch casts before dividing
+        if self.comm_hook is not None:
+            return self._reduce_with_hook(grad)
         if not self.sharded:
             if self.pre_divide > 1:
                 scale_cast_add(grad, grad, self.pre_divide, False)
@@ -453,6 +460,24 @@ class Unit:
             inp[lay.flat_numel :].zero_()
         out = torch.empty(lay.shard_numel, dtype=grad.dtype, device=grad.device)
         return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True), out)
+
+    def _reduce_with_hook(self, grad: torch.Tensor) -> "PendingReduce":
+        """The user's communication hook does the reduction (synchronously), as
+        torch's FSDP1 calls it: ``hook(state, padded_grad, output)`` for sharded
+        strategies, ``hook(state, grad)`` (in place) for NO_SHARD."""
+        lay = self.layout
+        if not self.sharded:
+            self.comm_hook(self.comm_hook_state, grad)
+            return PendingReduce(self, comm.Pending(None), grad, divided=True)
+        if lay.flat_numel == lay.padded_numel:
+            inp = grad.contiguous()
+        else:
+            inp = torch.zeros(lay.padded_numel, dtype=grad.dtype, device=grad.device)
+            inp[: lay.flat_numel].copy_(grad)
+        out_dtype = self.dtype if self.comm_hook_low_precision else grad.dtype
+        out = torch.empty(lay.shard_numel, dtype=out_dtype, device=grad.device)
+        self.comm_hook(self.comm_hook_state, inp, out)
+        return PendingReduce(self, comm.Pending(None, inp), out, divided=True)
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
         """no_sync(): keep the local unsharded gradient (accumulating) unreduced."""
@@ -532,19 +557,20 @@ class Unit:
 class PendingReduce:
     """A reduce-scatter in flight; ``finish`` post-divides and accumulates."""
 
-    __slots__ = ("unit", "pending", "out")
+    __slots__ = ("unit", "pending", "out", "divided")
 
-    def __init__(self, unit: Unit, pending: comm.Pending, out: torch.Tensor):
+    def __init__(self, unit: Unit, pending: comm.Pending, out: torch.Tensor, divided: bool = False):
         self.unit = unit
         self.pending = pending
         self.out = out
+        self.divided = divided  # a comm hook did its own division
 
     def finish(self) -> None:
         self.pending.wait()
         u = self.unit
         if not u.sharded:  # NO_SHARD: the all-reduced gradient is the gradient
             g = self.out
-            if u.post_divide > 1:
+            if u.post_divide > 1 and not self.divided:
                 scale_cast_add(g, g, u.post_divide, False)
             if g.dtype != u.dtype and not u.keep_low_precision_grads:
                 g = g.to(u.dtype)
@@ -555,7 +581,7 @@ class PendingReduce:
             comm.all_reduce(out, u.replicate_group, False).wait()
         # torch's order: post-divide in the reduction dtype, cast to the
         # gradient dtype, then accumulate; scale_cast_add does all three.
-        div = u.post_divide if u.post_divide > 1 else 1.0
+        div = u.post_divide if (u.post_divide > 1 and not self.divided) else 1.0
         if u.saved_grad is not None:
             scale_cast_add(u.saved_grad, out, div, True)
         elif out.dtype == u.dtype:
