@@ -71,7 +71,7 @@ def test_not_implemented_arguments_are_named(kwargs, needle):
 
 @pytest.mark.parametrize(
     "method",
-    ["no_sync", "clip_grad_norm_", "register_comm_hook", "optim_state_dict", "full_optim_state_dict"],
+    ["no_sync", "register_comm_hook", "optim_state_dict", "full_optim_state_dict"],
 )
 def test_not_implemented_methods_are_named(method):
     with pytest.raises(NotImplementedError, match=method):
@@ -100,3 +100,11 @@ def test_fsdp_module_classes_not_implemented_yet():
 
 def test_backend_is_reported():
     assert cfsdp.backend in ("c", "python")
+
+
+def test_clip_grad_norm_signature_matches_torch():
+    ours = inspect.signature(FSDP.clip_grad_norm_).parameters
+    theirs = inspect.signature(tfsdp.FullyShardedDataParallel.clip_grad_norm_).parameters
+    assert [(n, p.default, p.kind) for n, p in ours.items()] == [
+        (n, p.default, p.kind) for n, p in theirs.items()
+    ]

@@ -92,6 +92,9 @@ class Unit:
         align = _ALIGN_BYTES // dtype.itemsize if use_orig_params else 0
         self.layout = _core.plan_layout([i.numel for i in self.infos], align, self.world_size)
         self._split_sizes, self._split_index = self._plan_splits()
+        # Whether this rank's shard holds any element of an original parameter (else it is
+        # all padding); with use_orig_params=True such a rank has no per-parameter grads.
+        self.holds_local_elements = any(sl.numel > 0 for sl in self.layout.slices[self.rank])
 
         lay = self.layout
         self.shard = torch.empty(lay.shard_numel, dtype=dtype, device=device)
