@@ -74,20 +74,32 @@ typedef double (*cf_norm_loop)(const void *src, size_t n, double p);
         return total;                                                             \
     }
 
-/* max |x| for dtype D; NaN if any element is NaN, 0 if n == 0. */
+/* max |x| for dtype D; NaN if any element is NaN, 0 if n == 0.  Lanes as for the sum
+ * (a max is exact in any order; the lanes only let the loop vectorise). */
 #define CF_DEFINE_MAX(D)                                                          \
     static double cf_norm_max_##D(const void *src_, size_t n, double p)           \
     {                                                                             \
         const CF_NT_##D *src = src_;                                              \
-        double m = 0.0;                                                           \
-        int nan = 0;                                                              \
+        double m[CF_NORM_LANES] = {0}, best = 0.0;                                \
+        int nan[CF_NORM_LANES] = {0}, any_nan = 0;                                \
+        size_t i = 0, j;                                                          \
         (void)p;                                                                  \
-        for (size_t i = 0; i < n; i++) {                                          \
-            double a = fabs(CF_NLD_##D(src[i]));                                  \
-            m = a > m ? a : m;                                                    \
-            nan |= a != a;                                                        \
+        for (; n - i >= CF_NORM_LANES; i += CF_NORM_LANES)                        \
+            for (j = 0; j < CF_NORM_LANES; j++) {                                 \
+                double a = fabs(CF_NLD_##D(src[i + j]));                          \
+                m[j] = a > m[j] ? a : m[j];                                       \
+                nan[j] |= a != a;                                                 \
+            }                                                                     \
+        for (j = 0; i + j < n; j++) {                                             \
+            double a = fabs(CF_NLD_##D(src[i + j]));                              \
+            m[j] = a > m[j] ? a : m[j];                                           \
+            nan[j] |= a != a;                                                     \
         }                                                                         \
-        return nan ? (double)NAN : m;                                             \
+        for (j = 0; j < CF_NORM_LANES; j++) {                                     \
+            best = m[j] > best ? m[j] : best;                                     \
+            any_nan |= nan[j];                                                    \
+        }                                                                         \
+        return any_nan ? (double)NAN : best;                                      \
     }
 
 #define CF_DEFINE_FOR_DTYPE(D) \
