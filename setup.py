@@ -34,6 +34,7 @@ ext = Extension(
     include_dirs=["csrc"],
     extra_compile_args=cflags,
     extra_link_args=ldflags,
+    libraries=["m"] if os.name == "posix" else [],  # norm.c uses pow()
 )
 
 setup(

@@ -4,7 +4,8 @@
  * Design.  This is the only file that includes Python.h.  Each entry point
  * parses its arguments (METH_FASTCALL, positional only) into plain C values
  * and malloc'd index arrays while holding the GIL, releases the GIL around
- * the pure-C work (layout.c, copy.c, reduce.c validate, then touch bytes),
+ * the pure-C work (layout.c, copy.c, reduce.c, norm.c validate, then touch
+ * bytes),
  * and turns a failing cf_status into a Python exception in one place,
  * cf_py_raise: CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError,
  * CF_ENOMEM -> MemoryError.  Tensors arrive as integer addresses; C never
@@ -21,6 +22,7 @@
 #include "cfsdp.h"
 #include "copy.h"
 #include "layout.h"
+#include "norm.h"
 #include "reduce.h"
 
 /* Raise the Python exception for a failed status; always returns NULL. */
@@ -308,6 +310,53 @@ static PyObject *cf_py_scale_cast_add(PyObject *module, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(cf_py_norm_partial_doc,
+"norm_partial($module, src_addr, dtype_code, numel, p, /)\n"
+"--\n"
+"\n"
+"The local statistic of a p-norm over one buffer, as a float.\n"
+"\n"
+"sum |x|^p accumulated in double (p > 0 finite), or max |x| (p = inf),\n"
+"over numel elements of dtype code fp32=0, fp64=1, bf16=2, fp16=3.  NaN\n"
+"and inf propagate; an empty buffer gives 0.0.  The summation order is\n"
+"fixed (see csrc/norm.h), so the result is a function of the input: the\n"
+"same bits as cfsdp._ref.norm_partial for p in (1, 2, inf).  Runs with the\n"
+"GIL released.  ValueError for an unknown dtype code, negative numel, NULL\n"
+"address or p not > 0.");
+
+static PyObject *cf_py_norm_partial(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *src;
+    int64_t code, numel;
+    double p, out = 0.0;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("norm_partial", nargs, 4) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "src_addr", &src) < 0 ||
+        cf_py_int64(args[1], "dtype_code", &code) < 0 ||
+        cf_py_int64(args[2], "numel", &numel) < 0)
+        return NULL;
+    p = PyFloat_AsDouble(args[3]);
+    if (p == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (code < 0 || code >= CF_DTYPE_COUNT) {
+        cf_err_set(&err, CF_EINVAL, "unknown dtype code %lld; expected 0..%d",
+                   (long long)code, CF_DTYPE_COUNT - 1);
+        return cf_py_raise(&err);
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_norm_partial(src, (int)code, numel, p, &out, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    return PyFloat_FromDouble(out);
+}
+
 static PyMethodDef cf_py_methods[] = {
     {"plan_layout", (PyCFunction)(void (*)(void))cf_py_plan_layout, METH_FASTCALL,
      cf_py_plan_layout_doc},
@@ -315,6 +364,8 @@ static PyMethodDef cf_py_methods[] = {
      cf_py_shard_fill_doc},
     {"scale_cast_add", (PyCFunction)(void (*)(void))cf_py_scale_cast_add, METH_FASTCALL,
      cf_py_scale_cast_add_doc},
+    {"norm_partial", (PyCFunction)(void (*)(void))cf_py_norm_partial, METH_FASTCALL,
+     cf_py_norm_partial_doc},
     {NULL, NULL, 0, NULL}};
 
 /* Py_mod_exec: add the dtype-code constants; 0 on success, -1 on error. */
@@ -339,9 +390,9 @@ static PyModuleDef_Slot cf_py_slots[] = {
     {0, NULL}};
 
 PyDoc_STRVAR(cf_py_module_doc,
-"The C core of cfsdp: flat layout planning, shard copies and gradient\n"
-"scale/cast/accumulate.  Use it through cfsdp._core; every function has a\n"
-"pure-Python twin in cfsdp._ref.");
+"The C core of cfsdp: flat layout planning, shard copies, gradient\n"
+"scale/cast/accumulate and gradient-norm partials.  Use it through\n"
+"cfsdp._core; every function has a pure-Python twin in cfsdp._ref.");
 
 static struct PyModuleDef cf_py_module = {
     PyModuleDef_HEAD_INIT,

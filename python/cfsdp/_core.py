@@ -154,3 +154,15 @@ def scale_cast_add(
         )
     else:
         _ref.scale_cast_add(dst, src, divisor, accumulate)
+
+
+def norm_partial(t: torch.Tensor, p: float) -> torch.Tensor:
+    """The local p-norm statistic of ``t`` (``sum |x|^p``, or ``max |x|`` for
+    ``p = inf``) in float64, as a 0-dim float64 tensor on ``t.device``; one pass
+    over the whole buffer.  See the twin for the exact contract."""
+    if _c_ok(t):
+        return torch.tensor(
+            _C.norm_partial(t.data_ptr(), DTYPE_CODES[t.dtype], t.numel(), float(p)),
+            dtype=torch.float64,
+        )
+    return _ref.norm_partial(t, p)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import wrap as _torch_wrap
 from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
 from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
 
+from ._runtime import clip as _clip
 from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.unit import TrainingState, Unit
 from ._state_dict import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
@@ -789,6 +790,48 @@ class FullyShardedDataParallel(nn.Module):
             u = w._state.unit
             if u is not None:
                 u.comm_hook, u.comm_hook_state, u.comm_hook_low_precision = hook, state, low
+    # ------------------------------------------------------ grad clipping
+    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
+        """Clip the gradient norm of all parameters, as torch's FSDP1 does.
+
+        The norm is over all gradients viewed as one vector (sharded flat gradients summed
+        over ranks, non-sharded ones such as ignored parameters' counted once per rank);
+        gradients are multiplied in place by ``min(1, max_norm / (total_norm + 1e-6))``.
+        Returns the total norm in the gradients' promoted dtype (float32, with a warning,
+        when this rank has no gradients).  Call it on the root, on every rank, between
+        backward and the optimizer step.  See ``cfsdp._runtime.clip`` for the numerics.
+        """
+        self._lazy_init()
+        st = self._state
+        if not st.is_root:
+            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+        if st.training_state is not TrainingState.IDLE:
+            raise ValueError(
+                f"expected to be in states [{TrainingState.IDLE}] but current state is "
+                f"{st.training_state}: call clip_grad_norm_() after backward, outside "
+                "forward, backward and summon_full_params."
+            )
+        root = st.root
+        if root is None:
+            raise AssertionError("cfsdp: root without RootState after lazy init")
+        units = [s.unit for s in root.states if s.unit is not None]
+        # parameters no unit manages (ignored ones): torch's `self.parameters()` minus the
+        # managed ones (flat params, or the original params with use_orig_params=True)
+        nonsharded = [
+            p.grad
+            for p in self.parameters()
+            if not getattr(p, "_cfsdp_flattened", False) and p.grad is not None
+        ]
+        res = _clip.clip_grad_norm_(
+            units, nonsharded, max_norm, norm_type, self._process_group, self.compute_device
+        )
+        if res.num_grads == 0:
+            warnings.warn(
+                f"Called FSDP.clip_grad_norm_() on rank {self.rank} with no gradients -- "
+                f"returning the total norm in the default dtype {res.total_norm.dtype}",
+                stacklevel=2,
+            )
+        return res.total_norm
 
     # --------------------------------------------- not implemented (yet)
     def _nyi(name: str, issue: int):  # type: ignore[misc]
@@ -799,7 +842,6 @@ class FullyShardedDataParallel(nn.Module):
         method.__doc__ = f"Not implemented yet in cfsdp (issue {issue}); raises NotImplementedError."
         return method
 
-    clip_grad_norm_ = _nyi("clip_grad_norm_", 3)
     state_dict_type = staticmethod(_nyi("state_dict_type", 4))
     set_state_dict_type = staticmethod(_nyi("set_state_dict_type", 4))
     get_state_dict_type = staticmethod(_nyi("get_state_dict_type", 4))

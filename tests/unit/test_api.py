@@ -66,7 +66,7 @@ def test_bad_arguments_are_named_before_any_communication(kwargs, exc, needle):
 
 @pytest.mark.parametrize(
     "method",
-    ["clip_grad_norm_", "optim_state_dict", "full_optim_state_dict"],
+    ["optim_state_dict", "full_optim_state_dict"],
 )
 def test_not_implemented_methods_are_named(method):
     with pytest.raises(NotImplementedError, match=method):
@@ -95,3 +95,11 @@ def test_fsdp_module_classes_not_implemented_yet():
 
 def test_backend_is_reported():
     assert cfsdp.backend in ("c", "python")
+
+
+def test_clip_grad_norm_signature_matches_torch():
+    ours = inspect.signature(FSDP.clip_grad_norm_).parameters
+    theirs = inspect.signature(tfsdp.FullyShardedDataParallel.clip_grad_norm_).parameters
+    assert [(n, p.default, p.kind) for n, p in ours.items()] == [
+        (n, p.default, p.kind) for n, p in theirs.items()
+    ]

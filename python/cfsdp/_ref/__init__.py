@@ -9,5 +9,6 @@ use only torch ops, so they serve CUDA tensors as well as CPU ones.
 from .layout import plan_layout_lists
 from .copy import shard_fill
 from .reduce import scale_cast_add
+from .norm import norm_partial
 
-__all__ = ["plan_layout_lists", "shard_fill", "scale_cast_add"]
+__all__ = ["plan_layout_lists", "shard_fill", "scale_cast_add", "norm_partial"]

@@ -113,6 +113,9 @@ class Unit:
         self._lay_rank = self.rank if sharded else 0
         self.layout = _core.plan_layout([i.numel for i in self.infos], align, lay_ws)
         self._split_sizes, self._split_index = self._plan_splits()
+        # Whether this rank's shard holds any element of an original parameter (else it is
+        # all padding); with use_orig_params=True such a rank has no per-parameter grads.
+        self.holds_local_elements = any(sl.numel > 0 for sl in self.layout.slices[self._lay_rank])
 
         lay = self.layout
         self.shard = torch.empty(lay.shard_numel, dtype=dtype, device=device)
