@@ -199,9 +199,10 @@ class Unit:
     def flat_numel(self) -> int:
         return self.layout.flat_numel
 
-    def _full_views(self) -> list[torch.Tensor]:
-        """Views of ``unsharded`` with the original shapes (no autograd)."""
-        u = self.unsharded
+    def _full_views(self, buf: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Views of ``unsharded`` (or of ``buf``, a copy of it) with the
+        original shapes (no autograd)."""
+        u = self.unsharded if buf is None else buf
         return [
             u[off : off + i.numel].view(i.shape)
             for off, i in zip(self.layout.offsets, self.infos)
@@ -294,9 +295,13 @@ class Unit:
             s.module.__dict__[s.name] = views[s.primary]
 
     # ------------------------------------------------- summon / state dicts
-    def params_as_full(self) -> None:
-        """Expose full parameters as ``nn.Parameter`` s (unsharded first)."""
-        views = self._full_views()
+    def params_as_full(self, buf: Optional[torch.Tensor] = None) -> None:
+        """Expose full parameters as ``nn.Parameter`` s (unsharded first).
+
+        ``buf`` (summon's ``offload_to_cpu`` on a non-CPU device): a copy of
+        ``unsharded`` the parameters view instead; the caller copies it back
+        before :meth:`params_as_sharded`."""
+        views = self._full_views(buf)
         if self.use_orig_params:
             for info, v in zip(self.infos, views):
                 info.module.__dict__.pop(info.name, None)
@@ -332,6 +337,58 @@ class Unit:
                 del s.module._parameters[s.name]
                 s.module.__dict__[s.name] = views[s.primary]
             self.module._parameters[FLAT_PARAM] = self.flat_param
+
+    # ------------------------------------------- summon(with_grads=True)
+    def unshard_grad(self) -> Optional[torch.Tensor]:
+        """All-gather the sharded gradient (torch FSDP1's ``unshard_grad``).
+
+        Collective: every rank of the unit calls it.  Returns the padded full
+        gradient, or None when no rank has one; a rank without a gradient
+        contributes zeros.  Unit must be idle (``flat_param.grad`` sharded)."""
+        g = self.flat_param.grad
+        none = torch.tensor([int(g is None)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(none, group=self.group)
+        if int(none.item()) == self.world_size:
+            return None
+        if g is None:
+            g = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        full = torch.empty(self.layout.padded_numel, dtype=g.dtype, device=self.device)
+        comm.all_gather(full, g.contiguous(), self.group, async_op=False)
+        return full
+
+    def grads_as_full(self, full: Optional[torch.Tensor]) -> None:
+        """use_orig_params=True, after :meth:`params_as_full`: each original
+        parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
+        for off, info in zip(self.layout.offsets, self.infos):
+            info.param.grad = (
+                None
+                if full is None or not info.param.requires_grad
+                else full[off : off + info.numel].view(info.shape)
+            )
+
+    def grads_as_sharded(self, full: Optional[torch.Tensor], writeback: bool) -> None:
+        """Undo :meth:`grads_as_full` (call before :meth:`params_as_sharded`).
+
+        With ``writeback``, this rank's unpadded part of ``full`` is copied
+        into the existing sharded gradient (none is created, as torch)."""
+        for info in self.infos:
+            info.param.grad = None
+        g = self.flat_param.grad
+        if writeback and full is not None and g is not None:
+            lo, hi = self.layout.shard_range(self.rank)
+            hi = min(hi, self.layout.flat_numel)
+            if hi > lo:
+                g[: hi - lo].copy_(full[lo:hi])
+
+    def orig_grads_as_shard_views(self) -> None:
+        """use_orig_params=True: each original parameter's ``.grad`` is its
+        slice of the sharded flat gradient (None outside this rank's shard)."""
+        g = self.flat_param.grad
+        for info, sl in zip(self.infos, self.layout.slices[self.rank]):
+            if g is None or sl.numel == 0 or not info.param.requires_grad:
+                info.param.grad = None
+            else:
+                info.param.grad = g[sl.shard_offset : sl.shard_offset + sl.numel]
 
     # --------------------------------------------------------------- grads
     def _on_grad_ready(self, flat_param: torch.Tensor) -> None:
