@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import functools
 import warnings
 from typing import Any, Callable
@@ -436,10 +437,17 @@ def torch_compile(ctx, what: str):
 
     Backend ``aot_eager`` (Dynamo + AOTAutograd, no C++ codegen): that is where the FSDP
     annotations matter, and inductor's C++ compile costs minutes on 2 shared cores. With
-    aot_eager the same aten ops run, so losses are compared bitwise."""
+    aot_eager the same aten ops run, so losses are compared bitwise.
+    ``CFSDP_TEST_COMPILE_BACKEND=inductor`` runs it with inductor (then fused kernels may
+    round differently from eager; compare by hand)."""
     import torch._dynamo
 
+    backend = os.environ.get("CFSDP_TEST_COMPILE_BACKEND", "aot_eager")
+
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     mm = Mismatches(ctx)
     base = wp.build("seq")
     batches = wp.make_batches("seq", ctx.world_size, steps=3)
@@ -449,10 +457,10 @@ def torch_compile(ctx, what: str):
         model = copy.deepcopy(base)
         compiled = name.endswith("compiled")
         if compiled and what == "compiled_block":
-            model[2] = torch.compile(model[2], backend="aot_eager")
+            model[2] = torch.compile(model[2], backend=backend)
         m = wrapper(model, **kw(ctx, True))
         if compiled and what == "compiled_model":
-            m = torch.compile(m, backend="aot_eager")
+            m = torch.compile(m, backend=backend)
         opt = wp.make_optim("adamw", m.parameters())
         losses = []
         for chunks in batches:
@@ -463,6 +471,9 @@ def torch_compile(ctx, what: str):
             opt.step()
             losses.append(loss.detach())
         results[name] = (losses, [p.detach().clone() for p in m.parameters()])
+        if compiled:  # the compiled path really ran: Dynamo captured at least one graph
+            graphs = counters["stats"]["unique_graphs"]
+            mm.check(graphs > 0, f"{what}: Dynamo captured no graph ({dict(counters['stats'])})")
     for name in ("cfsdp-eager", "cfsdp-compiled"):
         for s, (a, b) in enumerate(zip(results[name][0], results["torch-eager"][0])):
             mm.tensors(f"{name} loss at step {s}", a, b, a_name=name, b_name="torch-eager")
