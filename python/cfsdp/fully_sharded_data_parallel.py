@@ -24,11 +24,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.fsdp import wrap as _torch_wrap
 from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
 from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from ._runtime import clip as _clip
 from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.unit import TrainingState, Unit
-from ._state_dict import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
+from ._state_dict import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -303,6 +304,22 @@ def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> N
             )
 
 
+def _annotate_modules_for_dynamo(
+    module: nn.Module, ignored_modules: set[nn.Module], use_orig_params: bool
+) -> None:
+    """Mark every module of ``module``'s tree but the ignored ones as FSDP-managed,
+    exactly as torch's FSDP1 does before auto-wrapping (so the root wrapper itself
+    and wrappers an auto-wrap policy creates are not marked; hand-nested inner
+    wrappers are).  torch.compile (Dynamo) reads ``_is_fsdp_managed_module`` to
+    trace these modules as unspecialized (parameters as graph inputs, re-read on
+    every call, so the per-forward parameter views are used) and
+    ``_fsdp_use_orig_params`` to accept only ``use_orig_params=True``."""
+    for sub in module.modules():
+        if sub not in ignored_modules:
+            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+            sub._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]
+
+
 class FullyShardedDataParallel(nn.Module):
     """Drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel``.
 
@@ -385,6 +402,11 @@ class FullyShardedDataParallel(nn.Module):
             _validate_params(module, ignored_params, device)
         if device.type == "cuda":
             module.to(device)  # device-generic path (not exercised on CPU-only CI)
+        self._ignored_modules: set[nn.Module] = set(ignored_mods)
+        for sub in module.modules():
+            if isinstance(sub, FullyShardedDataParallel):
+                self._ignored_modules |= sub._ignored_modules
+        _annotate_modules_for_dynamo(module, self._ignored_modules, use_orig_params)
 
         self._ignored_params: set[nn.Parameter] = ignored_params
         self._use_orig_params = use_orig_params
@@ -435,9 +457,16 @@ class FullyShardedDataParallel(nn.Module):
         if sync_module_states:
             self._sync_module_states(module, managed, ignored_mods)
         self._fsdp_wrapped_module = module
+        # The flat parameter lives on the module ``self.module`` returns: inside an
+        # activation-checkpoint wrapper, on the module it wraps (as torch's FSDP1).
+        flat_owner = (
+            getattr(module, CHECKPOINT_WRAPPED_MODULE)
+            if isinstance(module, ActivationWrapper)
+            else module
+        )
         unit = (
             Unit(
-                module,
+                flat_owner,
                 managed,
                 group,
                 use_orig_params,
@@ -532,8 +561,12 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------ plumbing
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module; when it is an activation-checkpoint (or offload)
+        wrapper, the module inside it, as torch's FSDP1 returns."""
+        inner = self._fsdp_wrapped_module
+        if isinstance(inner, ActivationWrapper):
+            return getattr(inner, CHECKPOINT_WRAPPED_MODULE)
+        return inner
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -638,18 +671,43 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ):
-        """Expose full parameters inside the context (torch's semantics)."""
-        if rank0_only:
-            raise _not_implemented("summon_full_params(rank0_only=True)", 3)
-        if offload_to_cpu:
-            raise _not_implemented("summon_full_params(offload_to_cpu=True)", 3)
-        if with_grads:
-            raise _not_implemented("summon_full_params(with_grads=True)", 3)
+        """Expose full parameters inside the context (torch FSDP1's semantics).
+
+        * ``recurse=False``: only ``module``'s own unit (nothing if ``module``
+          is not a FullyShardedDataParallel).
+        * ``writeback=False``: changes to parameters (and, with ``with_grads``,
+          gradients) made inside are discarded on exit.
+        * ``rank0_only=True``: only rank 0 sees full parameters; the other ranks
+          take part in the all-gather, free the result at once and keep seeing
+          their shards (flat ``_flat_param`` with ``use_orig_params=False``,
+          1-D shard views of the original parameters with ``True``).  Needs
+          ``writeback=False``.
+        * ``offload_to_cpu=True``: the full parameters the user sees live in CPU
+          memory; on a CPU device they are the unsharded buffer itself (no
+          copy), and writes are written back like any other.
+        * ``with_grads=True`` (``use_orig_params=True`` only): each original
+          parameter's ``.grad`` is its full gradient (None if no rank has one).
+
+        Must be called between steps (not during forward/backward) and not
+        inside another ``summon_full_params`` of the same units.
+        """
         if recurse:
             wrappers = FullyShardedDataParallel.fsdp_modules(module)
         else:
             wrappers = [module] if isinstance(module, FullyShardedDataParallel) else []
-        with _summoned(wrappers, writeback):
+        for w in wrappers:
+            _validate_summon_args(w, writeback, rank0_only, offload_to_cpu, with_grads)
+        if offload_to_cpu and not rank0_only and wrappers:
+            warnings.warn(
+                "offload_to_cpu=True and rank0_only=False may result in the unsharded "
+                "parameters being redundantly copied to CPU memory for GPUs sharing the same "
+                "CPU memory, which risks CPU OOM. We recommend using offload_to_cpu=True "
+                "with rank0_only=True.",
+                stacklevel=3,
+            )
+        for w in wrappers:
+            w._lazy_init()  # as torch: the outermost wrapper becomes the root
+        with _summoned(wrappers, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
@@ -865,36 +923,105 @@ def _module_prefix(root: nn.Module, target: nn.Module) -> str:
     raise AssertionError("module not found under root")
 
 
-@contextlib.contextmanager
-def _summoned(wrappers: list[FullyShardedDataParallel], writeback: bool):
-    """Unshard ``wrappers`` with full ``nn.Parameter`` s; reshard on exit."""
+class SummonStateError(AssertionError, RuntimeError):
+    """``summon_full_params`` (or a full state dict) at a time it cannot run:
+    during forward/backward, or nested.  torch's FSDP1 raises ``AssertionError``
+    there, so this is one (and a ``RuntimeError``, which cfsdp raised before)."""
+
+
+def _validate_summon_args(
+    w: FullyShardedDataParallel, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+    with_grads: bool,
+) -> None:
+    """The argument combinations torch's FSDP1 rejects, with the same error kind."""
+    if with_grads and (offload_to_cpu or not w._use_orig_params):
+        raise NotImplementedError(
+            f"summon_full_params(with_grads=True) with use_orig_params={w._use_orig_params}, "
+            f"offload_to_cpu={offload_to_cpu} is not supported (as in torch's FSDP1): "
+            "with_grads=True needs use_orig_params=True on every wrapper and "
+            "offload_to_cpu=False."
+        )
+    if writeback and rank0_only:
+        raise NotImplementedError(
+            "summon_full_params(writeback=True, rank0_only=True) is not supported (as in "
+            "torch's FSDP1): only rank 0 would see the changes. Pass writeback=False with "
+            "rank0_only=True, or rank0_only=False to write changes back on every rank."
+        )
+
+
+def _check_can_summon(wrappers: list[FullyShardedDataParallel]) -> None:
     for w in wrappers:
         ts = w._state.training_state
         if ts in (TrainingState.FORWARD, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-            raise RuntimeError(
-                "summon_full_params / state_dict cannot run during forward or backward "
-                f"(a unit of {w._state.name} is in {ts.name}). Call it between steps."
+            raise SummonStateError(
+                "Cannot manually unshard parameters during forward/backward: "
+                "summon_full_params / state_dict was called while a unit of "
+                f"{w._state.name} is in {ts.name}. Call it between training steps "
+                "(after backward, or before forward)."
             )
         if ts is TrainingState.SUMMON:
-            raise RuntimeError(
-                "summon_full_params / state_dict cannot be nested inside summon_full_params."
+            raise SummonStateError(
+                "Cannot manually unshard parameters when already unsharding parameters: "
+                "summon_full_params / state_dict was called inside summon_full_params of "
+                f"{w._state.name}. Leave the outer summon_full_params context first (its "
+                "parameters are already full), or summon disjoint units with recurse=False."
             )
+
+
+@contextlib.contextmanager
+def _summoned(
+    wrappers: list[FullyShardedDataParallel],
+    writeback: bool,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+):
+    """Unshard ``wrappers`` with full ``nn.Parameter`` s; reshard on exit.
+
+    Per unit, as torch's FSDP1 ``_unshard_fsdp_state_params``: all-gather
+    (and, with ``with_grads``, all-gather the gradient); on a rank other than
+    0 with ``rank0_only``, reshard at once and expose nothing; else expose the
+    full parameters (views of the unsharded buffer, or of a CPU copy for
+    ``offload_to_cpu`` on a non-CPU device) and, on exit, write this rank's
+    shard back if ``writeback``, then reshard.
+    """
+    _check_can_summon(wrappers)
+    # unit -> (full grad or None, CPU copy or None); only for units shown full
+    shown: dict[int, tuple] = {}
     done: list[FullyShardedDataParallel] = []
     try:
         for w in wrappers:
             u = w._state.unit
             if u is not None:
+                u.drop_grad_if_orig_grads_cleared()
                 if u.is_unsharded and not u.holds_full_precision:
                     u.reshard()  # summon shows full precision, as torch
                 u.unshard(full_precision=True)
-                u.params_as_full()
+                full_grad = u.unshard_grad() if with_grads else None
+                if rank0_only and u.rank != 0:
+                    u.reshard()
+                else:
+                    buf = None
+                    if offload_to_cpu and u.unsharded.device.type != "cpu":
+                        buf = u.unsharded.to("cpu")  # device-generic path, not run on CPU CI
+                    u.params_as_full(buf)
+                    if with_grads:
+                        u.grads_as_full(full_grad)
+                    shown[id(u)] = (full_grad, buf)
             w._state.training_state = TrainingState.SUMMON
             done.append(w)
         yield
     finally:
         for w in reversed(done):
             u = w._state.unit
-            if u is not None:
+            if u is not None and id(u) in shown:
+                full_grad, buf = shown[id(u)]
+                if with_grads:
+                    u.grads_as_sharded(full_grad, writeback)
+                if buf is not None:
+                    u.unsharded.copy_(buf)
                 u.params_as_sharded(writeback)
+                if with_grads:
+                    u.orig_grads_as_shard_views()
                 u.reshard()
             w._state.training_state = TrainingState.IDLE

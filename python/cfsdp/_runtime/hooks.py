@@ -30,6 +30,15 @@ from torch.autograd import Variable
 
 from .unit import PendingReduce, TrainingState, Unit
 
+# [Note: recompute]
+# Activation checkpointing runs a module's forward again in backward, after
+# the unit's pre-backward hook has unsharded it.  So the pre-backward hook
+# binds fresh forward views with grad mode on (reshard unbinds them with
+# use_orig_params=True, and a reentrant checkpoint differentiates the recompute),
+# and a forward that starts while its unit is in BACKWARD_PRE (a checkpointed
+# region wrapping a whole unit) skips the pre/post-forward logic, as torch's
+# FSDP1 does: no unshard, no reshard, no new hooks.
+
 BACKWARD_PRE = "BACKWARD_PRE"
 BACKWARD_POST = "BACKWARD_POST"
 
@@ -102,6 +111,8 @@ class UnitState:
         root = self.root
         if root is None:
             raise AssertionError("cfsdp: pre_forward before lazy init")
+        if self.training_state is TrainingState.BACKWARD_PRE:
+            return  # activation-checkpoint recompute: see [Note: recompute]
         self.training_state = TrainingState.FORWARD
         if root.recording and self.order_index is None:
             self.order_index = len(root.exec_order)
@@ -118,6 +129,8 @@ class UnitState:
         u.use_forward_views()
 
     def post_forward(self, output: Any) -> Any:
+        if self.training_state is TrainingState.BACKWARD_PRE:
+            return output  # activation-checkpoint recompute: see [Note: recompute]
         u = self.unit
         needs_grad = torch.is_grad_enabled()
         if u is not None and (not self.is_root or not needs_grad) and self.reshard_after_forward:
@@ -163,6 +176,8 @@ class UnitState:
         u = self.unit
         if u is not None:
             u.unshard()
+            with torch.enable_grad():  # backward runs without grad mode
+                u.use_forward_views()  # for a recompute in backward: [Note: recompute]
             u.take_grad_for_backward()
         if root.backward_prefetch == BACKWARD_PRE:
             self._prefetch_backward()

@@ -260,8 +260,11 @@ class Unit:
             for off, i in zip(self.layout.offsets, self.infos)
         ]
 
-    def _full_views(self) -> list[torch.Tensor]:
-        """Views of the current unsharded buffer with the original shapes."""
+    def _full_views(self, buf: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Views with the original shapes of the current unsharded buffer (or of
+        ``buf``, a copy of it)."""
+        if buf is not None:
+            return self._views_of(buf)
         if self._buf is None:
             raise AssertionError("cfsdp unit: full views of a sharded unit")
         return self._views_of(self._buf)
@@ -388,10 +391,14 @@ class Unit:
             s.module.__dict__[s.name] = views[s.primary]
 
     # ------------------------------------------------- summon / state dicts
-    def params_as_full(self) -> None:
+    def params_as_full(self, buf: Optional[torch.Tensor] = None) -> None:
         """Expose full parameters as ``nn.Parameter`` s (unsharded first, in
-        full precision)."""
-        views = self._full_views()
+        full precision).
+
+        ``buf`` (summon's ``offload_to_cpu`` on a non-CPU device): a copy of
+        the unsharded buffer the parameters view instead; the caller copies it
+        back before :meth:`params_as_sharded`."""
+        views = self._full_views(buf)
         if self.use_orig_params:
             for info, v in zip(self.infos, views):
                 info.module.__dict__.pop(info.name, None)
@@ -427,6 +434,65 @@ class Unit:
                 del s.module._parameters[s.name]
                 s.module.__dict__[s.name] = views[s.primary]
             self.module._parameters[FLAT_PARAM] = self.flat_param
+
+    # ------------------------------------------- summon(with_grads=True)
+    def unshard_grad(self) -> Optional[torch.Tensor]:
+        """All-gather the sharded gradient (torch FSDP1's ``unshard_grad``).
+
+        Collective: every rank of the unit calls it.  Returns the padded full
+        gradient, or None when no rank has one; a rank without a gradient
+        contributes zeros.  Unit must be idle (``flat_param.grad`` sharded)."""
+        g = self.flat_param.grad
+        if not self.sharded:  # NO_SHARD: the gradient is already full
+            return g
+        none = torch.tensor([int(g is None)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(none, group=self.group)
+        if int(none.item()) == self.world_size:
+            return None
+        if g is None:
+            g = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        full = torch.empty(self.layout.padded_numel, dtype=g.dtype, device=self.device)
+        comm.all_gather(full, g.contiguous(), self.group, async_op=False)
+        return full
+
+    def grads_as_full(self, full: Optional[torch.Tensor]) -> None:
+        """use_orig_params=True, after :meth:`params_as_full`: each original
+        parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
+        for off, info in zip(self.layout.offsets, self.infos):
+            info.param.grad = (
+                None
+                if full is None or not info.param.requires_grad
+                else full[off : off + info.numel].view(info.shape)
+            )
+
+    def grads_as_sharded(self, full: Optional[torch.Tensor], writeback: bool) -> None:
+        """Undo :meth:`grads_as_full` (call before :meth:`params_as_sharded`).
+
+        With ``writeback``, this rank's unpadded part of ``full`` is copied
+        into the existing sharded gradient (none is created, as torch)."""
+        for info in self.infos:
+            info.param.grad = None
+        g = self.flat_param.grad
+        if writeback and full is not None and g is not None and self.sharded:
+            lo, hi = self.layout.shard_range(self.rank)
+            hi = min(hi, self.layout.flat_numel)
+            if hi > lo:
+                g[: hi - lo].copy_(full[lo:hi])
+
+    def orig_grads_as_shard_views(self) -> None:
+        """use_orig_params=True: each original parameter's ``.grad`` is its
+        part of the flat gradient: its slice of this rank's shard (None outside
+        it), or its full-shape view with NO_SHARD; None for frozen parameters."""
+        g = self.flat_param.grad
+        if not self.sharded:
+            for info, v in zip(self.infos, self._grad_views(g)):
+                set_grad(info.param, v if info.param.requires_grad else None)
+            return
+        for info, sl in zip(self.infos, self.layout.slices[self.rank]):
+            if g is None or sl.numel == 0 or not info.param.requires_grad:
+                info.param.grad = None
+            else:
+                set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
 
     # --------------------------------------------------------------- grads
     def _on_grad_ready(self, flat_param: torch.Tensor) -> None:
@@ -513,17 +579,7 @@ class Unit:
             self.saved_grad = None
         self.grad_unsharded = False
         if self.use_orig_params:
-            g = self.flat_param.grad
-            if not self.sharded:
-                views = self._grad_views(g)
-                for info, v in zip(self.infos, views):
-                    set_grad(info.param, v if info.param.requires_grad else None)
-                return
-            for info, sl in zip(self.infos, self.layout.slices[self.rank]):
-                if g is None or sl.numel == 0 or not info.param.requires_grad:
-                    info.param.grad = None
-                else:
-                    set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+            self.orig_grads_as_shard_views()
 
     def _grad_views(self, g: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         if g is None:
