@@ -277,6 +277,30 @@ def _materialize(module, param_init_fn, ignored_params, ignored_mods, device) ->
             )
 
 
+def _check_not_shared_with_other_units(module: nn.Module, ignored: set) -> None:
+    """A parameter already managed by another (earlier-wrapped) unit that this
+    unit's own modules also use: torch's FSDP supports tied parameters only
+    within one unit, so say which and what to do rather than train wrongly."""
+    stack = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        for name, p in mod._parameters.items():
+            if p is None or p in ignored or name == "_flat_param":
+                continue
+            if getattr(p, "_cfsdp_stale_fqn", None) is not None or getattr(p, "_cfsdp_flattened", False):
+                raise ValueError(
+                    f"Parameter '{clean_tensor_name(join_fqn(prefix, name))}' of {type(mod).__name__} "
+                    f"(in the {type(module).__name__} being wrapped) is shared with a module "
+                    "that another FullyShardedDataParallel unit already manages (tied weights "
+                    "across units). Tied parameters must live in one unit: wrap their lowest "
+                    "common ancestor instead (e.g. leave the embedding and the output head to "
+                    "the root unit)."
+                )
+        for cname, child in mod._modules.items():
+            if child is not None and not isinstance(child, FullyShardedDataParallel):
+                stack.append((join_fqn(prefix, cname), child))
+
+
 def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> None:
     """Check every parameter the wrapper tree will shard, naming it by FQN."""
     for name, p in module.named_parameters():
@@ -449,6 +473,7 @@ class FullyShardedDataParallel(nn.Module):
             )
 
         _materialize(module, param_init_fn, ignored_params, ignored_mods, device)
+        _check_not_shared_with_other_units(module, ignored_params)
         managed = [
             p
             for p in dict.fromkeys(module.parameters())

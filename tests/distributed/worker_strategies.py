@@ -390,6 +390,70 @@ def comm_hook_errors(ctx):
     mm.raise_if_any()
 
 
+class TiedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class TiedLM(nn.Module):
+    """Embedding and output head share one weight (GPT-2 style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.blocks = nn.Sequential(TiedBlock(), TiedBlock())
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.blocks(self.emb(x)))
+
+
+@h.subtest(grid={"use_orig_params": [False, True], "policy": ["blocks", "none"]})
+def tied_parameters(ctx, use_orig_params: bool, policy: str):
+    """Tied embedding/head in the root unit (the way torch allows): losses, names and the
+    full state dict (both FQNs present, as torch) bitwise equal to torch FSDP1. Tying across
+    two units is refused with a ValueError naming the parameter (torch trains it wrongly)."""
+    mm = Mismatches(ctx)
+    torch.manual_seed(0)
+    base = TiedLM()
+    record = []
+    for wrapper in (TorchFSDP, CFSDP):
+        pol = ModuleWrapPolicy({TiedBlock}) if policy == "blocks" else None
+        model = wrapper(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU,
+                        use_orig_params=use_orig_params, auto_wrap_policy=pol)
+        opt = make_optim("adamw", model.parameters())
+        g = torch.Generator().manual_seed(ctx.rank)
+        losses = []
+        for _ in range(4):
+            x = torch.randint(0, 11, (3, 5), generator=g)
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        record.append((losses, [n for n, _ in model.named_parameters()], model.state_dict()))
+    (tl, tn, tsd), (cl, cn, csd) = record
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss at step {i}", a, b)
+    mm.check(cn == tn, f"named_parameters {cn} != torch {tn}")
+    mm.check(list(csd) == list(tsd), f"state_dict keys {list(csd)} != torch {list(tsd)}")
+    for k in tsd:
+        mm.tensors(f"state_dict[{k}]", csd.get(k), tsd[k])
+    try:
+        CFSDP(copy.deepcopy(base), process_group=ctx.pg, use_orig_params=use_orig_params,
+              auto_wrap_policy=ModuleWrapPolicy({nn.Embedding, nn.Linear}))
+    except ValueError as e:
+        mm.check("weight" in str(e) and "common ancestor" in str(e), f"tied across units: {e}")
+    else:
+        mm.add("tied parameters across two units did not raise")
+    mm.raise_if_any()
+
+
 @h.subtest
 def no_sync_errors(ctx):
     """no_sync() on an inner unit (once the root is known: before the first forward an
