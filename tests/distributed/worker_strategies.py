@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffload
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as SS
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -451,6 +451,72 @@ def tied_parameters(ctx, use_orig_params: bool, policy: str):
         mm.check("weight" in str(e) and "common ancestor" in str(e), f"tied across units: {e}")
     else:
         mm.add("tied parameters across two units did not raise")
+    mm.raise_if_any()
+
+
+class OrderBlock(nn.Module):
+    def __init__(self, extra: int):
+        super().__init__()
+        self.lin = nn.Linear(8, 8 + extra)  # a different size per unit, to tell them apart
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))[..., :8]
+
+
+_COLLECTIVES = {"all_gather": "AG", "all_gather_into_tensor": "AG",
+                "reduce_scatter_tensor": "RS", "reduce_scatter_single": "RS"}
+
+
+@contextlib.contextmanager
+def record_collectives(events: list):
+    """Record (kind, numel) of every all-gather / reduce-scatter issued, by patching
+    torch.distributed (both torch's FSDP1 and cfsdp's comm.py call through it)."""
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def make(name, orig):
+        def fn(*args, **kwargs):
+            out = args[0]
+            events.append((_COLLECTIVES[name], sum(t.numel() for t in out) if isinstance(out, list) else out.numel()))
+            return orig(*args, **kwargs)
+        return fn
+
+    try:
+        for name, orig in saved.items():
+            setattr(dist, name, make(name, orig))
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(dist, name, orig)
+
+
+@h.subtest(grid={"backward_prefetch": [BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST, None],
+                 "forward_prefetch": [False, True]})
+def collective_order(ctx, backward_prefetch, forward_prefetch: bool):
+    """The order of all-gathers and reduce-scatters in a steady-state step (the third), as
+    torch's prefetch tests check it: identical to torch FSDP1's, except that with
+    forward_prefetch=True torch 2.13 also all-gathers one unit further ahead in backward
+    (BACKWARD_PRE and None); there cfsdp's order is the one backward_prefetch alone asks for,
+    checked against torch with forward_prefetch=False."""
+    mm = Mismatches(ctx)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8), OrderBlock(1), OrderBlock(2), OrderBlock(3), nn.Linear(8, 1))
+    seqs = []
+    for wrapper, fp in ((TorchFSDP, forward_prefetch), (CFSDP, forward_prefetch), (TorchFSDP, False)):
+        model = wrapper(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU,
+                        auto_wrap_policy=ModuleWrapPolicy({OrderBlock}),
+                        backward_prefetch=backward_prefetch, forward_prefetch=fp)
+        events: list = []
+        g = torch.Generator().manual_seed(ctx.rank)
+        for _ in range(3):
+            events.clear()
+            with record_collectives(events):
+                model(torch.randn(4, 8, generator=g)).sum().backward()
+        seqs.append(events)
+    torch_seq, cfsdp_seq, torch_nofp = seqs
+    expected = torch_seq
+    if forward_prefetch and backward_prefetch != BackwardPrefetch.BACKWARD_POST:
+        expected = torch_nofp
+    mm.check(cfsdp_seq == expected, f"collectives issued in a step:\n    cfsdp {cfsdp_seq}\n    torch {expected}")
     mm.raise_if_any()
 
 
