@@ -205,3 +205,9 @@ def run_worker(
     # show the per-subtest summary with `pytest -s` / in the captured stdout of a failure
     print(res.output[-TAIL_CHARS:])
     return res
+
+
+def subtest_filter() -> list[str]:
+    """``--only SUBSTR`` from ``CFSDP_SUBTESTS`` (run only the matching subtests), or nothing."""
+    only = os.environ.get("CFSDP_SUBTESTS")
+    return ["--only", only] if only else []

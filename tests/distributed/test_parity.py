@@ -4,21 +4,14 @@ One torchrun launch per world size runs every parity subtest (spawning is the sl
 ``CFSDP_SUBTESTS=substr`` runs only the subtests whose name contains ``substr``.
 """
 
-import os
-
 import pytest
 
-from launcher import run_worker
+from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 420  # W=4 on 2 shared cores takes ~100 s for the whole grid
-
-
-def _only():
-    only = os.environ.get("CFSDP_SUBTESTS")
-    return ["--only", only] if only else []
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp1_parity(world_size):
-    run_worker("worker_parity.py", world_size, args=_only(), timeout=LAUNCH_TIMEOUT_S)
+    run_worker("worker_parity.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S)

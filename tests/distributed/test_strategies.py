@@ -1,11 +1,9 @@
 """Sharding strategies (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2)
 and no_sync(): parity with torch FSDP1 (see worker_strategies.py)."""
 
-import os
-
 import pytest
 
-from launcher import run_worker
+from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 420
 
@@ -13,6 +11,5 @@ LAUNCH_TIMEOUT_S = 420
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_strategies_and_no_sync(world_size):
-    only = os.environ.get("CFSDP_SUBTESTS")
-    run_worker("worker_strategies.py", world_size, args=["--only", only] if only else [],
+    run_worker("worker_strategies.py", world_size, args=subtest_filter(),
                timeout=LAUNCH_TIMEOUT_S)
