@@ -39,6 +39,7 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from . import wrap  # noqa: E402  (as torch.distributed.fsdp.wrap after importing the package)
 
 __version__ = "0.1.0"
 

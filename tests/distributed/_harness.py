@@ -190,7 +190,11 @@ def main() -> None:
     dist.init_process_group(backend="gloo", timeout=PG_TIMEOUT)
     rc, aborted = run_subtests(args.only)
     if not aborted:
-        # every rank reported on every subtest, so every rank gets here: safe to tear down
+        # every rank reported on every subtest, so every rank gets here: safe to tear down.
+        # The barrier first: torch 2.13 gloo can abort a rank at teardown ("terminate
+        # called without an active exception") when one rank destroys its group while
+        # another still has work in flight.
+        dist.barrier()
         dist.destroy_process_group()
     # else a rank is hung or dead; tearing down could block on it, so just exit (torchrun
     # stops the other ranks once one exits non-zero)

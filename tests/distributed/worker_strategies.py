@@ -463,7 +463,7 @@ class OrderBlock(nn.Module):
         return torch.relu(self.lin(x))[..., :8]
 
 
-_COLLECTIVES = {"all_gather": "AG", "all_gather_into_tensor": "AG",
+_COLLECTIVES = {"all_gather": "AG", "all_gather_into_tensor": "AG", "all_gather_single": "AG",
                 "reduce_scatter_tensor": "RS", "reduce_scatter_single": "RS"}
 
 
@@ -517,6 +517,28 @@ def collective_order(ctx, backward_prefetch, forward_prefetch: bool):
     if forward_prefetch and backward_prefetch != BackwardPrefetch.BACKWARD_POST:
         expected = torch_nofp
     mm.check(cfsdp_seq == expected, f"collectives issued in a step:\n    cfsdp {cfsdp_seq}\n    torch {expected}")
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"use_orig_params": [False, True]})
+def model_memory_is_freed(ctx, use_orig_params: bool):
+    """Deleting a trained model (and its optimizer) frees its units and their shards: no
+    reference cycle through the flat parameter's gradient hook keeps them alive."""
+    import gc
+    import weakref
+
+    mm = Mismatches(ctx)
+    model = CFSDP(build("transformer"), process_group=ctx.pg, device_id=CPU,
+                  use_orig_params=use_orig_params, auto_wrap_policy=make_policy("module"))
+    opt = make_optim("adamw", model.parameters())
+    (x, y), = make_batches("transformer", 1, steps=1)[0]
+    LOSSES["transformer"](model(x), y).backward()
+    opt.step()
+    refs = [weakref.ref(w._state.unit) for w in CFSDP.fsdp_modules(model) if w._state.unit is not None]
+    del model, opt
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    mm.check(alive == 0, f"{alive} of {len(refs)} units still alive after del model, optimizer")
     mm.raise_if_any()
 
 

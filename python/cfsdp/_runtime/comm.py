@@ -36,7 +36,11 @@ def all_gather(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Pending:
     """Gather every rank's ``shard`` into ``out`` (``world_size * shard.numel()``)."""
-    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old
+    # name warns); look it up per call so torch>=2.9 works and tools that patch
+    # torch.distributed (our collective-order test) see the call.
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = ag(out, shard, group=group, async_op=async_op)
     return Pending(work, out, shard)
 
 
@@ -44,9 +48,8 @@ def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Pending:
     """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
-    work = dist.reduce_scatter_tensor(
-        out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = rs(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(work, out, inp)
 
 

@@ -26,6 +26,7 @@ exactly, so shapes and numerics match torch.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -372,7 +373,17 @@ class Unit:
             self.requires_grad = any(i.param.requires_grad for i in self.infos)
             self.flat_param.requires_grad_(self.requires_grad)
         if self.requires_grad and not self._hooked:
-            self.flat_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            # The hook lives in the tensor's C++ hook list, out of the garbage
+            # collector's sight: hold the unit weakly, or a unit and its flat
+            # parameter would keep each other alive after the model is gone.
+            unit_ref = weakref.ref(self)
+
+            def hook(p: torch.Tensor) -> None:
+                unit = unit_ref()
+                if unit is not None:
+                    unit._on_grad_ready(p)
+
+            self.flat_param.register_post_accumulate_grad_hook(hook)
             self._hooked = True
 
     def use_forward_views(self) -> None:

@@ -1,0 +1,93 @@
+"""Bar chart of median step time per contender, one panel per model.
+
+Usage::
+
+    python benchmarks/plot.py benchmarks/out/bench.json [more.json ...] \\
+        --out benchmarks/results.png
+
+Reads the JSON written by ``bench_fsdp.py``.  Each model gets its own panel
+(models differ by orders of magnitude in step time); the ``local`` floor is
+drawn as a dashed line and failed contenders are marked instead of drawn.
+When a model appears in several files, the last file wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {
+    "local": "#9e9e9e",
+    "cfsdp": "#2e7d32",
+    "fsdp1": "#1565c0",
+    "fsdp2": "#6a1b9a",
+    "ddp": "#ef6c00",
+}
+
+
+def load_models(paths: list[Path]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Models from all files (later files override earlier ones) and the
+    machine block of the last file."""
+    models: dict[str, dict[str, Any]] = {}
+    machine: dict[str, Any] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        models.update(report["models"])
+        machine = report["machine"]
+    return models, machine
+
+
+def plot(models: dict[str, dict[str, Any]], machine: dict[str, Any], out: Path) -> None:
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    for ax, (model_name, model) in zip(axes[0], models.items()):
+        contenders: dict[str, dict[str, Any]] = model["contenders"]
+        names = list(contenders)
+        for i, name in enumerate(names):
+            res = contenders[name]
+            if "error" in res:
+                ax.text(i, 0, "error", ha="center", va="bottom", rotation=90, color="red")
+                continue
+            ax.bar(i, res["step_ms"], color=COLORS.get(name, "#607d8b"))
+            ax.text(i, res["step_ms"], f"{res['step_ms']:.0f}", ha="center", va="bottom",
+                    fontsize=8)
+        local = contenders.get("local", {}).get("step_ms")
+        if local is not None:
+            ax.axhline(local, color="black", linestyle="--", linewidth=1, label="local floor")
+            ax.legend(loc="upper left", fontsize=8, frameon=False)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("median step time (ms)")
+        n_params = model["config"].get("n_params")
+        subtitle = f"{n_params / 1e6:.1f}M params" if n_params else ""
+        ax.set_title(f"{model_name} {subtitle}", fontsize=10)
+        ax.margins(y=0.12)
+    fig.suptitle(
+        f"world {machine.get('world_size')} x {machine.get('threads_per_rank')} thread, "
+        f"{machine.get('backend')}, torch {machine.get('torch')}, "
+        f"cfsdp {machine.get('cfsdp')}, {machine.get('date', '')[:10]}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", type=Path, help="JSON files from bench_fsdp.py")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results.png"))
+    args = p.parse_args()
+    models, machine = load_models(args.inputs)
+    plot(models, machine, args.out)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()
