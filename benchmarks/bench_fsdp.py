@@ -35,12 +35,30 @@ also has the peak RSS over the timed steps alone.
 
 Rank 0 prints a markdown table per model and writes everything (per-step
 times and losses included) as JSON to ``--out``.
+
+Two switches change what the contenders run (defaults: fp32, FULL_SHARD):
+
+* ``--mp bf16`` -- bf16 mixed precision.  cfsdp and FSDP1 get
+  ``MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16)``,
+  FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``; DDP and
+  local run forward and loss under ``torch.autocast("cpu", dtype=bf16)``.
+  Their numerics differ, so the sharded contenders are checked against DDP
+  with a loose tolerance and against FSDP1 (cfsdp: bitwise).
+* ``--strategy hybrid`` -- HSDP on a ``(world / shard_size, shard_size)``
+  mesh: cfsdp and FSDP1 with ``HYBRID_SHARD`` and ``device_mesh=mesh``, FSDP2
+  ``fully_shard(..., mesh=mesh)`` on the 2-D mesh; DDP and local unchanged.
+
+``--set KEY=VALUE`` overrides a model config field (e.g. ``n_layer=4``), for
+runs with more ranks than cores.  The loss is always computed on fp32 logits
+(``logits.float()``, a no-op in fp32).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import dataclasses
 import datetime
 import gc
 import json
@@ -59,8 +77,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import (
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
@@ -79,6 +103,13 @@ CONTENDERS = ("local", "cfsdp", "fsdp1", "fsdp2", "ddp")
 SHARDED = ("cfsdp", "fsdp1", "fsdp2")
 MODELS: dict[str, ModelConfig] = {"gpt2": GPTConfig(), "small": SmallConfig()}
 LOSS_RTOL = 1e-4  # sharded contenders vs DDP, relative, on every step
+# --mp bf16: DDP runs under autocast, the sharded contenders under FSDP mixed
+# precision (bf16 parameters in compute, bf16 gradient reduction): different
+# numerics, so only a loose agreement is expected; the same loose bound holds
+# FSDP2 against FSDP1.  cfsdp against FSDP1 is always expected to be bitwise.
+LOSS_RTOL_MP = 2e-2
+MP_DTYPES = {"none": None, "bf16": torch.bfloat16}
+STRATEGIES = ("full", "hybrid")
 SEED = 0
 LR = 1e-3
 
@@ -145,46 +176,82 @@ def _cfsdp_module() -> Any:
     return cfsdp
 
 
+@dataclass
+class Setup:
+    """What every contender of a run shares: precision and sharding strategy."""
+
+    mp: str = "none"  # key of MP_DTYPES
+    strategy: str = "full"  # one of STRATEGIES
+    mesh: DeviceMesh | None = None  # 2-D (replicate, shard) mesh for "hybrid"
+
+    @property
+    def mp_dtype(self) -> torch.dtype | None:
+        return MP_DTYPES[self.mp]
+
+
 def _wrap_policy(cfg: ModelConfig) -> ModuleWrapPolicy:
     """One FSDP unit per block (plus the root's own unit)."""
     return ModuleWrapPolicy({wrap_unit_class(cfg)})
 
 
-def wrap_cfsdp(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def _fsdp1_kwargs(setup: Setup) -> dict[str, Any]:
+    """Precision and strategy arguments shared by cfsdp and torch FSDP1
+    (empty in the default run, so that run is unchanged)."""
+    kwargs: dict[str, Any] = {}
+    dtype = setup.mp_dtype
+    if dtype is not None:
+        kwargs["mixed_precision"] = MixedPrecision(
+            param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
+        )
+    if setup.strategy == "hybrid":
+        kwargs["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
+        kwargs["device_mesh"] = setup.mesh
+    return kwargs
+
+
+def wrap_cfsdp(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     return _cfsdp_module().FullyShardedDataParallel(
         model,
         auto_wrap_policy=_wrap_policy(cfg),
         use_orig_params=False,
         device_id=torch.device("cpu"),
+        **_fsdp1_kwargs(setup),
     )
 
 
-def wrap_fsdp1(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def wrap_fsdp1(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     return TorchFSDP(
         model,
         auto_wrap_policy=_wrap_policy(cfg),
         use_orig_params=False,
         device_id=torch.device("cpu"),  # torch refuses a CPU-only machine without it
+        **_fsdp1_kwargs(setup),
     )
 
 
-def wrap_fsdp2(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
+    kwargs: dict[str, Any] = {}
+    dtype = setup.mp_dtype
+    if dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    if setup.strategy == "hybrid":
+        kwargs["mesh"] = setup.mesh  # 2-D mesh: HSDP (replicate dim 0, shard dim 1)
     for module in model.modules():
         if isinstance(module, wrap_unit_class(cfg)):
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
-def wrap_ddp(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def wrap_ddp(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     return DistributedDataParallel(model)
 
 
-def wrap_local(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def wrap_local(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     return model
 
 
-# contender name -> wrap(fresh model, config) -> the module to train
-WRAPPERS: dict[str, Callable[[nn.Module, ModelConfig], nn.Module]] = {
+# contender name -> wrap(fresh model, config, setup) -> the module to train
+WRAPPERS: dict[str, Callable[[nn.Module, ModelConfig, Setup], nn.Module]] = {
     "local": wrap_local,
     "cfsdp": wrap_cfsdp,
     "fsdp1": wrap_fsdp1,
@@ -222,19 +289,40 @@ class Outcome:
 
 
 def train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Forward, cross-entropy, backward, optimizer step, zero_grad."""
-    logits = model(x)
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    """Forward, cross-entropy, backward, optimizer step, zero_grad.
+
+    With ``autocast_dtype``, forward and loss run under CPU autocast.  The
+    loss is taken on fp32 logits (a no-op in fp32 runs; under mixed precision
+    the logits are bf16 and a bf16 loss would hide differences).
+    """
+    ctx = (
+        torch.autocast("cpu", dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def run_contender(name: str, cfg: ModelConfig, warmup: int, iters: int) -> Outcome:
+def run_contender(
+    name: str, cfg: ModelConfig, warmup: int, iters: int, setup: Setup | None = None
+) -> Outcome:
     """Build, wrap, warm up and time one contender on this rank."""
+    setup = setup or Setup()
+    # mixed precision: the sharded contenders get it from their wrapper, the
+    # unsharded ones (DDP, local) from autocast around forward and loss
+    autocast_dtype = None if name in SHARDED else setup.mp_dtype
     out = Outcome()
     rank = dist.get_rank()
     release_memory()
@@ -246,7 +334,7 @@ def run_contender(name: str, cfg: ModelConfig, warmup: int, iters: int) -> Outco
         model = build_model(cfg, SEED)
         dist.barrier()
         t0 = time.perf_counter()
-        model = WRAPPERS[name](model, cfg)
+        model = WRAPPERS[name](model, cfg, setup)
         out.wrap_s = time.perf_counter() - t0
         optim = torch.optim.AdamW(model.parameters(), lr=LR)
         setup_peak_kib = 0
@@ -257,7 +345,7 @@ def run_contender(name: str, cfg: ModelConfig, warmup: int, iters: int) -> Outco
             x, y = make_batch(cfg, SEED, rank, step)
             dist.barrier()
             t0 = time.perf_counter()
-            loss = train_step(model, optim, x, y)
+            loss = train_step(model, optim, x, y, autocast_dtype)
             dt = time.perf_counter() - t0
             out.losses.append(loss.item())
             if step >= warmup:
@@ -319,8 +407,18 @@ def reduce_outcome(out: Outcome, warmup: int, iters: int, rss_reset: bool) -> di
     }
 
 
-def add_ratios(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Fill overhead and ratios in place; return warnings on loss disagreement."""
+def _max_rel_diff(losses: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+
+
+def add_ratios(results: dict[str, dict[str, Any]], mp: str = "none") -> list[str]:
+    """Fill overhead and ratios in place; return warnings on loss disagreement.
+
+    Every sharded contender is compared with DDP (``LOSS_RTOL``, or the loose
+    ``LOSS_RTOL_MP`` under mixed precision, where DDP runs under autocast) and
+    with torch FSDP1 (cfsdp: bitwise; FSDP2: ``LOSS_RTOL_MP`` under mixed
+    precision, ``LOSS_RTOL`` otherwise).
+    """
     ok = {k: v for k, v in results.items() if "error" not in v}
     local = ok.get("local", {}).get("step_ms")
     fsdp2 = ok.get("fsdp2", {}).get("step_ms")
@@ -335,18 +433,31 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> list[str]:
 
     warnings: list[str] = []
     ref = ok.get("ddp", {}).get("losses")
+    rtol_ddp = LOSS_RTOL if mp == "none" else LOSS_RTOL_MP
     for name in SHARDED:
         if name not in ok:
             continue
         if ref is None:
             warnings.append(f"WARNING: no DDP reference; {name}'s losses are unchecked")
             continue
-        rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ok[name]["losses"], ref))
+        rel = _max_rel_diff(ok[name]["losses"], ref)
         ok[name]["max_rel_loss_diff_vs_ddp"] = rel
-        if rel > LOSS_RTOL:
+        if rel > rtol_ddp:
             warnings.append(
                 f"WARNING: {name} losses differ from DDP's by up to {rel:.3e} "
-                f"relative (> {LOSS_RTOL:g})"
+                f"relative (> {rtol_ddp:g})"
+            )
+    fsdp1 = ok.get("fsdp1", {}).get("losses")
+    for name in SHARDED:
+        if name not in ok or fsdp1 is None:
+            continue
+        rel = _max_rel_diff(ok[name]["losses"], fsdp1)
+        ok[name]["max_rel_loss_diff_vs_fsdp1"] = rel
+        rtol = 0.0 if name == "cfsdp" else (LOSS_RTOL if mp == "none" else LOSS_RTOL_MP)
+        if rel > rtol:
+            what = "not bitwise equal to FSDP1's" if rtol == 0.0 else "differ from FSDP1's"
+            warnings.append(
+                f"WARNING: {name} losses {what}: up to {rel:.3e} relative (> {rtol:g})"
             )
     return warnings
 
@@ -359,22 +470,29 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def markdown_table(results: dict[str, dict[str, Any]]) -> str:
-    """One row per contender; failed contenders show their error."""
+def markdown_table(results: dict[str, dict[str, Any]], vs_fsdp1: bool = False) -> str:
+    """One row per contender; failed contenders show their error.
+
+    ``vs_fsdp1`` adds a last column, the max relative loss difference against
+    torch FSDP1 (shown for ``--mp``/``--strategy`` runs; the default table is
+    unchanged).
+    """
     head = (
         "| contender | step ms (median) | overhead ms (step - local) | step / fsdp2 "
         "| overhead / fsdp2 overhead | peak RSS MiB | peak - start RSS MiB "
-        "| live tensors MiB | wrap s | final loss | max rel loss diff vs ddp |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| live tensors MiB | wrap s | final loss | max rel loss diff vs ddp |"
+        + (" max rel loss diff vs fsdp1 |" if vs_fsdp1 else "")
+        + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|" if vs_fsdp1 else "")
     )
     rows = [head]
     for name, res in results.items():
         if "error" in res:
             error = res["error"].replace("|", "\\|").replace("\n", " ")
-            rows.append(f"| {name} | error: {error} ||||||||||")
+            rows.append(f"| {name} | error: {error} ||||||||||" + ("|" if vs_fsdp1 else ""))
             continue
         flag = "" if res["rss_reset"] else " (*)"
-        rows.append(
+        row = (
             f"| {name} | {res['step_ms']:.1f} | {_fmt(res.get('overhead_ms'), '.1f')} "
             f"| {_fmt(res.get('ratio_vs_fsdp2'), '.2f')} "
             f"| {_fmt(res.get('overhead_ratio_vs_fsdp2'), '.2f')} "
@@ -383,6 +501,9 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
             f"| {res['wrap_s']:.3f} | {res['final_loss']:.6f} "
             f"| {_fmt(res.get('max_rel_loss_diff_vs_ddp'), '.1e')} |"
         )
+        if vs_fsdp1:
+            row += f" {_fmt(res.get('max_rel_loss_diff_vs_fsdp1'), '.1e')} |"
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -410,7 +531,7 @@ def cfsdp_version() -> str:
     return f"{ver} (backend {getattr(cfsdp, 'backend', 'unknown')})"
 
 
-def machine_info(args: argparse.Namespace, rss_reset: bool) -> dict[str, Any]:
+def machine_info(args: argparse.Namespace, rss_reset: bool, setup: Setup) -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "cpu_model": _cpu_model(),
@@ -427,6 +548,10 @@ def machine_info(args: argparse.Namespace, rss_reset: bool) -> dict[str, Any]:
         f"{dist.get_world_size()} " + " ".join(sys.argv),
         "warmup": args.warmup,
         "iters": args.iters,
+        "mixed_precision": setup.mp,
+        "strategy": setup.strategy,
+        "mesh_shape": list(setup.mesh.mesh.shape) if setup.mesh is not None else None,
+        "config_overrides": args.set,
     }
 
 
@@ -445,6 +570,31 @@ def parse_args() -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(CONTENDERS)} (run in that order)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--mp",
+        choices=list(MP_DTYPES),
+        default="none",
+        help="mixed precision: bf16 = FSDP MixedPrecision / FSDP2 MixedPrecisionPolicy for "
+        "the sharded contenders, torch.autocast for ddp and local",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="full",
+        help="full = FULL_SHARD over all ranks; hybrid = HSDP on a "
+        "(world / shard-size, shard-size) mesh (HYBRID_SHARD, FSDP2 on the 2-D mesh)",
+    )
+    p.add_argument(
+        "--shard-size", type=int, default=2, help="ranks per shard group for --strategy hybrid"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an integer model config field (e.g. n_layer=4) in every selected "
+        "model that has it; repeatable",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/bench.json"))
     args = p.parse_args()
@@ -455,7 +605,46 @@ def parse_args() -> argparse.Namespace:
     args.contenders = [c for c in CONTENDERS if c in names]
     if args.iters < 1:
         p.error("--iters must be at least 1")
+    if args.shard_size < 1:
+        p.error("--shard-size must be at least 1")
+    model_names = list(MODELS) if args.model == "all" else [args.model]
+    args.configs = {}
+    overrides: dict[str, int] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        try:
+            overrides[key.strip()] = int(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            p.error(f"--set {item!r}: expected KEY=INTEGER")
+    for key in overrides:
+        if not any(key in {f.name for f in dataclasses.fields(MODELS[m])} for m in model_names):
+            p.error(f"--set {key}: no selected model ({', '.join(model_names)}) has that field")
+    for m in model_names:
+        cfg = MODELS[m]
+        fields = {f.name for f in dataclasses.fields(cfg)}
+        args.configs[m] = dataclasses.replace(
+            cfg, **{k: v for k, v in overrides.items() if k in fields}
+        )
     return args
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    """The run's precision and strategy; builds the HSDP mesh (collective)."""
+    setup = Setup(mp=args.mp, strategy=args.strategy)
+    if args.strategy == "hybrid":
+        world = dist.get_world_size()
+        if world % args.shard_size != 0:
+            raise SystemExit(
+                f"--strategy hybrid: world size {world} is not divisible by "
+                f"--shard-size {args.shard_size}"
+            )
+        setup.mesh = init_device_mesh(
+            "cpu", (world // args.shard_size, args.shard_size),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return setup
 
 
 def main() -> None:
@@ -470,19 +659,22 @@ def main() -> None:
             "peak (flagged (*)), not the contender's own",
             flush=True,
         )
-    report: dict[str, Any] = {"machine": machine_info(args, rss_reset), "models": {}}
-    model_names = list(MODELS) if args.model == "all" else [args.model]
-    for model_name in model_names:
-        cfg = MODELS[model_name]
+    setup = make_setup(args)
+    report: dict[str, Any] = {"machine": machine_info(args, rss_reset, setup), "models": {}}
+    vs_fsdp1 = setup.mp != "none" or setup.strategy != "full"
+    if rank == 0 and vs_fsdp1:
+        mesh = f", mesh {tuple(setup.mesh.mesh.shape)}" if setup.mesh is not None else ""
+        print(f"mixed precision {setup.mp}, strategy {setup.strategy}{mesh}", flush=True)
+    for model_name, cfg in args.configs.items():
         results: dict[str, dict[str, Any]] = {}
         for name in args.contenders:
             if rank == 0:
                 print(f"[{model_name}] {name} ...", flush=True)
-            out = run_contender(name, cfg, args.warmup, args.iters)
+            out = run_contender(name, cfg, args.warmup, args.iters, setup)
             results[name] = reduce_outcome(out, args.warmup, args.iters, rss_reset)
             if rank == 0 and "error" in results[name]:
                 print(f"[{model_name}] {name} error: {results[name]['error']}", flush=True)
-        warnings = add_ratios(results)
+        warnings = add_ratios(results, setup.mp)
         n_params = sum(p.numel() for p in build_model(cfg, SEED).parameters())
         report["models"][model_name] = {
             "config": {**config_dict(cfg), "n_params": n_params},
@@ -491,7 +683,7 @@ def main() -> None:
         }
         if rank == 0:
             print(f"\n### {model_name}: {config_dict(cfg)}, {n_params:,} params\n")
-            print(markdown_table(results))
+            print(markdown_table(results, vs_fsdp1))
             for line in warnings:
                 print(line)
             if not rss_reset:

@@ -67,8 +67,14 @@ def plot(models: dict[str, dict[str, Any]], machine: dict[str, Any], out: Path) 
         subtitle = f"{n_params / 1e6:.1f}M params" if n_params else ""
         ax.set_title(f"{model_name} {subtitle}", fontsize=10)
         ax.margins(y=0.12)
+    mode = ""
+    if machine.get("mixed_precision", "none") != "none":
+        mode += f"{machine['mixed_precision']} mixed precision, "
+    if machine.get("strategy", "full") == "hybrid":
+        shape = machine.get("mesh_shape") or []
+        mode += f"HSDP {' x '.join(map(str, shape))} mesh, "
     fig.suptitle(
-        f"world {machine.get('world_size')} x {machine.get('threads_per_rank')} thread, "
+        f"{mode}world {machine.get('world_size')} x {machine.get('threads_per_rank')} thread, "
         f"{machine.get('backend')}, torch {machine.get('torch')}, "
         f"cfsdp {machine.get('cfsdp')}, {machine.get('date', '')[:10]}",
         fontsize=9,
