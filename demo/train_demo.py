@@ -164,13 +164,18 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     code = run(args.steps, args.tol)
     # Tear down only on success (an exception exits and torchrun stops the other
-    # ranks), and only once every rank got here: without the barrier, torch
-    # 2.13's gloo group intermittently aborts at exit after FSDP1 training
-    # ("terminate called without an active exception").
+    # ranks), and only once every rank got here.  Even then torch 2.13's gloo
+    # intermittently aborts a rank during interpreter shutdown ("terminate
+    # called without an active exception": a gloo thread still joinable when
+    # C++ statics are destroyed), with torch's FSDP1 alone too; so the process
+    # leaves with os._exit once its output is flushed, as tests/distributed does.
     dist.barrier()
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
