@@ -30,11 +30,17 @@ from ._runtime import clip as _clip
 from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.unit import TrainingState, Unit
 from ._state_dict import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
+from . import _optim_state_dict as _osd
+from . import _state_dict as _sd
 from .api import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
+    OptimStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
 )
 
 __all__ = ["FullyShardedDataParallel"]
@@ -441,6 +447,13 @@ class FullyShardedDataParallel(nn.Module):
         self._replicate_group = replicate_group
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.cpu_offload = cpu_offload or CPUOffload()
+        self._device_mesh = device_mesh
+        # state-dict settings (torch's attribute names; set_state_dict_type changes them)
+        (
+            self._state_dict_type,
+            self._state_dict_config,
+            self._optim_state_dict_config,
+        ) = _sd.default_settings()
         # original dtypes of the buffers (clean names), restored in state dicts
         self._buffer_orig_dtypes = {
             clean_tensor_name(n): b.dtype for n, b in module.named_buffers()
@@ -916,27 +929,98 @@ class FullyShardedDataParallel(nn.Module):
             )
         return res.total_norm
 
-    # --------------------------------------------- not implemented (yet)
-    def _nyi(name: str, issue: int):  # type: ignore[misc]
-        def method(*args, **kwargs):
-            raise _not_implemented(f"FullyShardedDataParallel.{name}", issue)
+    # ------------------------------------------------- state-dict types
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type and configs of every wrapper under ``module``
+        (which need not be a wrapper); returns the previous settings (torch's contract)."""
+        return _sd.set_state_dict_type(
+            FullyShardedDataParallel.fsdp_modules(module),
+            state_dict_type,
+            state_dict_config,
+            optim_state_dict_config,
+        )
 
-        method.__name__ = name
-        method.__doc__ = f"Not implemented yet in cfsdp (issue {issue}); raises NotImplementedError."
-        return method
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> Optional[StateDictSettings]:
+        """The settings shared by every wrapper under ``module`` (None if there is
+        no wrapper); ``AssertionError`` if they differ, as torch."""
+        return _sd.get_state_dict_type(FullyShardedDataParallel.fsdp_modules(module))
 
-    state_dict_type = staticmethod(_nyi("state_dict_type", 4))
-    set_state_dict_type = staticmethod(_nyi("set_state_dict_type", 4))
-    get_state_dict_type = staticmethod(_nyi("get_state_dict_type", 4))
-    optim_state_dict = staticmethod(_nyi("optim_state_dict", 4))
-    optim_state_dict_to_load = staticmethod(_nyi("optim_state_dict_to_load", 4))
-    full_optim_state_dict = staticmethod(_nyi("full_optim_state_dict", 4))
-    sharded_optim_state_dict = staticmethod(_nyi("sharded_optim_state_dict", 4))
-    shard_full_optim_state_dict = staticmethod(_nyi("shard_full_optim_state_dict", 4))
-    scatter_full_optim_state_dict = staticmethod(_nyi("scatter_full_optim_state_dict", 4))
-    flatten_sharded_optim_state_dict = staticmethod(_nyi("flatten_sharded_optim_state_dict", 4))
-    rekey_optim_state_dict = staticmethod(_nyi("rekey_optim_state_dict", 4))
-    del _nyi
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ):
+        """``set_state_dict_type`` for the duration of the context (restored on exit)."""
+        prev = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(
+                module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config
+            )
+
+    # -------------------------------------------- optimizer state dicts
+    # torch FSDP1's signatures; the work is in cfsdp._optim_state_dict.
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None) -> dict[str, Any]:
+        return _osd.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model, optim, optim_state_dict, is_named_optimizer: bool = False,
+        load_directly: bool = False, group=None,
+    ) -> dict[str, Any]:
+        return _osd.optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
+
+    @staticmethod
+    def full_optim_state_dict(
+        model, optim, optim_input=None, rank0_only: bool = True, group=None
+    ) -> dict[str, Any]:
+        return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
+
+    @staticmethod
+    def sharded_optim_state_dict(model, optim, group=None) -> dict[str, Any]:
+        return _osd.sharded_optim_state_dict(model, optim, group)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict, model, optim_input=None, optim=None
+    ) -> dict[str, Any]:
+        return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim) -> dict[str, Any]:
+        return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict, model, optim_input=None, optim=None, group=None
+    ) -> dict[str, Any]:
+        return _osd.scatter_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict, optim_state_key_type, model, optim_input=None, optim=None
+    ) -> dict[str, Any]:
+        return _osd.rekey_optim_state_dict(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
+        )
 
 
 def _module_prefix(root: nn.Module, target: nn.Module) -> str:

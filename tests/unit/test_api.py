@@ -65,15 +65,6 @@ def test_bad_arguments_are_named_before_any_communication(kwargs, exc, needle):
 
 
 @pytest.mark.parametrize(
-    "method",
-    ["optim_state_dict", "full_optim_state_dict"],
-)
-def test_not_implemented_methods_are_named(method):
-    with pytest.raises(NotImplementedError, match=method):
-        getattr(FSDP, method)(None)
-
-
-@pytest.mark.parametrize(
     "name, args",
     [
         ("fully_shard", (nn.Linear(2, 2),)),
