@@ -9,7 +9,23 @@ so raw ``nn.Module`` names carry those prefixes.  The names a user sees in state
 
 from __future__ import annotations
 
-from typing import Optional
+import contextvars
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
 
 from .api import (
     FullOptimStateDictConfig,
@@ -142,3 +158,468 @@ def get_state_dict_type(wrappers: list) -> Optional[StateDictSettings]:
                 f"All FSDP modules must have the same state dict settings. Got {mine} and {settings}."
             )
     return settings
+
+
+# ---------------------------------------------------------------------------
+# model state dicts: hooks on every wrapper
+# ---------------------------------------------------------------------------
+#
+# nn.Module.state_dict / load_state_dict recurse through the module tree and
+# call each wrapper's hooks around its own subtree, so every wrapper handles
+# its own unit and its own prefix, whatever holds it (another wrapper, a plain
+# module, DDP).  Saving, per wrapper:
+#
+#   pre hook   FULL/SHARDED: all-gather the unit in full precision and expose
+#              full parameters (so the subtree's state dict sees them);
+#   post hook  rename the subtree's keys (drop this wrapper's prefix), turn the
+#              unit's entries into the requested type (full copies, dim-0
+#              chunks as ShardedTensor/DTensor, or the flat local shard), then
+#              reshard.
+#
+# A unit is thus gathered only while its own subtree is saved: the peak is the
+# state dict built so far plus the units on the path from the root (usually the
+# root's and one block's), never the whole unsharded model.
+#
+# Loading mirrors it: the outermost wrapper first checks the whole subtree's
+# keys, shapes and dtypes against what its state dict would hold (nothing is
+# written when something is wrong); each pre hook restores its prefix and, for
+# SHARDED, gathers the chunks into full tensors; the post hook writes this
+# rank's shard back and reshards.
+
+# Computing what a state dict would hold, without communication (load checks).
+_DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("cfsdp_sd_dry", default=False)
+# The user's strict flag of the load in progress (nn.Module passes strict=True to
+# every module's hook, whatever the user asked); None: not known (a plain module
+# is loading a subtree that holds wrappers).
+_LOAD_STRICT: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
+    "cfsdp_sd_strict", default=None
+)
+
+
+def _rt():
+    """The runtime's hooks module (imported late: the runtime imports the FQN names above)."""
+    from ._runtime import hooks
+
+    return hooks
+
+
+def install_hooks(w: nn.Module) -> None:
+    """Register the state-dict hooks of one wrapper."""
+    w.register_state_dict_pre_hook(_pre_state_dict_hook)
+    w._register_state_dict_hook(_post_state_dict_hook)
+    w._register_load_state_dict_pre_hook(_pre_load_hook, with_module=True)
+    w.register_load_state_dict_post_hook(_post_load_hook)
+
+
+def _unit(w):
+    return w._state.unit
+
+
+def _rank(w) -> int:
+    u = _unit(w)
+    return u.rank if u is not None else w.rank
+
+
+def _type_of(w) -> StateDictType:
+    """The type ``w``'s unit is saved/loaded as: a NO_SHARD unit has no shards, so
+    torch gives its full parameters (plain tensors) for every type, and so do we."""
+    u = _unit(w)
+    if u is not None and not u.sharded:
+        return StateDictType.FULL_STATE_DICT
+    return w._state_dict_type
+
+
+def _expose_full(w, rank0_only: bool) -> None:
+    """All-gather ``w``'s unit in full precision; expose full parameters (on rank 0
+    only with ``rank0_only``: the other ranks take part and reshard at once)."""
+    w._state.training_state = _rt().TrainingState.SUMMON
+    w._sd_shown = False
+    u = _unit(w)
+    if u is None:
+        return
+    u.drop_grad_if_orig_grads_cleared()
+    if u.is_unsharded and not u.holds_full_precision:
+        u.reshard()
+    u.unshard(full_precision=True)
+    if rank0_only and u.rank != 0:
+        u.reshard()
+        return
+    u.params_as_full()
+    w._sd_shown = True
+
+
+def _hide_full(w, writeback: bool) -> None:
+    """Undo :func:`_expose_full` (writing this rank's shard back if asked)."""
+    u = _unit(w)
+    try:
+        if u is not None and getattr(w, "_sd_shown", False):
+            u.params_as_sharded(writeback)
+        if u is not None:
+            u.reshard()
+    finally:
+        w._sd_shown = False
+        w._state.training_state = _rt().TrainingState.IDLE
+
+
+def abort(wrappers: list) -> None:
+    """After an exception mid-way through a state-dict call: reshard every unit
+    left unsharded (discarding any partial write) and return to IDLE."""
+    for w in wrappers:
+        if w._state.training_state is _rt().TrainingState.SUMMON and getattr(w, "_sd_active", False):
+            _hide_full(w, writeback=False)
+        w._sd_active = False
+
+
+def _pre_state_dict_hook(w, prefix: str, keep_vars: bool) -> None:
+    if _DRY.get():
+        return
+    _rt().check_can_summon([w._state])
+    check_mesh_settings(w)
+    w._sd_active = True
+    t = _type_of(w)
+    if t == StateDictType.LOCAL_STATE_DICT:
+        return
+    rank0_only = t == StateDictType.FULL_STATE_DICT and getattr(w._state_dict_config, "rank0_only", False)
+    _expose_full(w, rank0_only)
+
+
+def _subtree(state_dict, prefix: str) -> list[str]:
+    return [k for k in state_dict if k.startswith(prefix)]
+
+
+def _clean_under(prefix: str, key: str) -> str:
+    return prefix + clean_tensor_name(key[len(prefix):])
+
+
+def _plain_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) and not isinstance(v, (ShardedTensor, DTensor)) and v.device.type != "meta"
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
+    if _DRY.get():
+        _dry_entries(w, state_dict, prefix)
+        return
+    try:
+        t = _type_of(w)
+        cfg = w._state_dict_config
+        u = _unit(w)
+        keys = _subtree(state_dict, prefix)
+        items = [(k, state_dict.pop(k)) for k in keys]
+        if t == StateDictType.FULL_STATE_DICT and getattr(cfg, "rank0_only", False) and _rank(w) != 0:
+            items = []  # as torch: the other ranks get nothing of this subtree
+        full_ptr = u.full_storage_ptr() if (u is not None and w._sd_shown) else None
+        shard_ptr = _storage_ptr(u.shard) if u is not None else None
+        flat_key = prefix + FLAT_PARAM
+        flat_done = False
+        for k, v in items:
+            ck = _clean_under(prefix, k)
+            if not _plain_tensor(v):  # extra state, or an inner wrapper's converted entry
+                state_dict[ck] = v
+                continue
+            ptr = _storage_ptr(v)
+            if t == StateDictType.LOCAL_STATE_DICT and u is not None and ptr == shard_ptr:
+                # the flat parameter (use_orig_params=False), or one of the original
+                # parameters' shard views (True): one flat local shard for the unit
+                if not flat_done and not u.use_orig_params:
+                    state_dict[flat_key] = _local_flat_value(w, u)
+                flat_done = True
+                continue
+            if full_ptr is not None and ptr == full_ptr:
+                v = v.detach()
+                if t == StateDictType.SHARDED_STATE_DICT:
+                    state_dict[ck] = _chunked_value(w, u, v, cfg.offload_to_cpu, cfg._use_dtensor)
+                else:
+                    state_dict[ck] = v.to("cpu", copy=True) if cfg.offload_to_cpu else v.clone()
+                continue
+            orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
+            if orig is not None and v.dtype != orig and v.is_floating_point():
+                v = v.detach().to(orig)  # buffers leave in their own dtype (mixed precision)
+            state_dict[ck] = v
+        if flat_done and u.use_orig_params:  # as torch: after the subtree's other entries
+            state_dict[flat_key] = _local_flat_value(w, u)
+        _clean_metadata(state_dict, prefix)
+    finally:
+        if _type_of(w) != StateDictType.LOCAL_STATE_DICT:
+            _hide_full(w, writeback=False)
+        w._sd_active = False
+
+
+def _clean_metadata(state_dict, prefix: str) -> None:
+    """The version metadata of the subtree's modules, under clean module names."""
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is None:
+        return
+    for k in [k for k in meta if k.startswith(prefix) and k != prefix[:-1]]:
+        rest = clean_tensor_name(k[len(prefix):] + ".")[:-1]
+        v = meta.pop(k)
+        meta.setdefault(prefix + rest if rest else prefix[:-1], v)
+
+
+# ------------------------------------------------------------------ values
+def _placement(group, r: int, device: torch.device) -> str:
+    g = dist.get_global_rank(group, r)
+    if device.type == "cpu":
+        return f"rank:{g}/cpu"
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    return f"rank:{g}/{device.type}:{g % max(count, 1)}"
+
+
+def _sharded_tensor(local: Optional[torch.Tensor], shards, full_shape, dtype, group, rank, device,
+                    requires_grad: bool = False):
+    """A ShardedTensor of shape ``full_shape`` made of ``shards`` (``(rank, offsets,
+    sizes)`` for each rank of ``group`` that holds one, in rank order), with ``local``
+    as this rank's (if it holds one).  No communication."""
+    metas = {r: ShardMetadata(list(off), list(size), _placement(group, r, device)) for r, off, size in shards}
+    local_shards = [Shard(local, metas[rank])] if (local is not None and rank in metas) else []
+    props = TensorProperties(
+        dtype=dtype, layout=torch.strided, requires_grad=requires_grad,
+        memory_format=torch.contiguous_format, pin_memory=False,
+    )
+    md = ShardedTensorMetadata(
+        shards_metadata=list(metas.values()), size=torch.Size(full_shape), tensor_properties=props
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=md, process_group=group
+    )
+
+
+def _dim0_chunks(d0: int, world: int) -> list[tuple[int, int]]:
+    """``(start, rows)`` of each of ``torch.chunk``'s dim-0 chunks (there may be fewer than ``world``)."""
+    rows = -(-d0 // world) if d0 else 0
+    if rows == 0:
+        return [(0, 0)]
+    return [(s, min(rows, d0 - s)) for s in range(0, d0, rows)]
+
+
+def _mesh_of(w, u):
+    mesh = getattr(w, "_device_mesh", None)
+    if mesh is None:
+        mesh = DeviceMesh.from_group(u.group, u.device.type)
+    return mesh
+
+
+def _chunked_value(w, u, full: torch.Tensor, offload_to_cpu: bool, use_dtensor: bool):
+    """SHARDED_STATE_DICT: this rank's dim-0 chunk of a full parameter, as torch
+    (ShardedTensor over the unit's group, or DTensor ``Shard(0)`` — with a 2-D
+    hybrid mesh ``(Replicate(), Shard(0))``)."""
+    world, rank = u.world_size, u.rank
+    chunks = _dim0_chunks(full.shape[0], world)
+    local = None
+    if rank < len(chunks):
+        s, n = chunks[rank]
+        local = full[s : s + n]
+        local = local.to("cpu", copy=True) if offload_to_cpu else local.clone()
+    if use_dtensor or getattr(w, "_device_mesh", None) is not None:
+        mesh = _mesh_of(w, u)
+        if local is None:
+            local = full.new_empty((0, *full.shape[1:]), device="cpu" if offload_to_cpu else full.device)
+        placements = [Replicate()] * (mesh.ndim - 1) + [DShard(0)]
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+        )
+    rest = [0] * (full.dim() - 1)
+    shards = [(r, [s, *rest], [n, *full.shape[1:]]) for r, (s, n) in enumerate(chunks)]
+    device = local.device if local is not None else full.device
+    return _sharded_tensor(local, shards, full.shape, full.dtype, u.group, rank, device)
+
+
+def _local_flat_value(w, u):
+    """LOCAL_STATE_DICT: the unit's flat parameter as a ShardedTensor of its
+    unpadded size, this rank holding its shard without the padding (as torch)."""
+    lay = u.layout
+    if u.sharded:  # ranks holding only padding hold no shard (as torch)
+        sizes = [max(0, min(lay.shard_numel, lay.flat_numel - r * lay.shard_numel)) for r in range(u.world_size)]
+        shards = [(r, [r * lay.shard_numel], [n]) for r, n in enumerate(sizes) if n > 0]
+        mine = sizes[u.rank]
+    else:  # NO_SHARD: every rank holds the whole flat parameter
+        shards = [(r, [0], [lay.flat_numel]) for r in range(u.world_size)]
+        mine = lay.flat_numel
+    # this rank's live shard, flagged like the flat parameter (torch's metadata says
+    # requires_grad); a detached leaf, so no autograd view of the flat parameter is made
+    local = u.shard.detach()[:mine]
+    if w._state_dict_config.offload_to_cpu:
+        local = local.to("cpu", copy=True)
+    local.requires_grad_(u.flat_param.requires_grad)
+    return _sharded_tensor(
+        local, shards, (lay.flat_numel,), u.dtype, u.group, u.rank, local.device,
+        requires_grad=u.flat_param.requires_grad,
+    )
+
+
+# ------------------------------------------------------ expected entries
+def _meta_like(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _dry_entries(w, state_dict, prefix: str) -> None:
+    """Post hook in dry mode: the subtree's entries as meta tensors of the shape
+    and dtype the real state dict (of ``w._state_dict_type``) would hold."""
+    u = _unit(w)
+    shard_ptr = _storage_ptr(u.shard) if u is not None else None
+    items = [(k, state_dict.pop(k)) for k in _subtree(state_dict, prefix)]
+    unit_done = False
+    for k, v in items:
+        ck = _clean_under(prefix, k)
+        if u is not None and _plain_tensor(v) and _storage_ptr(v) == shard_ptr:
+            if not unit_done:
+                unit_done = True
+                if _type_of(w) == StateDictType.LOCAL_STATE_DICT:
+                    state_dict[prefix + FLAT_PARAM] = _meta_like((u.layout.flat_numel,), u.dtype)
+                else:
+                    for info in list(u.infos) + list(u.shared):
+                        state_dict[prefix + clean_tensor_name(info.fqn)] = _meta_like(info.shape, u.dtype)
+            continue
+        if _plain_tensor(v):
+            orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
+            dtype = orig if (orig is not None and v.is_floating_point()) else v.dtype
+            v = _meta_like(v.shape, dtype)
+        state_dict[ck] = v
+
+
+def expected_entries(w, prefix: str = "") -> "OrderedDict[str, Any]":
+    """What ``w``'s state dict (its current type) holds, as meta tensors; no communication."""
+    token = _DRY.set(True)
+    try:
+        return nn.Module.state_dict(w, prefix=prefix, keep_vars=True)
+    finally:
+        _DRY.reset(token)
+
+
+def _global_shape(v) -> Optional[torch.Size]:
+    if isinstance(v, ShardedTensor):
+        return v.size()
+    if isinstance(v, torch.Tensor):
+        return v.shape
+    return None
+
+
+def _describe(v) -> str:
+    kind = type(v).__name__ if isinstance(v, (ShardedTensor, DTensor)) else "tensor"
+    return f"a {str(v.dtype).replace('torch.', '')} {kind} of shape {tuple(_global_shape(v))}"
+
+
+def validate(w, state_dict, prefix: str, strict: Optional[bool]) -> None:
+    """Check ``state_dict``'s entries under ``prefix`` against ``w``'s own before
+    anything is written: missing and unexpected keys and dtypes (when ``strict``),
+    shapes (always).  Raises ``RuntimeError`` naming the first offending FQN."""
+    expected = expected_entries(w, prefix)
+    given = [k for k in state_dict if k.startswith(prefix)]
+    errors: list[str] = []
+    if strict:
+        errors += [f"missing key '{k}' (expected {_describe(v)})" for k, v in expected.items() if k not in state_dict]
+        errors += [
+            f"unexpected key '{k}' (the model has no parameter or buffer of that name)"
+            for k in given if k not in expected
+        ]
+    for k in given:
+        want, got = expected.get(k), state_dict[k]
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            continue
+        if _global_shape(got) != want.shape:
+            errors.append(f"'{k}' has shape {tuple(_global_shape(got))}, expected {tuple(want.shape)}")
+        elif strict and got.dtype != want.dtype:
+            errors.append(f"'{k}' has dtype {got.dtype}, expected {want.dtype}")
+    if errors:
+        more = f" ({len(errors) - 1} more: " + "; ".join(errors[1:]) + ")" if len(errors) > 1 else ""
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for FullyShardedDataParallel "
+            f"({w._state_dict_type.name}): {errors[0]}{more}. Nothing was loaded. Check that the "
+            "state dict comes from the same model and the same state_dict_type"
+            + ("; pass strict=False to load only the matching keys." if strict else ".")
+        )
+
+
+# ------------------------------------------------------------- loading
+def _full_from_chunks(v, u, fqn: str) -> torch.Tensor:
+    """The full tensor of a SHARDED_STATE_DICT entry (collective over the unit's group)."""
+    if isinstance(v, DTensor):
+        return v.full_tensor()
+    if not isinstance(v, ShardedTensor):
+        return v  # already full
+    full_shape = v.size()
+    chunks = _dim0_chunks(full_shape[0], u.world_size)
+    metas = v.metadata().shards_metadata
+    want = [([s] + [0] * (len(full_shape) - 1), [n, *full_shape[1:]]) for s, n in chunks]
+    have = sorted((list(m.shard_offsets), list(m.shard_sizes)) for m in metas)
+    if have != sorted(want):
+        raise NotImplementedError(
+            f"'{fqn}': a ShardedTensor sharded other than in dim-0 chunks over the unit's "
+            f"{u.world_size} ranks (shards {have}) cannot be loaded; load it through "
+            "torch.distributed.checkpoint (dcp.load into this model's own sharded state dict), "
+            "which reshards it."
+        )
+    rows = chunks[0][1]
+    inp = torch.zeros((rows, *full_shape[1:]), dtype=v.dtype, device=u.device)
+    local = v.local_shards()
+    if local:
+        t = local[0].tensor
+        inp[: t.shape[0]].copy_(t)
+    out = torch.empty((rows * u.world_size, *full_shape[1:]), dtype=v.dtype, device=u.device)
+    dist.all_gather_into_tensor(out, inp, group=u.group)
+    return out[: full_shape[0]]
+
+
+def _load_local_flat(w, u, state_dict, prefix: str) -> None:
+    key = prefix + FLAT_PARAM
+    if key not in state_dict:
+        return
+    v = state_dict[key]
+    if isinstance(v, ShardedTensor):
+        shards = v.local_shards()
+        local = shards[0].tensor if shards else u.shard.new_empty(0)
+    else:
+        lo, _ = u.layout.shard_range(u.rank) if u.sharded else (0, 0)
+        local = v.reshape(-1)[lo : lo + u.shard.numel()]
+    padded = torch.zeros_like(u.shard)
+    padded[: local.numel()].copy_(local.reshape(-1))
+    if u.use_orig_params:  # no flat parameter registered: write the shard directly
+        del state_dict[key]
+        with torch.no_grad():
+            u.shard.copy_(padded)
+    else:
+        state_dict[key] = padded
+
+
+def _pre_load_hook(w, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs) -> None:
+    _rt().check_can_summon([w._state])
+    check_mesh_settings(w)
+    if not w._cfsdp_has_outer and not w._sd_validated:
+        validate(w, state_dict, prefix, _LOAD_STRICT.get())
+    w._sd_validated = False
+    w._sd_active = True
+    t = _type_of(w)
+    u = _unit(w)
+    w._sd_skip_missing = set()
+    if u is not None and t == StateDictType.SHARDED_STATE_DICT:
+        for info in list(u.infos) + list(u.shared):
+            k = prefix + clean_tensor_name(info.fqn)
+            if k in state_dict:
+                state_dict[k] = _full_from_chunks(state_dict[k], u, k)
+    if u is not None and t == StateDictType.LOCAL_STATE_DICT:
+        _load_local_flat(w, u, state_dict, prefix)
+        if u.use_orig_params:
+            w._sd_skip_missing = {
+                clean_tensor_name(prefix + FSDP_PREFIX + i.fqn) for i in list(u.infos) + list(u.shared)
+            }
+    if t != StateDictType.LOCAL_STATE_DICT:
+        _expose_full(w, rank0_only=False)
+    inner = prefix + FSDP_PREFIX
+    for k in _subtree(state_dict, prefix):
+        if not k.startswith(inner):
+            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+
+def _post_load_hook(w, incompatible_keys) -> None:
+    try:
+        if _type_of(w) != StateDictType.LOCAL_STATE_DICT:
+            _hide_full(w, writeback=True)
+    finally:
+        w._sd_active = False
+    skip = w._sd_skip_missing
+    missing = [clean_tensor_name(k) for k in incompatible_keys.missing_keys]
+    incompatible_keys.missing_keys[:] = [k for k in missing if k not in skip]
+    incompatible_keys.unexpected_keys[:] = [clean_tensor_name(k) for k in incompatible_keys.unexpected_keys]

@@ -13,7 +13,6 @@ import contextvars
 import functools
 import itertools
 import warnings
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -27,7 +26,15 @@ from torch.distributed.fsdp._common_utils import _override_module_mixed_precisio
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from ._runtime import clip as _clip
-from ._runtime.hooks import BACKWARD_POST, BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
+from ._runtime.hooks import (
+    BACKWARD_POST,
+    BACKWARD_PRE,
+    SummonStateError,
+    UnitState,
+    cast_floating,
+    check_can_summon,
+    lazy_init_root,
+)
 from ._runtime.unit import TrainingState, Unit
 from ._state_dict import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
@@ -49,11 +56,6 @@ __all__ = ["FullyShardedDataParallel"]
 # root's ignored parameters (the children must not manage them either).
 _AUTO_WRAP_IGNORED: contextvars.ContextVar[Optional[frozenset]] = contextvars.ContextVar(
     "cfsdp_auto_wrap_ignored", default=None
-)
-# Set while a state dict is built or loaded, so nested wrappers' state_dict()
-# defer to nn.Module's (the outermost call does the FQN cleaning).
-_IN_STATE_DICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "cfsdp_in_state_dict", default=False
 )
 
 _STALE_HOOK_INSTALLED = False
@@ -519,6 +521,14 @@ class FullyShardedDataParallel(nn.Module):
         )
         reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
+        # state dicts: wrappers below this one are not outermost; hooks per wrapper
+        self._cfsdp_has_outer = False
+        self._sd_validated = self._sd_active = self._sd_shown = False
+        self._sd_skip_missing: set = set()
+        for sub in module.modules():
+            if isinstance(sub, FullyShardedDataParallel):
+                sub._cfsdp_has_outer = True
+        _sd.install_hooks(self)
         _install_stale_optimizer_check()
 
     # ----------------------------------------------------------------- init
@@ -755,83 +765,36 @@ class FullyShardedDataParallel(nn.Module):
         with ctx:
             return super().apply(fn)
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """FULL_STATE_DICT (torch's default): full tensors under clean FQNs."""
-        if args:
-            raise TypeError("state_dict() takes keyword arguments only (destination, prefix, keep_vars)")
-        if _IN_STATE_DICT.get():
-            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        wrappers = FullyShardedDataParallel.fsdp_modules(self)
-        token = _IN_STATE_DICT.set(True)
+    def state_dict(self, *args, **kwargs):
+        """``nn.Module.state_dict`` of the type set by ``state_dict_type`` (default
+        FULL_STATE_DICT): see ``cfsdp._state_dict`` for what each type holds."""
+        check_can_summon([w._state for w in FullyShardedDataParallel.fsdp_modules(self)])
         try:
-            with _summoned(wrappers, writeback=False):
-                raw = super().state_dict(prefix=prefix, keep_vars=True)
-                storages = {
-                    w._state.unit.full_storage_ptr()
-                    for w in wrappers
-                    if w._state.unit is not None
-                }
-                orig_dtypes = {}
-                for w in wrappers:  # buffers back to their original dtype, as torch
-                    if w.mixed_precision.buffer_dtype is not None:
-                        pre = prefix + _module_prefix(self, w)
-                        for n, d in w._buffer_orig_dtypes.items():
-                            orig_dtypes.setdefault(pre + n, d)
-                out: "OrderedDict[str, Any]" = OrderedDict() if destination is None else destination
-                for k, v in raw.items():
-                    ck = clean_tensor_name(k)
-                    if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages:
-                        v = v.detach().clone()
-                    elif ck in orig_dtypes and v.dtype != orig_dtypes[ck]:
-                        v = v.detach().to(orig_dtypes[ck])
-                    elif isinstance(v, torch.Tensor) and not keep_vars:
-                        v = v.detach()
-                    out[ck] = v
-                meta = getattr(raw, "_metadata", None)
-                if meta is not None:
-                    out_meta = getattr(out, "_metadata", None)
-                    if out_meta is None:
-                        out_meta = OrderedDict()
-                        out._metadata = out_meta  # type: ignore[attr-defined]
-                    for k, v in meta.items():
-                        out_meta[clean_tensor_name(k + ".")[:-1] if k else k] = v
-        finally:
-            _IN_STATE_DICT.reset(token)
-        return out
+            return super().state_dict(*args, **kwargs)
+        except BaseException:
+            _sd.abort(FullyShardedDataParallel.fsdp_modules(self))
+            raise
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a FULL state dict (clean FQNs, full tensors) into the shards."""
+        """Load a state dict of the type set by ``state_dict_type``.  The whole
+        state dict is checked first (keys when ``strict``, shapes, dtypes when
+        ``strict``): on a mismatch nothing is loaded and the error names the first
+        offending FQN."""
         if assign:
             raise _not_implemented("load_state_dict(assign=True)", 4)
-        wrappers = FullyShardedDataParallel.fsdp_modules(self)
-        token = _IN_STATE_DICT.set(True)
+        check_can_summon([w._state for w in FullyShardedDataParallel.fsdp_modules(self)])
+        token = _sd._LOAD_STRICT.set(bool(strict))
         try:
-            with _summoned(wrappers, writeback=True):
-                raw_keys = list(super().state_dict(keep_vars=True).keys())
-                to_raw = {clean_tensor_name(k): k for k in raw_keys}
-                if strict:
-                    missing = [k for k in to_raw if k not in state_dict]
-                    unexpected = [k for k in state_dict if k not in to_raw]
-                    if missing or unexpected:
-                        raise RuntimeError(
-                            "Error(s) in loading state_dict for FullyShardedDataParallel: "
-                            f"missing keys {missing}, unexpected keys {unexpected}. Nothing "
-                            "was loaded; pass strict=False to load the matching keys only."
-                        )
-                mapped = OrderedDict((to_raw.get(k, k), v) for k, v in state_dict.items())
-                meta = getattr(state_dict, "_metadata", None)
-                if meta is not None:
-                    mod_to_raw = {clean_tensor_name(n + ".")[:-1] if n else n: n for n, _ in super().named_modules()}
-                    mapped._metadata = OrderedDict(  # type: ignore[attr-defined]
-                        (mod_to_raw.get(k, k), v) for k, v in meta.items()
-                    )
-                result = super().load_state_dict(mapped, strict=strict)
+            if not self._cfsdp_has_outer:
+                _sd.validate(self, state_dict, "", bool(strict))
+                self._sd_validated = True
+            return super().load_state_dict(state_dict, strict=strict)
+        except BaseException:
+            _sd.abort(FullyShardedDataParallel.fsdp_modules(self))
+            raise
         finally:
-            _IN_STATE_DICT.reset(token)
-        return type(result)(
-            [clean_tensor_name(k) for k in result.missing_keys],
-            [clean_tensor_name(k) for k in result.unexpected_keys],
-        )
+            self._sd_validated = False
+            _sd._LOAD_STRICT.reset(token)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -1032,12 +995,6 @@ def _module_prefix(root: nn.Module, target: nn.Module) -> str:
     raise AssertionError("module not found under root")
 
 
-class SummonStateError(AssertionError, RuntimeError):
-    """``summon_full_params`` (or a full state dict) at a time it cannot run:
-    during forward/backward, or nested.  torch's FSDP1 raises ``AssertionError``
-    there, so this is one (and a ``RuntimeError``, which cfsdp raised before)."""
-
-
 def _validate_summon_args(
     w: FullyShardedDataParallel, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
     with_grads: bool,
@@ -1058,25 +1015,6 @@ def _validate_summon_args(
         )
 
 
-def _check_can_summon(wrappers: list[FullyShardedDataParallel]) -> None:
-    for w in wrappers:
-        ts = w._state.training_state
-        if ts in (TrainingState.FORWARD, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-            raise SummonStateError(
-                "Cannot manually unshard parameters during forward/backward: "
-                "summon_full_params / state_dict was called while a unit of "
-                f"{w._state.name} is in {ts.name}. Call it between training steps "
-                "(after backward, or before forward)."
-            )
-        if ts is TrainingState.SUMMON:
-            raise SummonStateError(
-                "Cannot manually unshard parameters when already unsharding parameters: "
-                "summon_full_params / state_dict was called inside summon_full_params of "
-                f"{w._state.name}. Leave the outer summon_full_params context first (its "
-                "parameters are already full), or summon disjoint units with recurse=False."
-            )
-
-
 @contextlib.contextmanager
 def _summoned(
     wrappers: list[FullyShardedDataParallel],
@@ -1094,7 +1032,7 @@ def _summoned(
     ``offload_to_cpu`` on a non-CPU device) and, on exit, write this rank's
     shard back if ``writeback``, then reshard.
     """
-    _check_can_summon(wrappers)
+    check_can_summon([w._state for w in wrappers])
     # unit -> (full grad or None, CPU copy or None); only for units shown full
     shown: dict[int, tuple] = {}
     done: list[FullyShardedDataParallel] = []

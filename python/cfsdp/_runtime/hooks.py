@@ -77,6 +77,32 @@ def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
     return obj
 
 
+class SummonStateError(AssertionError, RuntimeError):
+    """``summon_full_params`` (or a full state dict) at a time it cannot run:
+    during forward/backward, or nested.  torch's FSDP1 raises ``AssertionError``
+    there, so this is one (and a ``RuntimeError``, which cfsdp raised before)."""
+
+
+def check_can_summon(states: list["UnitState"]) -> None:
+    """Full parameters (summon, full/sharded state dicts) only between steps, not nested."""
+    for st in states:
+        ts = st.training_state
+        if ts in (TrainingState.FORWARD, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            raise SummonStateError(
+                "Cannot manually unshard parameters during forward/backward: "
+                "summon_full_params / state_dict was called while a unit of "
+                f"{st.name} is in {ts.name}. Call it between training steps "
+                "(after backward, or before forward)."
+            )
+        if ts is TrainingState.SUMMON:
+            raise SummonStateError(
+                "Cannot manually unshard parameters when already unsharding parameters: "
+                "summon_full_params / state_dict was called inside summon_full_params of "
+                f"{st.name}. Leave the outer summon_full_params context first (its "
+                "parameters are already full), or summon disjoint units with recurse=False."
+            )
+
+
 class RootState:
     """State shared by every unit below one root."""
 

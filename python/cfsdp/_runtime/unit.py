@@ -42,6 +42,7 @@ from .reduce import divide_factors, scale_cast_add
 # torch's FSDP1 aligns every original parameter to 16 bytes in the flat
 # buffer when use_orig_params=True (a TorchInductor requirement).
 _ALIGN_BYTES = 16
+_ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 
 
 class TrainingState(enum.Enum):
@@ -126,6 +127,7 @@ class Unit:
             [i.param.detach().contiguous() for i in self.infos],
             lay.offsets,
         )
+        self._fill_alignment_padding()
         if not sharded:
             self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
@@ -163,6 +165,18 @@ class Unit:
         self.comm_hook_low_precision = False
 
     # ------------------------------------------------------------------ init
+    def _fill_alignment_padding(self) -> None:
+        """torch's FSDP1 fills the gaps that align parameters (use_orig_params=True)
+        with ``_ALIGN_PAD_VALUE``; they only show in LOCAL state dicts, which must
+        match torch's bit for bit."""
+        lay = self.layout
+        lo, hi = self._lay_rank * lay.shard_numel, (self._lay_rank + 1) * lay.shard_numel
+        ends = [off + n for off, n in zip(lay.offsets, lay.numels)]
+        for gap_lo, gap_hi in zip(ends, [*lay.offsets[1:], lay.flat_numel]):
+            a, b = max(gap_lo, lo), min(gap_hi, hi)
+            if a < b:
+                self.shard[a - lo : b - lo].fill_(_ALIGN_PAD_VALUE)
+
     @staticmethod
     def _collect(module: nn.Module, params: list[nn.Parameter]):
         wanted = set(params)
