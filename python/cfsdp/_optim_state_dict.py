@@ -334,15 +334,15 @@ def _save_orig_unit(unit: Unit, fqns: list[str], idxs: list[int], states: list[O
 
     ``states[j]`` is this rank's state of ``fqns[j]`` (None without one);
     ``infos[r][fqn]`` what rank r holds: ``(pos-dim names -> dtype, 0-dim values, others)``."""
-    if not unit.sharded:
+    if not unit.sharded or unit.world_size == 1:
+        # torch hands these states over as the optimizer has them (full tensors even for
+        # sharded dicts, the optimizer's state-name order); here as copies
         if not to_save:
             return {}
-        res = {}
-        for f, s in zip(fqns, states):
-            s = s or {}
-            res[f] = {n: out.finish(v, unit) if _is_pos_dim(v) else
-                      (v.detach().clone() if _is_zero_dim(v) else v) for n, v in s.items()}
-        return res
+        return {
+            f: {n: v.detach().clone() if torch.is_tensor(v) else v for n, v in (s or {}).items()}
+            for f, s in zip(fqns, states)
+        }
     res: dict[str, dict[str, Any]] = {f: {} for f in fqns}
     names: dict[str, torch.dtype] = {}
     for r_info in infos:
