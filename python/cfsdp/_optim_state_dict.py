@@ -664,13 +664,13 @@ def _load(osd: dict, model, optim, optim_input, *, rank0_only: bool, group, what
     key_of = view.param_of_key(optim, optim_input, what)
     id_of = {id(e.param): pid for pid, e in key_of.items()}
     known_in_groups = {f for g in osd.get("param_groups", []) for f in g["params"]}
-    for pid, e in key_of.items():
-        if "param_groups" in osd and e.fqns[0] not in known_in_groups:
-            raise ValueError(
-                f"FullyShardedDataParallel.{what}: the optimizer holds '{e.fqns[0]}', which no "
-                "param_group of the optimizer state dict lists; the state dict was saved for a "
-                "different model or optimizer."
-            )
+    missing = [f for e in key_of.values() for f in e.fqns if f not in known_in_groups]
+    if "param_groups" in osd and missing:
+        raise ValueError(
+            f"FullyShardedDataParallel.{what}: the optimizer holds '{missing[0]}', which no "
+            "param_group of the optimizer state dict lists; the state dict was saved for a "
+            "different model or optimizer."
+        )
     for f in known_in_groups:
         if f not in view.by_fqn:
             raise ValueError(

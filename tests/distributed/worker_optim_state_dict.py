@@ -273,13 +273,17 @@ def compare_loadable(mm, what, c: dict, t: dict):
 
 
 @h.subtest(grid={
-    "kind": ["net"],
     "uop": [False, True],
-    "strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
+    "strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD],
     "optim": ["adam", "adamw", "sgd"],
 })
-def parity_and_resume(ctx, kind, uop, strategy, optim):
-    run(ctx, kind, uop, strategy, optim)
+def parity_and_resume(ctx, uop, strategy, optim):
+    run(ctx, "net", uop, strategy, optim)
+
+
+@h.subtest(grid={"uop": [False, True]})
+def shard_grad_op(ctx, uop):
+    run(ctx, "net", uop, ShardingStrategy.SHARD_GRAD_OP, "adamw")
 
 
 @h.subtest(grid={"uop": [False, True]})
