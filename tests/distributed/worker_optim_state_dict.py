@@ -21,7 +21,6 @@ transformer auto-wrapped by ``ModuleWrapPolicy({Block})``.
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 import torch
