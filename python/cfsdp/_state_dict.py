@@ -142,3 +142,34 @@ def get_state_dict_type(wrappers: list) -> Optional[StateDictSettings]:
                 f"All FSDP modules must have the same state dict settings. Got {mine} and {settings}."
             )
     return settings
+
+
+# ---------------------------------------------------------------------------
+# parameters as an optimizer sees them -> the clean FQNs they hold
+# ---------------------------------------------------------------------------
+
+
+def optimizer_param_fqns(model, wrappers: list) -> dict:
+    """``{parameter: [clean FQN, ...]}`` for every parameter ``model.parameters()`` yields.
+
+    A flat parameter (``use_orig_params=False``) maps to the FQNs of the original parameters
+    it holds, in layout order (torch's ``FlatParameter._fqns``); an original parameter
+    (``use_orig_params=True``) and a parameter no unit manages (ignored) map to their own
+    clean name.  Tied occurrences of a parameter are not listed again (as
+    ``named_parameters()`` and torch's FSDP1 optimizer state dicts)."""
+    module_names = {id(m): n for n, m in model.named_modules()}
+    out: dict = {}
+    for w in wrappers:
+        unit = w._state.unit
+        if unit is None:
+            continue
+        prefix = module_names[id(unit.module)]
+        fqns = [clean_tensor_name(join_fqn(prefix, i.fqn)) for i in unit.infos]
+        if unit.use_orig_params:
+            for info, fqn in zip(unit.infos, fqns):
+                out[info.param] = [fqn]
+        else:
+            out[unit.flat_param] = fqns
+    for name, p in model.named_parameters():
+        out.setdefault(p, [clean_tensor_name(name)])
+    return out

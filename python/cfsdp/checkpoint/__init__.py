@@ -153,11 +153,18 @@ def save_full_state_dict(
 
     fsdp = _fsdp_api_for(model)
     group = _root_group(model)
+    # torch's FSDP1 with a CPU compute device frees the storage its "CPU copy" shares when
+    # offloading (a CPU->CPU move is no copy): offload_to_cpu=True crashes it (SIGSEGV) in
+    # torch 2.13. On a CPU device the tensors are in CPU memory anyway, so offloading means
+    # nothing there; cfsdp always offloads as asked.
+    offload = not (fsdp is not _fsdp_class() and all(
+        m.compute_device.type == "cpu" for m in fsdp.fsdp_modules(model)
+    ))
     with fsdp.state_dict_type(
         model,
         StateDictType.FULL_STATE_DICT,
-        FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
-        FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+        FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True),
     ):
         model_sd = model.state_dict()
         optim_sd = None if optimizer is None else fsdp.optim_state_dict(model, optimizer)
