@@ -623,3 +623,34 @@ def _post_load_hook(w, incompatible_keys) -> None:
     missing = [clean_tensor_name(k) for k in incompatible_keys.missing_keys]
     incompatible_keys.missing_keys[:] = [k for k in missing if k not in skip]
     incompatible_keys.unexpected_keys[:] = [clean_tensor_name(k) for k in incompatible_keys.unexpected_keys]
+
+
+# ---------------------------------------------------------------------------
+# parameters as an optimizer sees them -> the clean FQNs they hold
+# ---------------------------------------------------------------------------
+
+
+def optimizer_param_fqns(model, wrappers: list) -> dict:
+    """``{parameter: [clean FQN, ...]}`` for every parameter ``model.parameters()`` yields.
+
+    A flat parameter (``use_orig_params=False``) maps to the FQNs of the original parameters
+    it holds, in layout order (torch's ``FlatParameter._fqns``); an original parameter
+    (``use_orig_params=True``) and a parameter no unit manages (ignored) map to their own
+    clean name.  Tied occurrences of a parameter are not listed again (as
+    ``named_parameters()`` and torch's FSDP1 optimizer state dicts)."""
+    module_names = {id(m): n for n, m in model.named_modules()}
+    out: dict = {}
+    for w in wrappers:
+        unit = w._state.unit
+        if unit is None:
+            continue
+        prefix = module_names[id(unit.module)]
+        fqns = [clean_tensor_name(join_fqn(prefix, i.fqn)) for i in unit.infos]
+        if unit.use_orig_params:
+            for info, fqn in zip(unit.infos, fqns):
+                out[info.param] = [fqn]
+        else:
+            out[unit.flat_param] = fqns
+    for name, p in model.named_parameters():
+        out.setdefault(p, [clean_tensor_name(name)])
+    return out

@@ -1,0 +1,221 @@
+"""Checkpoint files for cfsdp models: crash-safe writes and full-state-dict checkpoints.
+
+``atomic_save(obj, path)``
+    ``torch.save`` that never leaves a half-written file at ``path``: the bytes go to a
+    temporary file in the same directory (``.<name>.tmp-<random>``), which is flushed and
+    fsynced, then renamed onto ``path`` with ``os.replace`` (atomic on POSIX within one
+    file system), and the directory is fsynced so the rename itself is durable.  If anything
+    raises, the temporary file is removed and an existing file at ``path`` is untouched.  A
+    process killed mid-write (SIGKILL, power loss) can leave a stray ``.<name>.tmp-*`` file
+    behind, never a damaged ``path``.
+
+``save_full_state_dict(model, path, optimizer=None)`` / ``load_full_state_dict(...)``
+    One file ``{"model": full model state dict, "optim": full optimizer state dict or None}``
+    for a model wrapped with ``cfsdp.FullyShardedDataParallel`` (torch's FSDP1 works too: only
+    the torch-compatible API is used).  Both are collectives over the model's process group.
+
+``cfsdp.checkpoint.state_dict``
+    ``torch.distributed.checkpoint.state_dict``'s helpers for cfsdp models.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["atomic_save", "save_full_state_dict", "load_full_state_dict"]
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems (and all of Windows) refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _new_file_mode(path: str) -> int:
+    """The permission bits ``open(path, "wb")`` would give: the old file's if there is one,
+    else 0o666 minus the umask (``mkstemp`` creates 0o600)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> None:
+    """``torch.save(obj, path, **torch_save_kwargs)``, all or nothing (see the module doc)."""
+    if "f" in torch_save_kwargs:
+        raise TypeError("atomic_save() got the destination twice: pass it as path, not f=")
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    mode = _new_file_mode(path)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{os.path.basename(path)}.tmp-", dir=directory
+    )
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f, **torch_save_kwargs)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+# ---------------------------------------------------------------------------
+# full-state-dict checkpoints (collective)
+# ---------------------------------------------------------------------------
+
+
+def _fsdp_class():
+    from ..fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _root_group(model: nn.Module) -> dist.ProcessGroup:
+    """The process group of the model's outermost FSDP wrapper (cfsdp's or torch's)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    for m in model.modules():
+        if isinstance(m, _fsdp_class()):
+            return m._process_group
+        if isinstance(m, TorchFSDP):
+            return m.process_group
+    raise ValueError(
+        f"{type(model).__name__} contains no FullyShardedDataParallel module: "
+        "save_full_state_dict/load_full_state_dict need a model wrapped with "
+        "cfsdp.FullyShardedDataParallel (or torch's FSDP1)."
+    )
+
+
+def _fsdp_api_for(model: nn.Module):
+    """cfsdp's wrapper class, or torch's when the model is wrapped with torch's FSDP1."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    if any(isinstance(m, TorchFSDP) for m in model.modules()):
+        return TorchFSDP
+    return _fsdp_class()
+
+
+def _agree(group: dist.ProcessGroup, error: Optional[BaseException], what: str) -> None:
+    """Every rank of ``group`` learns whether any rank failed ``what``; all raise if one did.
+
+    The rank that failed re-raises its own exception; the others raise a RuntimeError that
+    names the failing ranks and their errors."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    statuses: list[Optional[str]] = [None] * group.size()
+    dist.all_gather_object(statuses, mine, group=group)
+    failed = {r: s for r, s in enumerate(statuses) if s is not None}
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    detail = "; ".join(f"rank {r}: {s}" for r, s in failed.items())
+    raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
+
+
+def save_full_state_dict(
+    model: nn.Module, path: str | os.PathLike, optimizer: Optional[torch.optim.Optimizer] = None
+) -> None:
+    """Write ``{"model": ..., "optim": ...}`` (full state dicts) to ``path`` on rank 0.
+
+    A collective over the model's process group: every rank must call it.  The model state
+    dict is gathered with ``FullStateDictConfig(offload_to_cpu=True, rank0_only=True)`` and,
+    with an ``optimizer``, the optimizer's through ``FSDP.optim_state_dict`` under
+    ``FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)``.  Rank 0 (of the
+    model's group) writes with :func:`atomic_save`; then every rank learns whether the write
+    succeeded, and if it did not, every rank raises (rank 0 its own error)."""
+    from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+    fsdp = _fsdp_api_for(model)
+    group = _root_group(model)
+    # torch's FSDP1 with a CPU compute device frees the storage its "CPU copy" shares when
+    # offloading (a CPU->CPU move is no copy): offload_to_cpu=True crashes it (SIGSEGV) in
+    # torch 2.13. On a CPU device the tensors are in CPU memory anyway, so offloading means
+    # nothing there; cfsdp always offloads as asked.
+    offload = not (fsdp is not _fsdp_class() and all(
+        m.compute_device.type == "cpu" for m in fsdp.fsdp_modules(model)
+    ))
+    with fsdp.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+        FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+    ):
+        model_sd = model.state_dict()
+        optim_sd = None if optimizer is None else fsdp.optim_state_dict(model, optimizer)
+    error: Optional[BaseException] = None
+    if group.rank() == 0:
+        try:
+            atomic_save({"model": model_sd, "optim": optim_sd}, path)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+            error = e
+    del model_sd, optim_sd
+    _agree(group, error, f"save_full_state_dict: writing {os.fspath(path)!r} on rank 0")
+
+
+def load_full_state_dict(
+    model: nn.Module, path: str | os.PathLike, optimizer: Optional[torch.optim.Optimizer] = None
+) -> None:
+    """Load a file written by :func:`save_full_state_dict` into ``model`` (and ``optimizer``).
+
+    A collective over the model's process group.  Every rank reads ``path`` (memory-mapped,
+    so the ranks of one host share the pages), so it must be visible to all ranks (one host,
+    or a shared file system); if any rank cannot read it, every rank raises.  The model is
+    loaded strictly under FULL_STATE_DICT; the optimizer through
+    ``FSDP.optim_state_dict_to_load``.  Asking for the optimizer of a file saved without one
+    is a ValueError."""
+    from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+    fsdp = _fsdp_api_for(model)
+    group = _root_group(model)
+    error: Optional[BaseException] = None
+    ckpt: Any = None
+    try:
+        ckpt = torch.load(os.fspath(path), map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "optim" not in ckpt:
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a save_full_state_dict checkpoint (expected a dict "
+                f"with keys 'model' and 'optim')"
+            )
+        if optimizer is not None and ckpt["optim"] is None:
+            raise ValueError(
+                f"{os.fspath(path)!r} holds no optimizer state (it was saved without an "
+                "optimizer); call load_full_state_dict without optimizer="
+            )
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+        error = e
+    _agree(group, error, f"load_full_state_dict: reading {os.fspath(path)!r}")
+    with fsdp.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+        FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
+    ):
+        model.load_state_dict(ckpt["model"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(fsdp.optim_state_dict_to_load(model, optimizer, ckpt["optim"]))

@@ -1,0 +1,266 @@
+"""cfsdp.checkpoint.state_dict (torch's DSD helpers for cfsdp models) and torch.distributed.
+checkpoint (DCP) with cfsdp, against torch's FSDP1 driven by torch's own helpers.
+
+Run by test_dcp.py (gloo, CPU). ``CFSDP_DCP_PHASE`` picks the subtests of a launch:
+
+* unset: at W=2 and W=4, state-dict parity with torch FSDP1 (same model, seed and data; keys,
+  value types, shard metadata and values compared exactly), DCP save/load round trips that
+  resume training with bitwise-equal losses, cross-loading between torch FSDP1 and cfsdp, the
+  options (broadcast_from_rank0, ignore_frozen_params, submodules, flattening) and the
+  delegation to torch for models without cfsdp;
+* ``reshard_save`` / ``reshard_load``: one launch at W=a trains and saves with DCP (and writes
+  the uninterrupted run's next losses to a JSON file), then a launch at W=b loads it and must
+  reproduce them (up to float rounding: the two world sizes sum in different orders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as torch_dsd
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+import _harness as h
+import ckpt_common as cc
+
+import cfsdp.checkpoint.state_dict as cfsdp_dsd
+from cfsdp.checkpoint.state_dict import StateDictOptions
+
+DSD = {"torch": torch_dsd, "cfsdp": cfsdp_dsd}
+RESHARD_RTOL = 1e-5
+PHASE = os.environ.get("CFSDP_DCP_PHASE", "")
+
+
+def trained_pair(ctx, uop: bool, steps: int = 2):
+    """torch FSDP1 and cfsdp on the same model and data, each trained ``steps`` steps."""
+    data = cc.batches(steps, ctx.world_size)
+    out = {}
+    for impl in ("torch", "cfsdp"):
+        model, opt = cc.make(ctx, impl, uop)
+        cc.train(ctx, model, opt, data)
+        out[impl] = (model, opt)
+    return out
+
+
+def describe(v: Any) -> Any:
+    """A value reduced to what must match exactly between torch and cfsdp."""
+    if isinstance(v, ShardedTensor):
+        md = v.metadata()
+        return ("ShardedTensor", tuple(md.size), md.tensor_properties.dtype,
+                [(tuple(s.shard_offsets), tuple(s.shard_sizes), s.placement.rank())
+                 for s in md.shards_metadata],
+                [s.tensor for s in v.local_shards()])
+    if isinstance(v, DTensor):
+        return ("DTensor", tuple(v.shape), v.dtype, v.placements, v.to_local())
+    if isinstance(v, torch.Tensor):
+        return ("Tensor", tuple(v.shape), v.dtype, v)
+    if isinstance(v, dict):
+        return {k: describe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(describe(x) for x in v)
+    return v
+
+
+def assert_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)):
+            raise AssertionError(f"{where}: {a!r} != {b!r}")
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if list(a.keys()) != list(b.keys()):
+            raise AssertionError(f"{where}: keys {list(a.keys())} != {list(b.keys())}")
+        for k in a:
+            assert_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            raise AssertionError(f"{where}: {a!r} != {b!r}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    elif a != b:
+        raise AssertionError(f"{where}: {a!r} != {b!r}")
+
+
+def dcp_save(ctx, impl: str, model, opt, path) -> None:
+    msd, osd = DSD[impl].get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=ctx.pg)
+
+
+def dcp_load(ctx, impl: str, model, opt, path) -> None:
+    msd, osd = DSD[impl].get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(path), process_group=ctx.pg)
+    DSD[impl].set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@h.subtest(grid={"full_state_dict": [True, False], "use_orig_params": [False, True]})
+def model_state_dict_parity(ctx, full_state_dict: bool, use_orig_params: bool):
+    pair = trained_pair(ctx, use_orig_params)
+    opts = StateDictOptions(full_state_dict=full_state_dict)
+    got = {impl: DSD[impl].get_model_state_dict(pair[impl][0], options=opts) for impl in pair}
+    assert_equal(describe(got["cfsdp"]), describe(got["torch"]), "model")
+
+
+@h.subtest(grid={"full_state_dict": [True, False], "use_orig_params": [False, True]})
+def optim_state_dict_parity(ctx, full_state_dict: bool, use_orig_params: bool):
+    pair = trained_pair(ctx, use_orig_params)
+    opts = StateDictOptions(full_state_dict=full_state_dict)
+    got = {impl: DSD[impl].get_optimizer_state_dict(*pair[impl], options=opts) for impl in pair}
+    assert_equal(describe(got["cfsdp"]), describe(got["torch"]), "optim")
+
+
+@h.subtest(grid={"option": ["ignore_frozen_params", "submodules", "flatten_optimizer_state_dict"]})
+def options_parity(ctx, option: str):
+    pair = trained_pair(ctx, True)
+    kw: dict[str, Any] = {}
+    if option == "ignore_frozen_params":
+        for model, _ in pair.values():
+            for n, p in model.named_parameters():
+                if "blocks.0" in n:
+                    p.requires_grad_(False)
+    for impl, (model, opt) in pair.items():
+        if option == "submodules":
+            sub = {m for n, m in model.named_modules() if n.endswith("blocks.1")}
+            kw[impl] = dict(submodules=sub, options=StateDictOptions(
+                full_state_dict=True, keep_submodule_prefixes=False))
+        else:
+            kw[impl] = dict(options=StateDictOptions(full_state_dict=True, **{option: True}))
+    got = {impl: DSD[impl].get_state_dict(*pair[impl], **kw[impl]) for impl in pair}
+    assert_equal(describe(got["cfsdp"]), describe(got["torch"]), option)
+
+
+@h.subtest
+def cpu_offload_rank0_only(ctx):
+    """full_state_dict + cpu_offload: rank 0 gets the full dicts, the others {}.  The oracle is
+    torch without cpu_offload on rank 0: torch FSDP1's offload_to_cpu on a CPU device frees the
+    storage its "copy" shares and crashes (SIGSEGV) in torch 2.13."""
+    pair = trained_pair(ctx, False)
+    want = DSD["torch"].get_state_dict(*pair["torch"], options=StateDictOptions(full_state_dict=True))
+    got = DSD["cfsdp"].get_state_dict(
+        *pair["cfsdp"], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert_equal(describe(got), describe(want) if ctx.rank == 0 else ({}, {}), "cpu_offload")
+
+
+@h.subtest
+def no_cfsdp_delegates_to_torch(ctx):
+    model = cc.wp.build("transformer")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    assert_equal(describe(cfsdp_dsd.get_state_dict(model, opt, options=opts)),
+                 describe(torch_dsd.get_state_dict(model, opt, options=opts)), "plain model")
+
+
+@h.subtest
+def unsupported_options_raise(ctx):
+    model, opt = cc.make(ctx, "cfsdp", True)
+    type(model.module).fqn_mods = lambda self: {}
+    try:
+        cfsdp_dsd.get_model_state_dict(model, options=StateDictOptions(dsd_fqn_modifiers="fqn_mods"))
+    except NotImplementedError as e:
+        if "dsd_fqn_modifiers" not in str(e):
+            raise AssertionError(f"message does not name the option: {e}") from e
+    else:
+        raise AssertionError("dsd_fqn_modifiers on a module did not raise")
+    finally:
+        del type(model.module).fqn_mods
+    try:
+        cfsdp_dsd.set_model_state_dict(model, {}, options=StateDictOptions(broadcast_from_rank0=True))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("broadcast_from_rank0 without full_state_dict did not raise")
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@h.subtest(grid={"use_orig_params": [False, True]})
+def dcp_roundtrip(ctx, use_orig_params: bool):
+    path = cc.ckpt_dir(ctx, ctx.name)
+    data = cc.batches(4, ctx.world_size)
+    model, opt = cc.make(ctx, "cfsdp", use_orig_params)
+    cc.train(ctx, model, opt, data[:2])
+    dcp_save(ctx, "cfsdp", model, opt, path)
+    want = cc.train(ctx, model, opt, data[2:])
+    fresh, fresh_opt = cc.make(ctx, "cfsdp", use_orig_params, seed=1)
+    dcp_load(ctx, "cfsdp", fresh, fresh_opt, path)
+    cc.assert_same_losses(cc.train(ctx, fresh, fresh_opt, data[2:]), want, "DCP resume")
+
+
+@h.subtest(grid={"direction": ["torch->cfsdp", "cfsdp->torch"], "use_orig_params": [False, True]})
+def dcp_cross_load(ctx, direction: str, use_orig_params: bool):
+    writer, reader = direction.split("->")
+    path = cc.ckpt_dir(ctx, ctx.name)
+    data = cc.batches(4, ctx.world_size)
+    model, opt = cc.make(ctx, writer, use_orig_params)
+    cc.train(ctx, model, opt, data[:2])
+    dcp_save(ctx, writer, model, opt, path)
+    want = cc.train(ctx, model, opt, data[2:])
+    fresh, fresh_opt = cc.make(ctx, reader, use_orig_params, seed=1)
+    dcp_load(ctx, reader, fresh, fresh_opt, path)
+    cc.assert_same_losses(cc.train(ctx, fresh, fresh_opt, data[2:]), want, f"{direction} DCP")
+
+
+@h.subtest(grid={"use_orig_params": [False, True]})
+def broadcast_from_rank0(ctx, use_orig_params: bool):
+    """Full state dicts on rank 0 only (cpu_offload), loaded into a fresh model by broadcast."""
+    data = cc.batches(4, ctx.world_size)
+    model, opt = cc.make(ctx, "cfsdp", use_orig_params)
+    cc.train(ctx, model, opt, data[:2])
+    msd, osd = cfsdp_dsd.get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if (ctx.rank != 0) != (msd == {} and osd == {}):
+        raise AssertionError(f"rank {ctx.rank}: {len(msd)} model / {len(osd)} optim entries")
+    want = cc.train(ctx, model, opt, data[2:])
+    fresh, fresh_opt = cc.make(ctx, "cfsdp", use_orig_params, seed=1)
+    cfsdp_dsd.set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    cc.assert_same_losses(cc.train(ctx, fresh, fresh_opt, data[2:]), want, "broadcast resume")
+
+
+# ----------------------------------------------------------------------------- resharding
+
+
+def _reshard_dir(ctx):
+    return cc.ckpt_dir(ctx, "reshard")
+
+
+def reshard_save(ctx):
+    path = _reshard_dir(ctx)
+    data = cc.batches(4, ctx.world_size)
+    model, opt = cc.make(ctx, "cfsdp", True)
+    cc.train(ctx, model, opt, data[:2])
+    dcp_save(ctx, "cfsdp", model, opt, path / "dcp")
+    want = cc.train(ctx, model, opt, data[2:])
+    if ctx.rank == 0:
+        (path / "losses.json").write_text(json.dumps({"world_size": ctx.world_size, "losses": want}))
+
+
+def reshard_load(ctx):
+    path = _reshard_dir(ctx)
+    saved = json.loads((path / "losses.json").read_text())
+    if saved["world_size"] == ctx.world_size:
+        raise AssertionError("the resharding test must load at another world size")
+    data = cc.batches(4, ctx.world_size)
+    model, opt = cc.make(ctx, "cfsdp", True, seed=1)
+    dcp_load(ctx, "cfsdp", model, opt, path / "dcp")
+    got = cc.train(ctx, model, opt, data[2:])
+    cc.assert_same_losses(got, saved["losses"],
+                          f"W={saved['world_size']} -> W={ctx.world_size}", rtol=RESHARD_RTOL)
+
+
+if PHASE:
+    del h._REGISTRY[:]
+    h.subtest({"reshard_save": reshard_save, "reshard_load": reshard_load}[PHASE])
+
+
+if __name__ == "__main__":
+    h.main()
