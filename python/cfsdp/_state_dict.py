@@ -248,6 +248,25 @@ def _expose_full(w, rank0_only: bool) -> None:
     w._sd_shown = True
 
 
+def _expose_full_copy(w) -> None:
+    """FULL_STATE_DICT: expose full parameters that are views of a new gathered
+    copy, which the state dict keeps (on rank 0 only with ``rank0_only``: the
+    other ranks take part in the all-gather and drop it)."""
+    w._state.training_state = _rt().TrainingState.SUMMON
+    w._sd_shown, w._sd_copy = False, None
+    u = _unit(w)
+    if u is None:
+        return
+    cfg = w._state_dict_config
+    copy = u.gather_full_copy()
+    if getattr(cfg, "rank0_only", False) and u.rank != 0:
+        return
+    if getattr(cfg, "offload_to_cpu", False) and copy.device.type != "cpu":
+        copy = copy.cpu()  # device-generic path (no GPU here)
+    u.params_as_full(copy)
+    w._sd_shown, w._sd_copy = True, copy
+
+
 def _hide_full(w, writeback: bool) -> None:
     """Undo :func:`_expose_full` (writing this rank's shard back if asked)."""
     u = _unit(w)
@@ -257,7 +276,7 @@ def _hide_full(w, writeback: bool) -> None:
         if u is not None:
             u.reshard()
     finally:
-        w._sd_shown = False
+        w._sd_shown, w._sd_copy = False, None
         w._state.training_state = _rt().TrainingState.IDLE
 
 
@@ -279,8 +298,10 @@ def _pre_state_dict_hook(w, prefix: str, keep_vars: bool) -> None:
     t = _type_of(w)
     if t == StateDictType.LOCAL_STATE_DICT:
         return
-    rank0_only = t == StateDictType.FULL_STATE_DICT and getattr(w._state_dict_config, "rank0_only", False)
-    _expose_full(w, rank0_only)
+    if t == StateDictType.FULL_STATE_DICT:
+        _expose_full_copy(w)
+    else:
+        _expose_full(w, rank0_only=False)
 
 
 def _subtree(state_dict, prefix: str) -> list[str]:
@@ -311,7 +332,9 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
         items = [(k, state_dict.pop(k)) for k in keys]
         if t == StateDictType.FULL_STATE_DICT and getattr(cfg, "rank0_only", False) and _rank(w) != 0:
             items = []  # as torch: the other ranks get nothing of this subtree
-        full_ptr = u.full_storage_ptr() if (u is not None and w._sd_shown) else None
+        full_ptr = None
+        if u is not None and w._sd_shown:
+            full_ptr = _storage_ptr(w._sd_copy) if w._sd_copy is not None else u.full_storage_ptr()
         shard_ptr = _storage_ptr(u.shard) if u is not None else None
         flat_key = prefix + FLAT_PARAM
         flat_done = False
@@ -332,8 +355,8 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
                 v = v.detach()
                 if t == StateDictType.SHARDED_STATE_DICT:
                     state_dict[ck] = _chunked_value(w, u, v, cfg.offload_to_cpu, cfg._use_dtensor)
-                else:
-                    state_dict[ck] = v.to("cpu", copy=True) if cfg.offload_to_cpu else v.clone()
+                else:  # a view of the gathered copy (already on the CPU if asked)
+                    state_dict[ck] = v
                 continue
             orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
             if orig is not None and v.dtype != orig and v.is_floating_point():

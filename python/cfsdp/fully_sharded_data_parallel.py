@@ -524,6 +524,7 @@ class FullyShardedDataParallel(nn.Module):
         # state dicts: wrappers below this one are not outermost; hooks per wrapper
         self._cfsdp_has_outer = False
         self._sd_validated = self._sd_active = self._sd_shown = False
+        self._sd_copy: Optional[torch.Tensor] = None
         self._sd_skip_missing: set = set()
         for sub in module.modules():
             if isinstance(sub, FullyShardedDataParallel):

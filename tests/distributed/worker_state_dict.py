@@ -451,29 +451,45 @@ def settings_api(ctx):
 
 @h.subtest(grid={"uop": [False, True]})
 def full_gather_unit_by_unit(ctx, uop: bool):
-    """A FULL state dict gathers one unit at a time: at most the root's and one block's units
-    are unsharded at once (never the whole model)."""
+    """A FULL state dict costs one copy of the model on rank 0 plus one unit in flight: each
+    unit is all-gathered once into a new buffer that the state dict keeps (its entries are
+    views of it, not clones of a second buffer), no unit's own unsharded buffer is allocated,
+    and on the other ranks (rank0_only) each gathered buffer is dropped at once."""
+    import weakref
+
     mm = wp.Mismatches(ctx)
     m = CFSDP(wp.TinyTransformer(n_blocks=4), auto_wrap_policy=ModuleWrapPolicy({wp.Block}),
               **wrap_kwargs(ctx, uop))
     units = [w._state.unit for w in CFSDP.fsdp_modules(m)]
-    peak = [0]
-    orig = Unit.unshard
+    copies: list = []  # (weak reference to each gathered buffer, its storage's address)
+    orig = Unit.gather_full_copy
 
-    def counting(self, *a, **k):
-        orig(self, *a, **k)
-        peak[0] = max(peak[0], sum(u.is_unsharded for u in units))
+    def tracking(self):
+        alive = sum(r() is not None for r, _ in copies)
+        mm.check(not any(u.is_unsharded for u in units), "a unit's own buffer was unsharded")
+        if ctx.rank != 0:
+            # dropped at once; gloo's last work object may still hold the previous output
+            # until the next collective runs (C++ references, not ours): at most one
+            mm.check(alive <= 1, f"rank {ctx.rank}: {alive} gathered copies alive at the next gather")
+        out = orig(self)
+        copies.append((weakref.ref(out), out.untyped_storage().data_ptr()))
+        return out
 
-    Unit.unshard = counting
+    Unit.gather_full_copy = tracking
     try:
         with CFSDP.state_dict_type(m, SF, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
             sd = m.state_dict()
     finally:
-        Unit.unshard = orig
-    want = 2 if ctx.rank == 0 else 1  # rank0_only: the other ranks reshard each unit at once
-    mm.check(peak[0] == want, f"{peak[0]} units were unsharded at once (want {want})")
+        Unit.gather_full_copy = orig
+    mm.check(len(copies) == len(units), f"{len(copies)} gathers for {len(units)} units")
     mm.check(all(not u.is_unsharded for u in units), "a unit stayed unsharded")
-    mm.check((len(sd) > 0) == (ctx.rank == 0), f"rank {ctx.rank}: {len(sd)} keys")
+    if ctx.rank == 0:
+        kept = {ptr for _, ptr in copies}
+        ptrs = {v.untyped_storage().data_ptr() for v in sd.values()}  # (the model has no buffers)
+        mm.check(len(kept) == len(units), f"rank 0 keeps {len(kept)} of {len(units)} gathered buffers")
+        mm.check(ptrs == kept, f"state dict entries live in {len(ptrs)} storages, not the {len(kept)} gathered ones")
+    else:
+        mm.check(len(sd) == 0, f"rank {ctx.rank}: {len(sd)} keys")
     mm.raise_if_any()
 
 

@@ -303,6 +303,7 @@ class Unit:
             _free(self.unsharded)
         else:
             views = self._views_of(self.shard)
+        self._idle_views = views  # what a sharded unit's modules hold (use_orig_params=False)
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
@@ -443,8 +444,10 @@ class Unit:
                 s.module._parameters[s.name] = params[s.primary]
 
     def params_as_sharded(self, writeback: bool) -> None:
-        """Undo :meth:`params_as_full`; copy full values back to the shard if asked."""
-        views = self._full_views()
+        """Undo :meth:`params_as_full`; copy full values back to the shard if asked
+        (the unit may be sharded when :meth:`params_as_full` showed a copy)."""
+        views = self._full_views() if self._buf is not None else self._idle_views
+        writeback = writeback and self._buf is not None
         if writeback and self._buf is not self.shard:
             lo, hi = self.layout.shard_range(self.rank)
             self.shard.copy_(self._buf[lo:hi])
@@ -459,6 +462,17 @@ class Unit:
                 del s.module._parameters[s.name]
                 s.module.__dict__[s.name] = views[s.primary]
             self.module._parameters[FLAT_PARAM] = self.flat_param
+
+    def gather_full_copy(self) -> torch.Tensor:
+        """A new full-precision unsharded flat buffer (with padding), all-gathered
+        from the shards; the unit itself stays as it is.  A FULL state dict keeps
+        it: its entries are views of it, so a unit costs one copy, not two.
+        Collective over the unit's group."""
+        if not self.sharded:
+            return self.shard.detach().clone()
+        out = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        comm.all_gather(out, self.shard.detach(), self.group, async_op=False)
+        return out
 
     # ------------------------------------------- summon(with_grads=True)
     def unshard_grad(self) -> Optional[torch.Tensor]:
