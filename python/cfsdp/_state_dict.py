@@ -298,10 +298,7 @@ def _pre_state_dict_hook(w, prefix: str, keep_vars: bool) -> None:
     t = _type_of(w)
     if t == StateDictType.LOCAL_STATE_DICT:
         return
-    if t == StateDictType.FULL_STATE_DICT:
-        _expose_full_copy(w)
-    else:
-        _expose_full(w, rank0_only=False)
+    _expose_full_copy(w)
 
 
 def _subtree(state_dict, prefix: str) -> list[str]:
@@ -338,7 +335,12 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
         shard_ptr = _storage_ptr(u.shard) if u is not None else None
         flat_key = prefix + FLAT_PARAM
         flat_done = False
-        for k, v in items:
+        chunks = {}
+        if t == StateDictType.SHARDED_STATE_DICT and full_ptr is not None:
+            mine = [i for i, (_, v) in enumerate(items) if _plain_tensor(v) and _storage_ptr(v) == full_ptr]
+            locals_ = _local_chunks(u, [items[i][1].detach() for i in mine], cfg.offload_to_cpu)
+            chunks = dict(zip(mine, locals_))
+        for i, (k, v) in enumerate(items):
             ck = _clean_under(prefix, k)
             if not _plain_tensor(v):  # extra state, or an inner wrapper's converted entry
                 state_dict[ck] = v
@@ -354,7 +356,7 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
             if full_ptr is not None and ptr == full_ptr:
                 v = v.detach()
                 if t == StateDictType.SHARDED_STATE_DICT:
-                    state_dict[ck] = _chunked_value(w, u, v, cfg.offload_to_cpu, cfg._use_dtensor)
+                    state_dict[ck] = _chunked_value(w, u, v, chunks[i], cfg._use_dtensor)
                 else:  # a view of the gathered copy (already on the CPU if asked)
                     state_dict[ck] = v
                 continue
@@ -425,21 +427,43 @@ def _mesh_of(w, u):
     return mesh
 
 
-def _chunked_value(w, u, full: torch.Tensor, offload_to_cpu: bool, use_dtensor: bool):
-    """SHARDED_STATE_DICT: this rank's dim-0 chunk of a full parameter, as torch
-    (ShardedTensor over the unit's group, or DTensor ``Shard(0)`` — with a 2-D
-    hybrid mesh ``(Replicate(), Shard(0))``)."""
-    world, rank = u.world_size, u.rank
-    chunks = _dim0_chunks(full.shape[0], world)
-    local = None
-    if rank < len(chunks):
-        s, n = chunks[rank]
-        local = full[s : s + n]
-        local = local.to("cpu", copy=True) if offload_to_cpu else local.clone()
+def _local_chunks(u, fulls: list, offload_to_cpu: bool) -> list:
+    """This rank's dim-0 chunk of each full tensor in ``fulls`` (None where it holds
+    none), copied into one new buffer: one allocation per unit rather than one per
+    parameter, so gathering unit after unit does not fragment the heap."""
+    spans, total = [], 0
+    for full in fulls:
+        chunks = _dim0_chunks(full.shape[0], u.world_size)
+        if u.rank < len(chunks):
+            s, n = chunks[u.rank]
+            spans.append((s, n, total))
+            total += n * (full.numel() // max(full.shape[0], 1))
+        else:
+            spans.append(None)
+    device = torch.device("cpu") if offload_to_cpu else u.device
+    store = torch.empty(total, dtype=u.dtype, device=device)
+    out = []
+    for full, span in zip(fulls, spans):
+        if span is None:
+            out.append(None)
+            continue
+        s, n, at = span
+        src = full[s : s + n]
+        local = store[at : at + src.numel()].view(src.shape)
+        local.copy_(src)
+        out.append(local)
+    return out
+
+
+def _chunked_value(w, u, full: torch.Tensor, local: Optional[torch.Tensor], use_dtensor: bool):
+    """SHARDED_STATE_DICT: ``local`` (this rank's dim-0 chunk of the full parameter
+    ``full``, or None) wrapped as torch does: a ShardedTensor over the unit's group,
+    or a DTensor ``Shard(0)`` (with a 2-D hybrid mesh ``(Replicate(), Shard(0))``)."""
+    chunks = _dim0_chunks(full.shape[0], u.world_size)
     if use_dtensor or getattr(w, "_device_mesh", None) is not None:
         mesh = _mesh_of(w, u)
         if local is None:
-            local = full.new_empty((0, *full.shape[1:]), device="cpu" if offload_to_cpu else full.device)
+            local = full.new_empty((0, *full.shape[1:]))
         placements = [Replicate()] * (mesh.ndim - 1) + [DShard(0)]
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
@@ -447,7 +471,7 @@ def _chunked_value(w, u, full: torch.Tensor, offload_to_cpu: bool, use_dtensor: 
     rest = [0] * (full.dim() - 1)
     shards = [(r, [s, *rest], [n, *full.shape[1:]]) for r, (s, n) in enumerate(chunks)]
     device = local.device if local is not None else full.device
-    return _sharded_tensor(local, shards, full.shape, full.dtype, u.group, rank, device)
+    return _sharded_tensor(local, shards, full.shape, full.dtype, u.group, u.rank, device)
 
 
 def _local_flat_value(w, u):
