@@ -188,6 +188,9 @@ def get_state_dict_type(wrappers: list) -> Optional[StateDictSettings]:
 
 # Computing what a state dict would hold, without communication (load checks).
 _DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("cfsdp_sd_dry", default=False)
+# SHARDED_STATE_DICT: {(dtype, device): gather buffer} shared by the units below
+# the outermost wrapper of the call (set by its pre hook, reset by its post hook).
+_SCRATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("cfsdp_sd_scratch", default=None)
 # The user's strict flag of the load in progress (nn.Module passes strict=True to
 # every module's hook, whatever the user asked); None: not known (a plain module
 # is loading a subtree that holds wrappers).
@@ -248,17 +251,49 @@ def _expose_full(w, rank0_only: bool) -> None:
     w._sd_shown = True
 
 
+def _claim_scratch(w, u) -> Optional[torch.Tensor]:
+    """SHARDED_STATE_DICT: a gather buffer from the pool shared by the units below
+    the outermost wrapper (None outside one).  A unit holds its buffer until its
+    chunks are copied out; a unit nested inside it finds that one taken and gets
+    another, so the pool holds one buffer per nesting level, each reused by every
+    unit at that level."""
+    pool = _SCRATCH.get()
+    if pool is None:
+        return None
+    need = u.layout.padded_numel if u.sharded else u.layout.flat_numel
+    free = pool.setdefault((u.dtype, u.device), [])
+    fits = [b for b in free if b.numel() >= need]
+    if fits:
+        buf = taken = min(fits, key=torch.Tensor.numel)
+    else:  # a larger one, which replaces the smallest free one (if any)
+        buf = torch.empty(need, dtype=u.dtype, device=u.device)
+        taken = min(free, key=torch.Tensor.numel) if free else None
+    free[:] = [b for b in free if b is not taken]  # (tensors: compare by identity)
+    w._sd_scratch_buf = buf
+    return buf
+
+
+def _release_scratch(w) -> None:
+    buf, w._sd_scratch_buf = getattr(w, "_sd_scratch_buf", None), None
+    pool = _SCRATCH.get()
+    if buf is not None and pool is not None:
+        pool.setdefault((buf.dtype, buf.device), []).append(buf)
+
+
 def _expose_full_copy(w) -> None:
-    """FULL_STATE_DICT: expose full parameters that are views of a new gathered
-    copy, which the state dict keeps (on rank 0 only with ``rank0_only``: the
-    other ranks take part in the all-gather and drop it)."""
+    """Expose full parameters that are views of a gathered copy: for FULL a new
+    one, which the state dict keeps (on rank 0 only with ``rank0_only``: the other
+    ranks take part in the all-gather and drop it); for SHARDED, below the
+    outermost wrapper, a scratch buffer shared by the units (their chunks are
+    copied out before the next unit is gathered)."""
     w._state.training_state = _rt().TrainingState.SUMMON
     w._sd_shown, w._sd_copy = False, None
     u = _unit(w)
     if u is None:
         return
     cfg = w._state_dict_config
-    copy = u.gather_full_copy()
+    sharded = _type_of(w) == StateDictType.SHARDED_STATE_DICT
+    copy = u.gather_full_copy(_claim_scratch(w, u) if sharded else None)
     if getattr(cfg, "rank0_only", False) and u.rank != 0:
         return
     if getattr(cfg, "offload_to_cpu", False) and copy.device.type != "cpu":
@@ -283,6 +318,8 @@ def _hide_full(w, writeback: bool) -> None:
 def abort(wrappers: list) -> None:
     """After an exception mid-way through a state-dict call: reshard every unit
     left unsharded (discarding any partial write) and return to IDLE."""
+    for w in reversed(wrappers):  # innermost first: scratch tokens are reset in order
+        _end_scratch(w)
     for w in wrappers:
         if w._state.training_state is _rt().TrainingState.SUMMON and getattr(w, "_sd_active", False):
             _hide_full(w, writeback=False)
@@ -299,6 +336,8 @@ def _pre_state_dict_hook(w, prefix: str, keep_vars: bool) -> None:
     if t == StateDictType.LOCAL_STATE_DICT:
         return
     _expose_full_copy(w)
+    if _SCRATCH.get() is None and w._state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        w._sd_scratch_token = _SCRATCH.set({})  # for the units below this one
 
 
 def _subtree(state_dict, prefix: str) -> list[str]:
@@ -371,6 +410,15 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
         if _type_of(w) != StateDictType.LOCAL_STATE_DICT:
             _hide_full(w, writeback=False)
         w._sd_active = False
+        _end_scratch(w)
+
+
+def _end_scratch(w) -> None:
+    _release_scratch(w)
+    token = getattr(w, "_sd_scratch_token", None)
+    if token is not None:
+        w._sd_scratch_token = None
+        _SCRATCH.reset(token)
 
 
 def _clean_metadata(state_dict, prefix: str) -> None:

@@ -525,6 +525,8 @@ class FullyShardedDataParallel(nn.Module):
         self._cfsdp_has_outer = False
         self._sd_validated = self._sd_active = self._sd_shown = False
         self._sd_copy: Optional[torch.Tensor] = None
+        self._sd_scratch_token = None
+        self._sd_scratch_buf: Optional[torch.Tensor] = None
         self._sd_skip_missing: set = set()
         for sub in module.modules():
             if isinstance(sub, FullyShardedDataParallel):
@@ -630,6 +632,11 @@ class FullyShardedDataParallel(nn.Module):
     def _flat_param(self):
         u = self._state.unit
         return u.flat_param if u is not None else None
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group this wrapper shards over (with hybrid strategies, the shard group), as torch."""
+        return self._process_group
 
     @property
     def training_state(self) -> TrainingState:

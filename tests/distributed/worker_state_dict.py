@@ -261,6 +261,28 @@ if WORLD == 4:
         _types_vs_torch(ctx, "transformer", uop, flavour, strategy=ShardingStrategy.HYBRID_SHARD)
 
 
+@h.subtest(grid={"uop": [False, True]})
+def dtensor_without_mesh(ctx, uop: bool):
+    """``ShardedStateDictConfig(_use_dtensor=True)`` on wrappers built without a device_mesh:
+    torch 2.13 crashes (no mesh to build DTensors on); cfsdp builds the mesh from the process
+    group and gives what torch gives with a mesh over the same ranks. The wrappers' own
+    process_group is what torch reports there too."""
+    mm = wp.Mismatches(ctx)
+    tm, _ = build_pair(ctx, "transformer", uop, mesh=DeviceMesh.from_group(ctx.pg, "cpu"))
+    _, cm = build_pair(ctx, "transformer", uop)
+    mm.check(cm.process_group is ctx.pg, "process_group property")
+    with TorchFSDP.state_dict_type(tm, SD):
+        tsd = snapshot(tm.state_dict())
+    with CFSDP.state_dict_type(cm, SD, ShardedStateDictConfig(_use_dtensor=True)):
+        csd = snapshot(cm.state_dict())
+    same_state_dict(mm, "DTensor state dict", csd, tsd)
+    _, cm2 = build_pair(ctx, "transformer", uop, seed=5)
+    with CFSDP.state_dict_type(cm2, SD, ShardedStateDictConfig(_use_dtensor=True)):
+        cm2.load_state_dict(csd)
+    same_state_dict(mm, "after loading it", full_sd(cm2), full_sd(cm))
+    mm.raise_if_any()
+
+
 class Tied(nn.Module):
     """Tied embedding/head weights, a persistent and a non-persistent buffer, an ignored module."""
 
@@ -464,14 +486,15 @@ def full_gather_unit_by_unit(ctx, uop: bool):
     copies: list = []  # (weak reference to each gathered buffer, its storage's address)
     orig = Unit.gather_full_copy
 
-    def tracking(self):
+    def tracking(self, scratch=None):
         alive = sum(r() is not None for r, _ in copies)
         mm.check(not any(u.is_unsharded for u in units), "a unit's own buffer was unsharded")
         if ctx.rank != 0:
             # dropped at once; gloo's last work object may still hold the previous output
             # until the next collective runs (C++ references, not ours): at most one
             mm.check(alive <= 1, f"rank {ctx.rank}: {alive} gathered copies alive at the next gather")
-        out = orig(self)
+        mm.check(scratch is None, "a FULL state dict gathered into a shared scratch buffer")
+        out = orig(self, scratch)
         copies.append((weakref.ref(out), out.untyped_storage().data_ptr()))
         return out
 

@@ -463,15 +463,18 @@ class Unit:
                 s.module.__dict__[s.name] = views[s.primary]
             self.module._parameters[FLAT_PARAM] = self.flat_param
 
-    def gather_full_copy(self) -> torch.Tensor:
-        """A new full-precision unsharded flat buffer (with padding), all-gathered
-        from the shards; the unit itself stays as it is.  A FULL state dict keeps
-        it: its entries are views of it, so a unit costs one copy, not two.
-        Collective over the unit's group."""
+    def gather_full_copy(self, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A full-precision unsharded flat buffer (with padding), all-gathered from
+        the shards into a new tensor (or into the front of ``scratch``, a 1-D buffer
+        of this dtype and device that is large enough); the unit itself stays as it
+        is.  A FULL state dict keeps it: its entries are views of it, so a unit
+        costs one copy, not two.  Collective over the unit's group."""
+        n = self.layout.padded_numel if self.sharded else self.layout.flat_numel
+        out = torch.empty(n, dtype=self.dtype, device=self.device) if scratch is None else scratch[:n]
         if not self.sharded:
-            return self.shard.detach().clone()
-        out = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        comm.all_gather(out, self.shard.detach(), self.group, async_op=False)
+            out.copy_(self.shard.detach())
+        else:
+            comm.all_gather(out, self.shard.detach(), self.group, async_op=False)
         return out
 
     # ------------------------------------------- summon(with_grads=True)
