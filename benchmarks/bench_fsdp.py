@@ -689,18 +689,27 @@ def main() -> None:
             if not rss_reset:
                 print("(*) process-lifetime peak: /proc/self/clear_refs was not writable")
             print(flush=True)
-    if rank == 0:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}", flush=True)
+    finish(report if rank == 0 else None, args.out)
+
+
+def finish(report: dict[str, Any] | None, out: Path) -> None:
+    """Write ``report`` (rank 0) as JSON to ``out``, then leave the process group."""
+    if report is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {out}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
-    # torch 2.13's gloo can abort a rank during interpreter shutdown ("terminate called
-    # without an active exception"); every result is written by now, so skip that.
+def exit_now() -> None:
+    """Leave without interpreter shutdown: torch 2.13's gloo can abort a rank there
+    ("terminate called without an active exception"); every result is written by now."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()

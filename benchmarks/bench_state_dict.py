@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -51,6 +50,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fsdp import (  # noqa: E402
     Setup,
+    exit_now,
+    finish,
     _read_status_kib,
     machine_info,
     release_memory,
@@ -212,21 +213,17 @@ def main() -> None:
               f"{full_b / MIB:.0f} MiB, largest unit {unit_b / MIB:.0f} MiB, "
               f"{dist.get_world_size()} ranks\n")
         print(markdown_table(results, full_b, unit_b), flush=True)
+    report = None
+    if rank == 0:
         report = {
             "machine": machine_info(args, rss_reset, Setup()),
             "model": {**config_dict(args.cfg), "n_params": n_params,
                       "full_model_bytes": full_b, "largest_unit_bytes": unit_b},
             "results": results,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(report, args.out)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see bench_fsdp.py: torch 2.13 gloo can abort at interpreter shutdown
+    exit_now()
