@@ -169,16 +169,18 @@ def get_state_dict_type(wrappers: list) -> Optional[StateDictSettings]:
 # its own unit and its own prefix, whatever holds it (another wrapper, a plain
 # module, DDP).  Saving, per wrapper:
 #
-#   pre hook   FULL/SHARDED: all-gather the unit in full precision and expose
-#              full parameters (so the subtree's state dict sees them);
+#   pre hook   FULL/SHARDED: all-gather the unit in full precision into a new
+#              buffer (FULL: the state dict keeps it) or a pooled scratch buffer
+#              (SHARDED), and expose full parameters as views of it, so the
+#              subtree's state dict sees them; the unit's own buffers are untouched;
 #   post hook  rename the subtree's keys (drop this wrapper's prefix), turn the
-#              unit's entries into the requested type (full copies, dim-0
-#              chunks as ShardedTensor/DTensor, or the flat local shard), then
-#              reshard.
+#              unit's entries into the requested type (views of the kept buffer,
+#              dim-0 chunks as ShardedTensor/DTensor copied into one buffer per
+#              unit, or the flat local shard), then restore the sharded views.
 #
 # A unit is thus gathered only while its own subtree is saved: the peak is the
-# state dict built so far plus the units on the path from the root (usually the
-# root's and one block's), never the whole unsharded model.
+# state dict itself plus the units on the path from the root being gathered
+# (usually the root's and one block's), never a second copy of the model.
 #
 # Loading mirrors it: the outermost wrapper first checks the whole subtree's
 # keys, shapes and dtypes against what its state dict would hold (nothing is
@@ -188,8 +190,9 @@ def get_state_dict_type(wrappers: list) -> Optional[StateDictSettings]:
 
 # Computing what a state dict would hold, without communication (load checks).
 _DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("cfsdp_sd_dry", default=False)
-# SHARDED_STATE_DICT: {(dtype, device): gather buffer} shared by the units below
-# the outermost wrapper of the call (set by its pre hook, reset by its post hook).
+# SHARDED_STATE_DICT: {(dtype, device): [free gather buffers]}, the pool shared by
+# the units below the outermost wrapper of the call (set by its pre hook, reset by
+# its post hook).
 _SCRATCH: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("cfsdp_sd_scratch", default=None)
 # The user's strict flag of the load in progress (nn.Module passes strict=True to
 # every module's hook, whatever the user asked); None: not known (a plain module
@@ -232,9 +235,9 @@ def _type_of(w) -> StateDictType:
     return w._state_dict_type
 
 
-def _expose_full(w, rank0_only: bool) -> None:
-    """All-gather ``w``'s unit in full precision; expose full parameters (on rank 0
-    only with ``rank0_only``: the other ranks take part and reshard at once)."""
+def _expose_full(w) -> None:
+    """Loading: all-gather ``w``'s unit in full precision into its own buffer and
+    expose full parameters, which the load writes into (written back on exit)."""
     w._state.training_state = _rt().TrainingState.SUMMON
     w._sd_shown = False
     u = _unit(w)
@@ -244,9 +247,6 @@ def _expose_full(w, rank0_only: bool) -> None:
     if u.is_unsharded and not u.holds_full_precision:
         u.reshard()
     u.unshard(full_precision=True)
-    if rank0_only and u.rank != 0:
-        u.reshard()
-        return
     u.params_as_full()
     w._sd_shown = True
 
@@ -303,7 +303,8 @@ def _expose_full_copy(w) -> None:
 
 
 def _hide_full(w, writeback: bool) -> None:
-    """Undo :func:`_expose_full` (writing this rank's shard back if asked)."""
+    """Undo :func:`_expose_full` / :func:`_expose_full_copy` (writing this rank's
+    shard back if asked)."""
     u = _unit(w)
     try:
         if u is not None and getattr(w, "_sd_shown", False):
@@ -522,17 +523,20 @@ def _chunked_value(w, u, full: torch.Tensor, local: Optional[torch.Tensor], use_
     return _sharded_tensor(local, shards, full.shape, full.dtype, u.group, u.rank, device)
 
 
+def _local_shards(u) -> list:
+    """LOCAL_STATE_DICT: ``(rank, [offset], [numel])`` of each rank's part of the
+    unpadded flat parameter; ranks holding only padding hold none (as torch)."""
+    lay = u.layout
+    sizes = [max(0, min(lay.shard_numel, lay.flat_numel - r * lay.shard_numel)) for r in range(u.world_size)]
+    return [(r, [r * lay.shard_numel], [n]) for r, n in enumerate(sizes) if n > 0]
+
+
 def _local_flat_value(w, u):
     """LOCAL_STATE_DICT: the unit's flat parameter as a ShardedTensor of its
     unpadded size, this rank holding its shard without the padding (as torch)."""
     lay = u.layout
-    if u.sharded:  # ranks holding only padding hold no shard (as torch)
-        sizes = [max(0, min(lay.shard_numel, lay.flat_numel - r * lay.shard_numel)) for r in range(u.world_size)]
-        shards = [(r, [r * lay.shard_numel], [n]) for r, n in enumerate(sizes) if n > 0]
-        mine = sizes[u.rank]
-    else:  # NO_SHARD: every rank holds the whole flat parameter
-        shards = [(r, [0], [lay.flat_numel]) for r in range(u.world_size)]
-        mine = lay.flat_numel
+    shards = _local_shards(u)
+    mine = next((size[0] for r, _, size in shards if r == u.rank), 0)
     # this rank's live shard, flagged like the flat parameter (torch's metadata says
     # requires_grad); a detached leaf, so no autograd view of the flat parameter is made
     local = u.shard.detach()[:mine]
@@ -562,11 +566,21 @@ def _dry_entries(w, state_dict, prefix: str) -> None:
         if u is not None and _plain_tensor(v) and _storage_ptr(v) == shard_ptr:
             if not unit_done:
                 unit_done = True
-                if _type_of(w) == StateDictType.LOCAL_STATE_DICT:
-                    state_dict[prefix + FLAT_PARAM] = _meta_like((u.layout.flat_numel,), u.dtype)
+                t = _type_of(w)
+                if t == StateDictType.LOCAL_STATE_DICT:
+                    flat = _meta_like((u.layout.flat_numel,), u.dtype)
+                    flat._cfsdp_shards = [(off, size) for _, off, size in _local_shards(u)]
+                    state_dict[prefix + FLAT_PARAM] = flat
                 else:
                     for info in list(u.infos) + list(u.shared):
-                        state_dict[prefix + clean_tensor_name(info.fqn)] = _meta_like(info.shape, u.dtype)
+                        e = _meta_like(info.shape, u.dtype)
+                        if t == StateDictType.SHARDED_STATE_DICT:
+                            rest = [0] * (len(info.shape) - 1)
+                            e._cfsdp_shards = [
+                                ([s, *rest], [n, *info.shape[1:]])
+                                for s, n in _dim0_chunks(info.shape[0], u.world_size)
+                            ]
+                        state_dict[prefix + clean_tensor_name(info.fqn)] = e
             continue
         if _plain_tensor(v):
             orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
@@ -618,6 +632,13 @@ def validate(w, state_dict, prefix: str, strict: Optional[bool]) -> None:
             errors.append(f"'{k}' has shape {tuple(_global_shape(got))}, expected {tuple(want.shape)}")
         elif strict and got.dtype != want.dtype:
             errors.append(f"'{k}' has dtype {got.dtype}, expected {want.dtype}")
+        elif isinstance(got, ShardedTensor) and hasattr(want, "_cfsdp_shards"):
+            have = sorted((list(m.shard_offsets), list(m.shard_sizes)) for m in got.metadata().shards_metadata)
+            if have != sorted((list(o), list(z)) for o, z in want._cfsdp_shards):
+                errors.append(
+                    f"'{k}' is sharded as {have}, this model as {sorted(want._cfsdp_shards)} (another "
+                    "world size?): save and load through torch.distributed.checkpoint, which reshards"
+                )
     if errors:
         more = f" ({len(errors) - 1} more: " + "; ".join(errors[1:]) + ")" if len(errors) > 1 else ""
         raise RuntimeError(
@@ -666,8 +687,8 @@ def _load_local_flat(w, u, state_dict, prefix: str) -> None:
     if isinstance(v, ShardedTensor):
         shards = v.local_shards()
         local = shards[0].tensor if shards else u.shard.new_empty(0)
-    else:
-        lo, _ = u.layout.shard_range(u.rank) if u.sharded else (0, 0)
+    else:  # a plain tensor: the whole unpadded flat parameter
+        lo = u.layout.shard_range(u.rank)[0]
         local = v.reshape(-1)[lo : lo + u.shard.numel()]
     padded = torch.zeros_like(u.shard)
     padded[: local.numel()].copy_(local.reshape(-1))
@@ -701,7 +722,7 @@ def _pre_load_hook(w, state_dict, prefix, local_metadata, strict, missing, unexp
                 clean_tensor_name(prefix + FSDP_PREFIX + i.fqn) for i in list(u.infos) + list(u.shared)
             }
     if t != StateDictType.LOCAL_STATE_DICT:
-        _expose_full(w, rank0_only=False)
+        _expose_full(w)
     inner = prefix + FSDP_PREFIX
     for k in _subtree(state_dict, prefix):
         if not k.startswith(inner):

@@ -410,6 +410,19 @@ def bad_input(ctx, uop: bool, t):
         # non-strict: the missing key is skipped, the rest loads
         res = load(missing, strict=False)
         mm.check(first_param in res.missing_keys, f"non-strict load: missing keys {res.missing_keys}")
+    if t != SF:
+        # a state dict sharded another way (as saved at another world size): one shard on rank 0
+        from cfsdp._state_dict import _sharded_tensor
+
+        v = good[first_param]
+        shape = v.size()
+        rg = v.metadata().tensor_properties.requires_grad
+        local = torch.zeros(shape, requires_grad=rg) if ctx.rank == 0 else None
+        regrouped = dict(good)
+        regrouped[first_param] = _sharded_tensor(local, [(0, [0] * len(shape), list(shape))], shape,
+                                                 v.dtype, ctx.pg, ctx.rank, CPU, requires_grad=rg)
+        _expect_error(mm, "another sharding", lambda: load(regrouped), RuntimeError,
+                      f"'{first_param}' is sharded as", "torch.distributed.checkpoint")
     other = build_pair(ctx, "seq", uop)[1]
     with CFSDP.state_dict_type(other, t):
         foreign = other.state_dict()
