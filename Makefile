@@ -60,6 +60,8 @@ bench: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp.py \
 		--model all --out benchmarks/out/bench.json
 	$(PY) benchmarks/plot.py benchmarks/out/bench.json --out benchmarks/results.png
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_state_dict.py \
+		--repeats 7 --out benchmarks/out/state_dict.json
 
 sanitize: $(STAMP)
 	rm -rf $(SAN_DIR)
