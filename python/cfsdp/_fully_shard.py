@@ -1,45 +1,510 @@
-"""The composable face (``fully_shard``): not built yet (issue 5).
+"""The composable face: ``fully_shard`` with torch 2.13's FSDP2 API.
 
-Every name exists so ``from cfsdp import fully_shard`` works; using one raises
-``NotImplementedError`` naming it.
+``fully_shard(module)`` swaps ``module``'s class for ``FSDP<Cls>`` (a subclass of
+both :class:`FSDPModule` and the original class: ``isinstance`` checks and FQNs
+are unchanged), turns each parameter it manages into a ``DTensor``
+(``Shard(0)``; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh) whose local
+tensor is a view into the unit's shard buffer, and registers forward hooks that
+drive the runtime shared with the wrapper face (``_runtime.hooks``).  The unit
+itself (the per-parameter chunk layout, copy-in/copy-out in C) is
+``_runtime.chunk_unit.ChunkUnit``.
+
+What is not implemented raises ``NotImplementedError`` naming it (and is
+listed in README.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
+
+from ._runtime.chunk_unit import ChunkUnit
+from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
+from ._runtime.unit import TrainingState
+
+_STATE_ATTR = "_cfsdp_fs_state"
+_CLS_CACHE: dict[type, type] = {}
 
 
-def _nyi(name: str) -> NotImplementedError:
+def _nyi(what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"cfsdp.{name} (the composable fully_shard face) is not implemented yet "
-        "(tracked in issue 5; see the compatibility table in README.md)."
+        f"cfsdp.fully_shard: {what} is not implemented yet (see the compatibility "
+        "table in README.md)."
     )
 
 
-def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet (issue 5)."""
-    raise _nyi("fully_shard")
+class _FSState:
+    """What one ``fully_shard`` call creates: the modules, the policy and the
+    runtime state (``UnitState``) of its unit."""
+
+    def __init__(self, modules: list[nn.Module], unit: Optional[ChunkUnit], name: str,
+                 reshard_after_forward: Optional[bool], mp: MixedPrecisionPolicy):
+        self.modules = modules
+        self.unit = unit
+        self.mp = mp
+        self.auto_reshard = reshard_after_forward is None
+        self.ustate = UnitState(unit, name, True if reshard_after_forward is None else reshard_after_forward)
+        self.ustate.reshard_after_backward = True
+        self.ustate.root_reshards_after_forward = not self.auto_reshard
+        self.unshard_in_backward = True
+        self.requires_all_reduce = True
+        self.post_optim_event = None
+        self.is_last_backward = True
+        self._to_run: set[int] = set()  # modules of this call yet to run forward in this pass
+
+    # ----------------------------------------------------------------- hooks
+    def lazy_init(self, module: nn.Module) -> None:
+        st = self.ustate
+        if st.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"fully_shard requires a single root module but got {len(self.modules)} modules "
+                "from one fully_shard([...]) call: apply fully_shard to their parent as well."
+            )
+        states: list[_FSState] = []
+        for name, m in module.named_modules():
+            s = getattr(m, _STATE_ATTR, None)
+            if s is None or s in states:
+                continue
+            if s is not self and s.ustate.is_root is not None:
+                raise RuntimeError(
+                    f"fully_shard state has already been lazily initialized for '{name}'; "
+                    "fully_shard requires running forward through the root module first."
+                )
+            states.append(s)
+        seen: dict[nn.Parameter, str] = {}
+        for s in states:
+            for q in (s.unit.params if s.unit is not None else []):
+                if q.sharded in seen:
+                    raise ValueError(
+                        f"Parameter '{q.fqn}' is shared with a parameter already managed by "
+                        "another FSDP group. For shared/tied parameters, use "
+                        "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+                    )
+                seen[q.sharded] = q.fqn
+        lazy_init_root(st, [s.ustate for s in states], BACKWARD_PRE, False)
+        for s in states:
+            s.ustate.fs_state = s  # type: ignore[attr-defined]
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        st = self.ustate
+        if st.training_state is TrainingState.BACKWARD_PRE:  # activation-checkpoint recompute
+            return self._cast_inputs(args, kwargs)
+        if st.training_state is TrainingState.SUMMON:
+            raise RuntimeError("fully_shard: forward was called while the module is being unsharded.")
+        first = st.training_state is not TrainingState.FORWARD
+        if first:
+            self.lazy_init(module)
+            if st.is_root and self.post_optim_event is not None:
+                self.post_optim_event.synchronize()
+                self.post_optim_event = None
+            self._to_run = {id(m) for m in self.modules}
+        args, kwargs = self._cast_inputs(args, kwargs)
+        st.pre_forward()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        st = self.ustate
+        if st.training_state is TrainingState.BACKWARD_PRE:
+            return self._cast_output(output)
+        self._to_run.discard(id(module))
+        if not self._to_run:
+            output = st.post_forward(output)
+        else:
+            st._register_pre_backward(output)
+        return self._cast_output(output)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict):
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            return cast_floating(self.mp.param_dtype, (args, kwargs))
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp.output_dtype is None:
+            return output
+        return cast_floating(self.mp.output_dtype, output)
+
+    def check_idle(self, what: str) -> None:
+        ts = self.ustate.training_state
+        if ts is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"fully_shard: {what} was called while the module is in {ts.name} "
+                "(inside forward/backward); call it between training steps."
+            )
 
 
-def register_fsdp_forward_method(module: Any, method_name: str) -> None:
-    """Not implemented yet (issue 5)."""
-    raise _nyi("register_fsdp_forward_method")
+def _state(module: nn.Module) -> _FSState:
+    s = getattr(module, _STATE_ATTR, None)
+    if s is None:
+        raise AssertionError(f"No FSDP state found on {type(module).__name__}")
+    return s
 
 
-def share_comm_ctx(modules: Any) -> None:
-    """Not implemented yet (issue 5)."""
-    raise _nyi("share_comm_ctx")
+def _fs_modules(module: nn.Module, recurse: bool) -> list[nn.Module]:
+    if not recurse:
+        return [module]
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 class FSDPModule:
-    """Not implemented yet (issue 5): ``fully_shard`` would make modules of this class."""
+    """Mixed into ``FSDP<Cls>``: the methods torch's FSDP2 adds to a module."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        raise _nyi("FSDPModule")
+        # FSDP<Cls>(...) builds a plain Cls, as torch (fully_shard makes FSDP<Cls>)
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """All-gather this module's parameters (``async_op=True``: return a handle to
+        ``wait()`` on, and the forward waits for it if not waited before)."""
+        s = _state(self)
+        if s.unit is None:
+            return UnshardHandle(None) if async_op else None
+        s.unit.unshard(async_op=True)
+        handle = UnshardHandle(s)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module sees its DTensor shards again."""
+        s = _state(self)
+        if s.unit is not None:
+            s.unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps unreduced gradients (gradient accumulation without
+        communication) until a backward with True."""
+        for m in _fs_modules(self, recurse):
+            _state(m).ustate.sync_gradients = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether to all-reduce across replicas (only True is implemented)."""
+        for m in _fs_modules(self, recurse):
+            s = _state(m)
+            if not requires_all_reduce and s.unit is not None and s.unit.replicate_group is not None:
+                raise _nyi("set_requires_all_reduce(False) with HSDP")
+            s.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for m in _fs_modules(self, recurse):
+            st = _state(m).ustate
+            st.reshard_after_forward = reshard_after_forward
+            st.root_reshards_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for m in _fs_modules(self, recurse):
+            _state(m).ustate.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        _check_fsdp_modules(modules)
+        _state(self).ustate.forward_prefetch_states = [_state(m).ustate for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        _check_fsdp_modules(modules)
+        _state(self).ustate.backward_prefetch_states = [_state(m).ustate for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's next forward waits for ``event`` before its all-gathers."""
+        _state(self).post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        for m in _fs_modules(self, True):
+            u = _state(m).unit
+            if u is not None:
+                u.gradient_divide_factor = float(factor)
+                u.update_divide_factors()
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        for m in _fs_modules(self, True):
+            u = _state(m).unit
+            if u is not None:
+                u.force_sum_reduction = bool(enable)
+                u.update_divide_factors()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        if not unshard_in_backward:
+            raise _nyi("set_unshard_in_backward(False)")
+        _state(self).unshard_in_backward = True
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for compatibility: cfsdp finishes every gradient reduction at
+        the end of each backward, so there is nothing to defer (on CPU torch has no
+        stream to defer it on either)."""
+        _state(self).is_last_backward = bool(is_last_backward)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        raise _nyi("set_all_reduce_hook")
+
+    def reset_iter_state(self) -> None:
+        """Forget the recorded forward order (the next iteration records it again)."""
+        st = _state(self).ustate
+        if st.root is not None:
+            st.root.exec_order.clear()
+            st.root.recording = True
+            for s in st.root.states:
+                s.order_index = None
 
 
 class UnshardHandle:
-    """Not implemented yet (issue 5)."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` for the all-gather."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        raise _nyi("UnshardHandle")
+    def __init__(self, state: Optional[_FSState]):
+        self._state = state
+
+    def wait(self) -> None:
+        s = self._state
+        if s is not None and s.unit is not None:
+            s.unit.wait_unshard()
+            s.unit.use_forward_views()
+        self._state = None
+
+
+def _check_fsdp_modules(modules: Any) -> None:
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"Expects list of FSDPModules but got {modules}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {type(m)}: {m}")
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise ValueError(
+            "fully_shard needs an initialised process group (call "
+            "torch.distributed.init_process_group first) or an explicit mesh."
+        )
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(dev, (dist.get_world_size(),))
+
+
+def _managed(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Module], list]:
+    """The modules this call manages (not below another fully_shard) and its
+    parameters in torch's order, each with every (module, name) it appears under."""
+    roots = set(modules)
+    managed: list[nn.Module] = []
+    seen: set[nn.Module] = set()
+
+    def dfs(m: nn.Module) -> None:
+        if m not in roots and getattr(m, _STATE_ATTR, None) is not None:
+            return
+        seen.add(m)
+        for c in m.children():
+            if c not in seen:
+                dfs(c)
+        managed.append(m)
+
+    for m in modules:
+        dfs(m)
+    occurrences: dict[nn.Parameter, list] = {}
+    order: list[nn.Parameter] = []
+    for m in managed:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored:
+                continue
+            if p not in occurrences:
+                occurrences[p] = []
+                order.append(p)
+            occurrences[p].append((m, name))
+    return managed, [(p, occurrences[p]) for p in order]
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
+    dp_mesh_dims: Any = None,
+):
+    """Shard ``module``'s parameters across ``mesh`` (torch 2.13's ``fully_shard``).
+
+    Apply it bottom-up (each block, then the root).  Returns ``module`` (its
+    class is now ``FSDP<Cls>``)."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard needs at least one module")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
+        for name, sub in m.named_modules():
+            if isinstance(sub, FullyShardedDataParallel):
+                where = f"'{name}'" if name else "the module itself"
+                raise ValueError(
+                    f"fully_shard cannot be applied to {type(m).__name__}: {where} is already "
+                    "wrapped by cfsdp.FullyShardedDataParallel. Use one face per model."
+                )
+        if getattr(m, _STATE_ATTR, None) is not None:
+            raise ValueError(f"fully_shard was already applied to {type(m).__name__}")
+    if dp_mesh_dims is not None:
+        raise _nyi("dp_mesh_dims")
+    mesh = mesh if mesh is not None else _default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
+    if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
+        raise _nyi("CPUOffloadPolicy on a non-CPU device")
+    shard_group = mesh.get_group(mesh.ndim - 1)
+    replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+    shard_size = shard_group.size()
+    if reshard_after_forward is not None:
+        if not isinstance(reshard_after_forward, (bool, int)):
+            raise ValueError(
+                "reshard_after_forward should be a bool or an int representing the "
+                f"group size to reshard to, not {reshard_after_forward}"
+            )
+        if not isinstance(reshard_after_forward, bool):
+            n = reshard_after_forward
+            if n < 1 or n > shard_size or shard_size % n != 0:
+                raise ValueError(
+                    "If passing reshard_after_forward as an int, it should be a "
+                    f"factor of {shard_size}, not {n}"
+                )
+            if n == 1:
+                reshard_after_forward = False
+            elif n == shard_size:
+                reshard_after_forward = True
+            else:
+                raise _nyi(f"reshard_after_forward={n} (resharding to a smaller group)")
+    ignored = set(ignored_params or ())
+    managed, params = _managed(modules, ignored)
+    root_mod = modules[0]
+    fqn_of = {p: n for n, p in root_mod.named_parameters(remove_duplicate=False)}
+    entries = []
+    for p, occ in params:
+        fqn = fqn_of.get(p, occ[0][1])
+        if p.dim() == 0:
+            raise ValueError(
+                f"fully_shard doesn't support scalar parameters. Change '{fqn}' to a 1D "
+                "tensor with numel equal to 1."
+            )
+        if p.device.type == "meta":
+            raise _nyi(f"parameters on the meta device ('{fqn}')")
+        if p.device != device:
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "
+                f"{mesh.device_type}; move the module to {device} before fully_shard."
+            )
+        if not p.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: '{fqn}' {p.shape} {p.stride()}"
+            )
+        if shard_placement_fn is not None:
+            pl = shard_placement_fn(p)
+            if pl is not None and not (isinstance(pl, Shard) and pl.dim in (0, -p.dim())):
+                raise _nyi(f"shard_placement_fn returning {pl} for '{fqn}' (only Shard(0))")
+        entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
+    dtypes = {p.dtype for p, _ in params}
+    if len(dtypes) > 1:
+        raise _nyi(f"one fully_shard call over parameters of several dtypes {sorted(map(str, dtypes))}")
+    param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
+    orig = next(iter(dtypes)) if dtypes else None
+    if reduce_dtype == param_dtype:
+        reduce_dtype = None
+    if param_dtype == orig:
+        param_dtype = None
+    unit = None
+    if entries:
+        unit = ChunkUnit(entries, mesh, shard_group, replicate_group, device, param_dtype, reduce_dtype)
+    for b in (b for m in managed for b in m._buffers.values() if b is not None):
+        if b.device != device and b.device.type != "meta":
+            b.data = b.to(device)
+    name = type(root_mod).__name__
+    state = _FSState(modules, unit, name, reshard_after_forward, mp_policy)
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+        m.register_forward_pre_hook(functools.partial(_pre_hook, state), prepend=True, with_kwargs=True)
+        m.register_forward_hook(functools.partial(_post_hook, state), prepend=False)
+        _swap_class(m)
+    if unit is not None:
+        for m in {q.module for q in unit.params}:
+            m.register_state_dict_pre_hook(functools.partial(_to_sharded_hook, state))
+            m._register_load_state_dict_pre_hook(functools.partial(_to_sharded_hook, state))
+            m.register_load_state_dict_post_hook(functools.partial(_post_load_hook, state))
+    return module
+
+
+def _pre_hook(state: _FSState, module: nn.Module, args: tuple, kwargs: dict):
+    return state.pre_forward(module, args, kwargs)
+
+
+def _post_hook(state: _FSState, module: nn.Module, args: tuple, output: Any) -> Any:
+    return state.post_forward(module, output)
+
+
+def _to_sharded_hook(state: _FSState, *args: Any, **kwargs: Any) -> None:
+    if state.unit is not None and state.ustate.training_state is TrainingState.IDLE:
+        state.unit.reshard()
+
+
+def _post_load_hook(state: _FSState, *args: Any, **kwargs: Any) -> None:
+    state.unit.reset_sharded_params()
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    new = _CLS_CACHE.get(cls)
+    if new is None:
+        new = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _CLS_CACHE[cls] = new
+    module.__class__ = new
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run FSDP's pre/post-forward around ``module.<method_name>`` (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        return  # torch: a no-op on a module without fully_shard
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    state = _state(module)
+    orig = getattr(module, method_name).__func__
+
+    @functools.wraps(orig)
+    def wrapped(self, *args: Any, **kwargs: Any):
+        args, kwargs = state.pre_forward(self, args, kwargs)
+        out = orig(self, *args, **kwargs)
+        return state.post_forward(self, out)
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for compatibility: torch shares CUDA streams between the modules'
+    collectives; cfsdp issues every collective in order on its process group, so
+    the modules already share one context."""
+    if not isinstance(modules, (list, tuple)) or not modules:
+        raise ValueError(f"Expects list of FSDPModules but got {modules}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(m)}: {m}")

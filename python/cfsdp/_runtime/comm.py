@@ -45,17 +45,20 @@ def all_gather(
 
 
 def reduce_scatter(
-    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
+    op=dist.ReduceOp.SUM,
 ) -> Pending:
-    """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
+    """Reduce ``inp`` over ranks (sum, or ``op``) and keep this rank's chunk in ``out``."""
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    work = rs(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = rs(out, inp, op=op, group=group, async_op=async_op)
     return Pending(work, out, inp)
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> Pending:
-    """Sum ``t`` over the ranks of ``group``, in place."""
-    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+def all_reduce(
+    t: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op=dist.ReduceOp.SUM
+) -> Pending:
+    """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place."""
+    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
     return Pending(work, t)
 
 

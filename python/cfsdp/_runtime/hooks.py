@@ -129,6 +129,17 @@ class UnitState:
         self.root: Optional[RootState] = None
         self.training_state = TrainingState.IDLE
         self.order_index: Optional[int] = None
+        # The composable face's knobs (None / False: the wrapper face's rules).
+        # reshard_after_backward: reshard when the unit's gradient is reduced
+        # (None: always when syncing, else as after forward).
+        self.reshard_after_backward: Optional[bool] = None
+        # The root keeps its parameters after a training forward (backward needs
+        # them at once) unless this is set (fully_shard(reshard_after_forward=True)).
+        self.root_reshards_after_forward = False
+        # Explicit prefetch targets (set_modules_to_{forward,backward}_prefetch):
+        # None means the implicit neighbour in the recorded order.
+        self.forward_prefetch_states: Optional[list["UnitState"]] = None
+        self.backward_prefetch_states: Optional[list["UnitState"]] = None
         if unit is not None:
             unit.post_backward_fn = self._post_backward
 
@@ -148,7 +159,11 @@ class UnitState:
             return
         u.before_forward()
         u.unshard()
-        if root.forward_prefetch and not root.recording:
+        if self.forward_prefetch_states is not None:
+            for st in self.forward_prefetch_states:
+                if st.unit is not None:
+                    st.unit.unshard(async_op=True)
+        elif root.forward_prefetch and not root.recording:
             nxt = self._neighbour(+1)
             if nxt is not None and nxt.unit is not None:
                 nxt.unit.unshard(async_op=True)
@@ -159,7 +174,8 @@ class UnitState:
             return output  # activation-checkpoint recompute: see [Note: recompute]
         u = self.unit
         needs_grad = torch.is_grad_enabled()
-        if u is not None and (not self.is_root or not needs_grad) and self.reshard_after_forward:
+        keep_for_backward = self.is_root and needs_grad and not self.root_reshards_after_forward
+        if u is not None and not keep_for_backward and self.reshard_after_forward:
             u.reshard()
         self.training_state = TrainingState.IDLE
         hooked = needs_grad and self._register_pre_backward(output)
@@ -210,6 +226,14 @@ class UnitState:
         return grad
 
     def _prefetch_backward(self) -> None:
+        if self.backward_prefetch_states is not None:
+            for st in self.backward_prefetch_states:
+                if st.unit is not None and st.training_state not in (
+                    TrainingState.BACKWARD_PRE,
+                    TrainingState.BACKWARD_POST,
+                ):
+                    st.unit.unshard(async_op=True)
+            return
         nxt = self._neighbour(-1)
         if nxt is not None and nxt.unit is not None and nxt.training_state not in (
             TrainingState.BACKWARD_PRE,
@@ -226,16 +250,22 @@ class UnitState:
             self._prefetch_backward()
         if not self.sync_gradients:
             unit.keep_unsharded_grad(grad)
-            # Like torch: under no_sync, strategies that keep parameters
-            # unsharded after forward keep them through backward too.
-            if self.reshard_after_forward:
-                unit.reshard()
-            return
-        # Keep one reduction in flight: finish older ones before issuing.
-        while root.pending:
-            root.pending.pop(0).finish()
-        root.pending.append(unit.reduce_grad(grad))
-        unit.reshard()
+        else:
+            # Keep one reduction in flight: finish older ones before issuing.
+            while root.pending:
+                root.pending.pop(0).finish()
+            root.pending.append(unit.reduce_grad(grad))
+        if not self.keeps_unsharded_after_backward():
+            unit.reshard()
+
+    def keeps_unsharded_after_backward(self) -> bool:
+        """Whether backward leaves this unit unsharded.  The wrapper face (like
+        torch's FSDP1) reshards when it syncs gradients and, under ``no_sync``,
+        keeps what forward kept; the composable face says so explicitly
+        (``set_reshard_after_backward``)."""
+        if self.reshard_after_backward is not None:
+            return not self.reshard_after_backward
+        return not self.sync_gradients and not self.reshard_after_forward
 
     def _final_callback(self) -> None:
         root = self.root
@@ -246,7 +276,7 @@ class UnitState:
         for st in root.states:
             u = st.unit
             if u is not None:
-                if st.sync_gradients or st.reshard_after_forward:
+                if not st.keeps_unsharded_after_backward():
                     u.reshard()
                 if st.sync_gradients:
                     u.publish_grad()

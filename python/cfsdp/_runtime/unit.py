@@ -95,6 +95,7 @@ class Unit:
         self.device = device
         self.state = TrainingState.IDLE
         self.pre_divide, self.post_divide = divide_factors(dp_size)
+        self.replicate_op = dist.ReduceOp.SUM  # HSDP's reduction across replicas
         self.infos, self.shared = self._collect(module, params)
         self._validate(name_for_errors)
         dtype = self.infos[0].param.dtype
@@ -679,7 +680,7 @@ class PendingReduce:
             return
         out = self.out
         if u.replicate_group is not None:  # HSDP: reduce across replicas too
-            comm.all_reduce(out, u.replicate_group, False).wait()
+            comm.all_reduce(out, u.replicate_group, False, op=u.replicate_op).wait()
         # torch's order: post-divide in the reduction dtype, cast to the
         # gradient dtype, then accumulate; scale_cast_add does all three.
         div = u.post_divide if (u.post_divide > 1 and not self.divided) else 1.0

@@ -1,0 +1,389 @@
+"""A unit of the composable face (``fully_shard``): per-parameter dim-0 chunks.
+
+[Note: chunk layout]
+torch's FSDP2 shards every parameter of shape ``(d0, *rest)`` on its own, as
+``torch.chunk(p, W)`` does: ``c = ceil(d0 / W)`` rows per rank, rank ``k``
+holding rows ``[k*c, min((k+1)*c, d0))`` (possibly none).  A unit keeps:
+
+* ``shard``: this rank's padded chunks back to back, ``S = sum_p c_p * r_p``
+  elements (``r_p``: elements per row) in the parameters' dtype.  The user's
+  parameters are ``DTensor`` s whose local tensors are views of it (narrowed
+  to the rows this rank really holds), so the optimizer updates it in place.
+* ``gathered``: the all-gather output, ``W * S`` elements of ``param_dtype``,
+  rank-major (rank ``k``'s shard at ``[k*S, (k+1)*S)``).  Only alive between
+  the all-gather and the copy-out.
+* ``natural``: the full parameters back to back (``param_dtype``); forward
+  uses views of it.  Its storage is freed while the unit is sharded; the
+  tensor object (and views autograd saved) live on, as the wrapper face's
+  unsharded buffer does.
+* ``flat_param``: the ``nn.Parameter`` autograd sees (data: ``natural``).
+  Forward binds every parameter name to a view of it, so the gradients of a
+  unit arrive as one flat natural gradient, which one C call packs (cast and
+  pre-divide fused) into the rank-major reduce-scatter input.
+
+The chunk sizes, local shapes and the reduction ops follow torch 2.13's FSDP2
+exactly, so local shards and gradients match torch's bit for bit.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import _core
+from . import comm
+from .unit import PendingReduce, TrainingState, _alloc, _free, set_grad
+
+
+@dataclass
+class ChunkParam:
+    """One managed parameter and where its pieces live."""
+
+    module: nn.Module
+    name: str
+    fqn: str  # relative to the unit's (first) module, for errors
+    shape: torch.Size
+    numel: int
+    rows: int  # d0
+    row_numel: int  # elements per row
+    chunk_rows: int  # c = ceil(d0 / W)
+    local_rows: int  # rows this rank holds
+    nat_off: int  # offset in ``natural``
+    shard_off: int  # offset in ``shard`` (and in each rank's part of ``gathered``)
+    requires_grad: bool
+    sharded: Optional[nn.Parameter] = None  # the DTensor parameter the user sees
+    aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_rows * self.row_numel
+
+
+def gradient_divide(
+    dp_size: int, shard_size: int, reduce_dtype: torch.dtype, factor: Optional[float], force_sum: bool
+) -> tuple[float, float, object, object]:
+    """``(pre, post, reduce_scatter_op, all_reduce_op)`` by torch 2.13 FSDP2's rules:
+    fp32/bf16 average in the collective itself (``AVG``); fp16/fp64 (overflow risk)
+    and ``force_sum`` sum and divide around it, fp16/fp64 by about ``sqrt(W)`` on
+    each side.  A custom ``factor`` is a premultiplied sum (gloo has no
+    ``PREMUL_SUM``: cfsdp divides in the pack pass)."""
+    SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            if dp_size == 1:
+                return 1.0, 1.0, SUM, SUM
+            return 1.0, 1.0, AVG, AVG
+        if factor == shard_size:
+            return 1.0, 1.0, AVG, SUM
+        return float(factor), 1.0, SUM, SUM
+    f = float(dp_size) if factor is None else float(factor)
+    if overflow_risk:
+        pre = 1
+        while f % pre == 0 and f / pre > pre:
+            pre *= 2
+        return float(pre), f / pre, SUM, SUM
+    return 1.0, f, SUM, SUM
+
+
+def _tmp_pack(dst, src, plan, W, S, divisor=1.0, ranks=None):  # TEMP until _core.chunk_pack lands
+    lo, hi = ranks or (0, W)
+    dst.zero_()
+    for nat_off, numel, cn, so in plan:
+        for k in range(lo, hi):
+            a = k * cn
+            b = min(a + cn, numel)
+            if b > a:
+                d = dst[(k - lo) * S + so : (k - lo) * S + so + b - a]
+                _core.scale_cast_add(d, src[nat_off + a : nat_off + b].contiguous(), divisor, False)
+
+
+def _tmp_unpack(dst, src, plan, W, S):
+    for nat_off, numel, cn, so in plan:
+        for k in range(W):
+            a = k * cn
+            b = min(a + cn, numel)
+            if b > a:
+                dst[nat_off + a : nat_off + b].copy_(src[k * S + so : k * S + so + b - a])
+
+
+_chunk_pack = getattr(_core, "chunk_pack", _tmp_pack)
+_chunk_unpack = getattr(_core, "chunk_unpack", _tmp_unpack)
+
+
+class ChunkUnit:
+    """The parameters of one ``fully_shard`` call (see [Note: chunk layout])."""
+
+    sharded = True  # PendingReduce: the result is this rank's shard
+
+    def __init__(
+        self,
+        entries: Sequence[tuple[nn.Module, str, str, nn.Parameter, tuple]],
+        mesh,
+        group: dist.ProcessGroup,
+        replicate_group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        param_dtype: Optional[torch.dtype],
+        reduce_dtype: Optional[torch.dtype],
+    ):
+        self.mesh = mesh
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = W = group.size()
+        self.replicate_group = replicate_group
+        self.device = device
+        self.state = TrainingState.IDLE
+        self.placements = (Shard(0),) if replicate_group is None else (Replicate(), Shard(0))
+        dtype = entries[0][3].dtype
+        self.dtype = dtype
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.uses_mp = self.param_dtype != dtype
+        self.keep_low_precision_grads = False
+        self.gradient_divide_factor: Optional[float] = None
+        self.force_sum_reduction = False
+        self.params: list[ChunkParam] = []
+        nat = shard = 0
+        for module, name, fqn, p, aliases in entries:
+            rows = p.shape[0]
+            row_numel = p.numel() // rows if rows else 0
+            c = -(-rows // W)
+            local = max(0, min(c, rows - self.rank * c))
+            self.params.append(
+                ChunkParam(module, name, fqn, p.shape, p.numel(), rows, row_numel, c, local,
+                           nat, shard, p.requires_grad, aliases=aliases)
+            )
+            nat += p.numel()
+            shard += c * row_numel
+        self.natural_numel = nat
+        self.shard_numel = shard
+        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off) for q in self.params]
+        self._split_sizes = [q.numel for q in self.params]
+
+        # This rank's shard, straight from the original parameters.
+        self.shard = torch.empty(shard, dtype=dtype, device=device)
+        with torch.no_grad():
+            src = torch.cat([p.detach().reshape(-1) for *_, p, _ in entries]) if entries else None
+            _chunk_pack(self.shard, src, self._plan, W, shard, ranks=(self.rank, self.rank + 1))
+        self.natural = torch.empty(nat, dtype=self.param_dtype, device=device)
+        _free(self.natural)
+        self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
+        self._buf: Optional[torch.Tensor] = None  # ``natural`` while unsharded
+        self._pending_unshard: Optional[comm.Pending] = None
+        self._pending_gathered: Optional[torch.Tensor] = None
+        self.saved_grad: Optional[torch.Tensor] = None
+        self._grad_buf: Optional[torch.Tensor] = None  # what the published grads view
+        self.grad_unsharded = False
+        self._hooked = False
+        self.post_backward_fn = None
+        self.comm_hook = None
+        self._install_sharded_params()
+        self.refresh_requires_grad()
+        self.pre_divide = self.post_divide = 1.0
+        self.reduce_op = self.replicate_op = dist.ReduceOp.SUM
+        self.update_divide_factors()
+
+    # ------------------------------------------------------------------ init
+    def update_divide_factors(self) -> None:
+        dp = self.world_size * (self.replicate_group.size() if self.replicate_group is not None else 1)
+        self.pre_divide, self.post_divide, self.reduce_op, self.replicate_op = gradient_divide(
+            dp, self.world_size, self.reduce_dtype, self.gradient_divide_factor, self.force_sum_reduction
+        )
+
+    def _local_view(self, buf: torch.Tensor, q: ChunkParam) -> torch.Tensor:
+        return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_rows, *q.shape[1:])
+
+    def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False,
+            shape=q.shape, stride=make_contiguous_strides_for(q.shape),
+        )
+
+    def _install_sharded_params(self) -> None:
+        for q in self.params:
+            with torch.no_grad():
+                dt = self._dtensor(self._local_view(self.shard, q), q)
+            q.sharded = nn.Parameter(dt, requires_grad=q.requires_grad)
+            for mod, name in ((q.module, q.name), *q.aliases):
+                mod._parameters[name] = q.sharded
+
+    def reset_sharded_params(self) -> None:
+        """After ``load_state_dict(assign=True)`` or a user's ``setattr``: copy a
+        replaced parameter's local values into the shard and put ours back."""
+        for q in self.params:
+            cur = q.module._parameters.get(q.name)
+            if cur is q.sharded or cur is None:
+                continue
+            local = cur.to_local() if isinstance(cur, DTensor) else None
+            if local is None or tuple(local.shape) != (q.local_rows, *q.shape[1:]):
+                raise ValueError(
+                    f"fully_shard: parameter '{q.fqn}' was replaced by a tensor of type "
+                    f"{type(cur).__name__} and shape {tuple(getattr(local, 'shape', cur.shape))}; "
+                    f"expected a DTensor whose local shard has shape {(q.local_rows, *q.shape[1:])}."
+                )
+            with torch.no_grad():
+                self._local_view(self.shard, q).copy_(local)
+            q.requires_grad = cur.requires_grad
+            q.sharded.requires_grad_(cur.requires_grad)
+            for mod, name in ((q.module, q.name), *q.aliases):
+                mod._parameters[name] = q.sharded
+
+    # ------------------------------------------------------- unshard/reshard
+    @property
+    def is_unsharded(self) -> bool:
+        return self._buf is not None
+
+    def unshard(self, async_op: bool = False) -> None:
+        if self._buf is not None or self._pending_unshard is not None:
+            if not async_op:
+                self.wait_unshard()
+            return
+        src = self.shard
+        if self.uses_mp:  # the all-gather input: the shard cast in one C pass
+            src = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+            _core.scale_cast_add(src, self.shard, 1.0, False)
+        out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        self._pending_gathered = out
+        self._pending_unshard = comm.all_gather(out, src, self.group, async_op=True)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._pending_unshard is None:
+            return
+        self._pending_unshard.wait()
+        self._pending_unshard = None
+        gathered, self._pending_gathered = self._pending_gathered, None
+        _alloc(self.natural)
+        # through ``.data``: refilling the buffer must not bump the version counter
+        # of the views autograd saved in forward (they see the same values again)
+        _chunk_unpack(self.natural.data, gathered, self._plan, self.world_size, self.shard_numel)
+        self._buf = self.natural
+
+    def reshard(self) -> None:
+        if self._pending_unshard is not None:
+            self.wait_unshard()
+        if self._buf is None:
+            return
+        _free(self.natural)
+        self._buf = None
+        for q in self.params:
+            for mod, name in ((q.module, q.name), *q.aliases):
+                mod.__dict__.pop(name, None)
+
+    def use_forward_views(self) -> None:
+        """Bind each parameter name to a view of ``flat_param`` (through autograd;
+        frozen parameters get detached views)."""
+        chunks = torch.split(self.flat_param, self._split_sizes)
+        for q, ch in zip(self.params, chunks):
+            v = ch.view(q.shape)
+            if not q.requires_grad:
+                v = v.detach()
+            for mod, name in ((q.module, q.name), *q.aliases):
+                mod.__dict__[name] = v
+
+    def full_values(self) -> list[torch.Tensor]:
+        """Views with the original shapes of the unsharded buffer."""
+        if self._buf is None:
+            raise AssertionError("cfsdp chunk unit: not unsharded")
+        return [self._buf[q.nat_off : q.nat_off + q.numel].view(q.shape) for q in self.params]
+
+    def refresh_requires_grad(self) -> None:
+        for q in self.params:
+            q.requires_grad = q.sharded.requires_grad
+        rg = any(q.requires_grad for q in self.params)
+        self.flat_param.requires_grad_(rg)
+        if rg and not self._hooked:
+            unit_ref = weakref.ref(self)
+
+            def hook(p: torch.Tensor) -> None:
+                unit = unit_ref()
+                if unit is not None:
+                    unit._on_grad_ready(p)
+
+            self.flat_param.register_post_accumulate_grad_hook(hook)
+            self._hooked = True
+
+    def before_forward(self) -> None:
+        self.refresh_requires_grad()
+
+    # --------------------------------------------------------------- grads
+    def _on_grad_ready(self, flat_param: torch.Tensor) -> None:
+        grad = flat_param.grad
+        flat_param.grad = None
+        if self.post_backward_fn is None:
+            raise AssertionError("cfsdp chunk unit has no post-backward handler")
+        self.post_backward_fn(self, grad)
+
+    def take_grad_for_backward(self) -> None:
+        """Before backward: collect the sharded gradients the user's parameters hold
+        (they may have been cleared or replaced since they were published) into one
+        shard-sized buffer that the reduced gradient is added to."""
+        if self.saved_grad is not None:
+            return
+        grads = [q.sharded.grad for q in self.params]
+        if all(g is None for g in grads):
+            return
+        buf = self._grad_buf
+        if buf is None or any(
+            g is None or g._local_tensor.data_ptr() != self._local_view(buf, q).data_ptr()
+            for g, q in zip(grads, self.params) if q.local_numel
+        ):
+            buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for g, q in zip(grads, self.params):
+                    if g is not None and q.local_numel:
+                        self._local_view(buf, q).copy_(g.to_local())
+        self.saved_grad = buf
+
+    def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
+        """No gradient sync: accumulate the natural gradient, unreduced."""
+        self.flat_param.grad = grad
+        self.grad_unsharded = True
+
+    def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
+        """Pack the natural gradient into the rank-major reduce-scatter input (cast
+        to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
+        W, S = self.world_size, self.shard_numel
+        inp = torch.empty(W * S, dtype=self.reduce_dtype, device=self.device)
+        _chunk_pack(inp, grad.contiguous(), self._plan, W, S, divisor=self.pre_divide)
+        out = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+        self.grad_unsharded = False
+        return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True, op=self.reduce_op), out)
+
+    def publish_grad(self) -> None:
+        """Expose the reduced gradient: each parameter's ``.grad`` is a DTensor
+        whose local tensor views this rank's rows of the sharded gradient."""
+        g = self.saved_grad
+        self.saved_grad = None
+        self.grad_unsharded = False
+        if g is None:
+            return
+        self._grad_buf = g
+        for q in self.params:
+            if q.requires_grad:
+                with torch.no_grad():
+                    q.sharded.grad = self._dtensor(self._local_view(g, q), q)
+            else:
+                q.sharded.grad = None
+
+    def publish_unsharded_grad(self) -> None:
+        """No gradient sync: the unreduced gradient stays with the unit until a
+        synchronising backward; the parameters keep their sharded gradients."""
+
+    def drop_grad_if_orig_grads_cleared(self) -> None:
+        pass
+
+
+__all__ = ["ChunkUnit", "ChunkParam", "gradient_divide", "set_grad"]
