@@ -36,14 +36,19 @@ build: $(STAMP)
 	CFSDP_WERROR=1 $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 
 # The whole suite: unit tests, the C core under ASan/UBSan, the distributed
-# tests with the C core (world sizes 2 and 4), then everything again on the
-# pure-Python twins (the distributed launches at world size 2 only: the unit
-# tests already compare the twins with C for every world size).
+# tests with the C core (world sizes 2 and 4), then the unit tests and the
+# training-parity launches again on the pure-Python twins, at world size 2
+# only (the unit tests already compare every twin with C for every world
+# size; TWIN_DIST are the launches that call every C entry point in training:
+# layout, shard fill, cast/reduce, norm, chunk copy-in/out; the checkpoint
+# launches call the same ones and would add minutes, not coverage).
+TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
+	tests/distributed/test_strategies.py tests/distributed/test_clip.py
 test: build
 	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
 	$(MAKE) --no-print-directory sanitize
 	CFSDP_IMPL=c $(PY) -m pytest -q tests/distributed
-	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q tests
+	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q tests/unit $(TWIN_DIST)
 
 test-unit: build
 	$(PY) -m pytest -q tests/unit

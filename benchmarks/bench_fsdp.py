@@ -15,6 +15,7 @@ seed and data:
 * ``cfsdp`` -- ``cfsdp.FullyShardedDataParallel``, one unit per block.
 * ``fsdp1`` -- ``torch.distributed.fsdp.FullyShardedDataParallel``, same wrapping.
 * ``fsdp2`` -- ``torch.distributed.fsdp.fully_shard`` on each block, then the root.
+* ``cfsdp_fs`` -- ``cfsdp.fully_shard``, applied exactly as ``fsdp2``.
 * ``ddp``   -- ``DistributedDataParallel``; the loss reference.
 
 A step is forward, cross-entropy, backward, AdamW step, zero_grad.  Each step
@@ -99,8 +100,8 @@ from models import (  # noqa: E402
     wrap_unit_class,
 )
 
-CONTENDERS = ("local", "cfsdp", "fsdp1", "fsdp2", "ddp")
-SHARDED = ("cfsdp", "fsdp1", "fsdp2")
+CONTENDERS = ("local", "cfsdp", "cfsdp_fs", "fsdp1", "fsdp2", "ddp")
+SHARDED = ("cfsdp", "cfsdp_fs", "fsdp1", "fsdp2")
 MODELS: dict[str, ModelConfig] = {"gpt2": GPTConfig(), "small": SmallConfig()}
 LOSS_RTOL = 1e-4  # sharded contenders vs DDP, relative, on every step
 # --mp bf16: DDP runs under autocast, the sharded contenders under FSDP mixed
@@ -229,7 +230,7 @@ def wrap_fsdp1(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     )
 
 
-def wrap_fsdp2(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, cfg: ModelConfig, setup: Setup, shard: Callable = fully_shard) -> nn.Module:
     kwargs: dict[str, Any] = {}
     dtype = setup.mp_dtype
     if dtype is not None:
@@ -238,8 +239,12 @@ def wrap_fsdp2(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
         kwargs["mesh"] = setup.mesh  # 2-D mesh: HSDP (replicate dim 0, shard dim 1)
     for module in model.modules():
         if isinstance(module, wrap_unit_class(cfg)):
-            fully_shard(module, **kwargs)
-    return fully_shard(model, **kwargs)
+            shard(module, **kwargs)
+    return shard(model, **kwargs)
+
+
+def wrap_cfsdp_fs(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
+    return wrap_fsdp2(model, cfg, setup, shard=_cfsdp_module().fully_shard)
 
 
 def wrap_ddp(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
@@ -256,6 +261,7 @@ WRAPPERS: dict[str, Callable[[nn.Module, ModelConfig, Setup], nn.Module]] = {
     "cfsdp": wrap_cfsdp,
     "fsdp1": wrap_fsdp1,
     "fsdp2": wrap_fsdp2,
+    "cfsdp_fs": wrap_cfsdp_fs,
     "ddp": wrap_ddp,
 }
 
@@ -417,7 +423,8 @@ def add_ratios(results: dict[str, dict[str, Any]], mp: str = "none") -> list[str
     Every sharded contender is compared with DDP (``LOSS_RTOL``, or the loose
     ``LOSS_RTOL_MP`` under mixed precision, where DDP runs under autocast) and
     with torch FSDP1 (cfsdp: bitwise; FSDP2: ``LOSS_RTOL_MP`` under mixed
-    precision, ``LOSS_RTOL`` otherwise).
+    precision, ``LOSS_RTOL`` otherwise); cfsdp's ``fully_shard`` also with
+    torch FSDP2 (bitwise).
     """
     ok = {k: v for k, v in results.items() if "error" not in v}
     local = ok.get("local", {}).get("step_ms")
@@ -459,6 +466,12 @@ def add_ratios(results: dict[str, dict[str, Any]], mp: str = "none") -> list[str
             warnings.append(
                 f"WARNING: {name} losses {what}: up to {rel:.3e} relative (> {rtol:g})"
             )
+    fsdp2_losses = ok.get("fsdp2", {}).get("losses")
+    if "cfsdp_fs" in ok and fsdp2_losses is not None:
+        rel = _max_rel_diff(ok["cfsdp_fs"]["losses"], fsdp2_losses)
+        ok["cfsdp_fs"]["max_rel_loss_diff_vs_fsdp2"] = rel
+        if rel > 0.0:
+            warnings.append(f"WARNING: cfsdp_fs losses not bitwise equal to FSDP2's: up to {rel:.3e} relative")
     return warnings
 
 

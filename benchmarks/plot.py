@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 COLORS = {
     "local": "#9e9e9e",
     "cfsdp": "#2e7d32",
+    "cfsdp_fs": "#66bb6a",
     "fsdp1": "#1565c0",
     "fsdp2": "#6a1b9a",
     "ddp": "#ef6c00",

@@ -440,6 +440,9 @@ def fully_shard(
     for b in (b for m in managed for b in m._buffers.values() if b is not None):
         if b.device != device and b.device.type != "meta":
             b.data = b.to(device)
+    for m in managed:  # as torch sets them (torch.compile reads these)
+        m._is_fsdp_managed_module = True
+        m._fsdp_use_orig_params = True
     name = type(root_mod).__name__
     state = _FSState(modules, unit, name, reshard_after_forward, mp_policy)
     for m in modules:

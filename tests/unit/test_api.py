@@ -64,24 +64,24 @@ def test_bad_arguments_are_named_before_any_communication(kwargs, exc, needle):
         FSDP(nn.Linear(2, 2), **kwargs)
 
 
-@pytest.mark.parametrize(
-    "name, args",
-    [
-        ("fully_shard", (nn.Linear(2, 2),)),
-        ("register_fsdp_forward_method", (nn.Linear(2, 2), "forward")),
-        ("share_comm_ctx", ([nn.Linear(2, 2)],)),
-    ],
-)
-def test_fully_shard_face_not_implemented_yet(name, args):
-    with pytest.raises(NotImplementedError, match=name):
-        getattr(cfsdp, name)(*args)
+def test_fully_shard_without_process_group_says_what_to_do():
+    with pytest.raises(ValueError, match="init_process_group"):
+        cfsdp.fully_shard(nn.Linear(2, 2))
 
 
-def test_fsdp_module_classes_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="FSDPModule"):
-        cfsdp.FSDPModule()
-    with pytest.raises(NotImplementedError, match="UnshardHandle"):
-        cfsdp.UnshardHandle()
+def test_fully_shard_rejects_containers_and_non_modules():
+    with pytest.raises(ValueError, match="containers"):
+        cfsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+    with pytest.raises(TypeError, match="nn.Module"):
+        cfsdp.fully_shard("model")
+
+
+def test_fully_shard_helpers_check_their_arguments():
+    with pytest.raises(ValueError, match="FSDPModule"):
+        cfsdp.share_comm_ctx([nn.Linear(2, 2)])
+    lin = nn.Linear(2, 2)
+    cfsdp.register_fsdp_forward_method(lin, "forward")  # as torch: no-op without fully_shard
+    assert "forward" not in vars(lin)
 
 
 def test_backend_is_reported():
