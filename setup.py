@@ -20,6 +20,11 @@ def _flag(name: str) -> bool:
 # -std=c11 (not gnu11): no FP contraction, so the numerics match torch's.
 cflags = ["-std=c11", "-Wall", "-Wextra", "-O3"]
 ldflags = []
+macros = []
+if os.name == "posix":  # csrc/thread.c: large chunk copies use a few POSIX threads
+    cflags.append("-pthread")
+    ldflags.append("-pthread")
+    macros.append(("CF_HAVE_PTHREADS", "1"))
 if _flag("CFSDP_WERROR"):
     cflags.append("-Werror")
 if _flag("CFSDP_SANITIZE"):
@@ -32,6 +37,7 @@ ext = Extension(
     sources=sorted(glob("csrc/*.c")),
     depends=sorted(glob("csrc/*.h")),
     include_dirs=["csrc"],
+    define_macros=macros,
     extra_compile_args=cflags,
     extra_link_args=ldflags,
     libraries=["m"] if os.name == "posix" else [],  # norm.c uses pow()

@@ -4,9 +4,9 @@
  * Design.  This is the only file that includes Python.h.  Each entry point
  * parses its arguments (METH_FASTCALL, positional only) into plain C values
  * and malloc'd index arrays while holding the GIL, releases the GIL around
- * the pure-C work (layout.c, copy.c, reduce.c, norm.c validate, then touch
- * bytes),
- * and turns a failing cf_status into a Python exception in one place,
+ * the pure-C work (layout.c, copy.c, chunk.c, reduce.c, norm.c validate,
+ * then touch bytes; chunk.c may split a large copy across a few threads, see
+ * thread.c), and turns a failing cf_status into a Python exception in one place,
  * cf_py_raise: CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError,
  * CF_ENOMEM -> MemoryError.  Tensors arrive as integer addresses; C never
  * allocates or frees tensor memory and the caller keeps it alive.
@@ -20,10 +20,12 @@
 #include <stdlib.h>
 
 #include "cfsdp.h"
+#include "chunk.h"
 #include "copy.h"
 #include "layout.h"
 #include "norm.h"
 #include "reduce.h"
+#include "thread.h"
 
 /* Raise the Python exception for a failed status; always returns NULL. */
 static PyObject *cf_py_raise(const cf_err *err)
@@ -79,6 +81,20 @@ static int cf_py_addr(PyObject *obj, const char *what, void **out)
         return -1;
     *out = p;
     return 0;
+}
+
+/* 0 if both are cf_dtype codes, else -1 with ValueError set. */
+static int cf_py_check_dtype_codes(int64_t dst_code, int64_t src_code)
+{
+    cf_err err;
+    if (dst_code >= 0 && dst_code < CF_DTYPE_COUNT && src_code >= 0 &&
+        src_code < CF_DTYPE_COUNT)
+        return 0;
+    cf_err_init(&err);
+    cf_err_set(&err, CF_EINVAL, "unknown dtype code (dst %lld, src %lld); expected 0..%d",
+               (long long)dst_code, (long long)src_code, CF_DTYPE_COUNT - 1);
+    cf_py_raise(&err);
+    return -1;
 }
 
 /* A tuple of Python ints from an int64 array; new reference or NULL. */
@@ -255,6 +271,177 @@ done:
     return result;
 }
 
+/*
+ * Parse a unit's plan from its three arguments: `params_obj`, a sequence of
+ * (nat_off, numel, chunk_numel, shard_off) tuples, into a malloc'd array
+ * *params (the caller frees it on success; NULL after an error), and the
+ * world size and shard numel.  0 on success, -1 with an exception set.
+ */
+static int cf_py_chunk_plan(PyObject *params_obj, PyObject *world_size, PyObject *shard_numel,
+                            cf_chunk_plan *plan, cf_chunk_param **params)
+{
+    PyObject *seq;
+    cf_chunk_param *out;
+    size_t n;
+
+    *params = NULL;
+    if (cf_py_int64(world_size, "world_size", &plan->world_size) < 0 ||
+        cf_py_int64(shard_numel, "shard_numel", &plan->shard_numel) < 0)
+        return -1;
+    seq = PySequence_Fast(params_obj, "plan must be a sequence of "
+                                      "(nat_off, numel, chunk_numel, shard_off) tuples");
+    if (seq == NULL)
+        return -1;
+    n = (size_t)PySequence_Fast_GET_SIZE(seq);
+    out = malloc((n ? n : 1) * sizeof *out);
+    if (out == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (size_t i = 0; i < n; i++) {
+        cf_chunk_param *p = &out[i];
+        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i),
+                                         "each plan entry must be a tuple "
+                                         "(nat_off, numel, chunk_numel, shard_off)");
+        int ok;
+        if (item == NULL)
+            goto fail;
+        if (PySequence_Fast_GET_SIZE(item) != 4) {
+            PyErr_Format(PyExc_ValueError,
+                         "plan param %zu must be (nat_off, numel, chunk_numel, shard_off), "
+                         "got %zd items", i, PySequence_Fast_GET_SIZE(item));
+            Py_DECREF(item);
+            goto fail;
+        }
+        ok = cf_py_int64(PySequence_Fast_GET_ITEM(item, 0), "nat_off", &p->nat_off) == 0 &&
+             cf_py_int64(PySequence_Fast_GET_ITEM(item, 1), "numel", &p->numel) == 0 &&
+             cf_py_int64(PySequence_Fast_GET_ITEM(item, 2), "chunk_numel",
+                         &p->chunk_numel) == 0 &&
+             cf_py_int64(PySequence_Fast_GET_ITEM(item, 3), "shard_off", &p->shard_off) == 0;
+        Py_DECREF(item);
+        if (!ok)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    plan->params = out;
+    plan->n_params = n;
+    *params = out;
+    return 0;
+
+fail:
+    Py_DECREF(seq);
+    free(out);
+    return -1;
+}
+
+PyDoc_STRVAR(cf_py_chunk_unpack_doc,
+"chunk_unpack($module, dst_addr, dst_numel, src_addr, src_numel, elem_size,\n"
+"             plan, world_size, shard_numel, max_threads, /)\n"
+"--\n"
+"\n"
+"FSDP2 copy-out: the rank-major all-gather output src -> the natural buffer dst.\n"
+"\n"
+"plan is a sequence of (nat_off, numel, chunk_numel, shard_off), one per\n"
+"parameter; src has world_size * shard_numel elements; rank k's part of a\n"
+"parameter, natural elements [nat_off + k*chunk_numel, nat_off +\n"
+"min((k+1)*chunk_numel, numel)), is read from src[k*shard_numel + shard_off:].\n"
+"Bytes are copied exactly (elem_size bytes per element); chunk padding is\n"
+"not read and dst outside the parameters is not written.  Same bytes as\n"
+"cfsdp._ref.chunk_unpack.  Runs with the GIL released, on up to\n"
+"min(max_threads, 4, online CPUs) threads above CHUNK_PARALLEL_BYTES.\n"
+"ValueError (naming the parameter index) for a plan that does not fit the\n"
+"buffers, a wrong src_numel, negative sizes or NULL addresses.");
+
+static PyObject *cf_py_chunk_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    cf_chunk_param *params = NULL;
+    cf_chunk_plan plan;
+    void *dst, *src;
+    int64_t dst_numel, src_numel, elem_size, max_threads;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("chunk_unpack", nargs, 9) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 ||
+        cf_py_int64(args[1], "dst_numel", &dst_numel) < 0 ||
+        cf_py_addr(args[2], "src_addr", &src) < 0 ||
+        cf_py_int64(args[3], "src_numel", &src_numel) < 0 ||
+        cf_py_int64(args[4], "elem_size", &elem_size) < 0 ||
+        cf_py_int64(args[8], "max_threads", &max_threads) < 0 ||
+        cf_py_chunk_plan(args[5], args[6], args[7], &plan, &params) < 0)
+        return NULL;
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_chunk_unpack(dst, dst_numel, src, src_numel, elem_size, &plan, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    free(params);
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_chunk_pack_doc,
+"chunk_pack($module, dst_addr, dst_numel, dst_dtype_code, src_addr, src_numel,\n"
+"           src_dtype_code, plan, world_size, shard_numel, rank_lo, rank_hi,\n"
+"           divisor, max_threads, /)\n"
+"--\n"
+"\n"
+"FSDP2 copy-in: the natural buffer src -> ranks [rank_lo, rank_hi) of the\n"
+"rank-major all-gather layout dst.\n"
+"\n"
+"Layout and plan as chunk_unpack; dst has (rank_hi - rank_lo) * shard_numel\n"
+"elements, rank k at (k - rank_lo) * shard_numel.  Each element is\n"
+"cast(src / divisor), rounded exactly as scale_cast_add (no divide when\n"
+"divisor == 1; dtype codes fp32=0, fp64=1, bf16=2, fp16=3); every other\n"
+"element of dst (chunk padding, gaps) is set to zero.  Same bits as\n"
+"cfsdp._ref.chunk_pack (NaN payloads aside when casting).  Runs with the\n"
+"GIL released, threads as chunk_unpack.  ValueError as chunk_unpack, and\n"
+"for an unknown dtype code or a rank range outside [0, world_size].");
+
+static PyObject *cf_py_chunk_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    cf_chunk_param *params = NULL;
+    cf_chunk_plan plan;
+    void *dst, *src;
+    int64_t dst_numel, dst_code, src_numel, src_code, rank_lo, rank_hi, max_threads;
+    double divisor;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("chunk_pack", nargs, 13) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 ||
+        cf_py_int64(args[1], "dst_numel", &dst_numel) < 0 ||
+        cf_py_int64(args[2], "dst_dtype_code", &dst_code) < 0 ||
+        cf_py_addr(args[3], "src_addr", &src) < 0 ||
+        cf_py_int64(args[4], "src_numel", &src_numel) < 0 ||
+        cf_py_int64(args[5], "src_dtype_code", &src_code) < 0 ||
+        cf_py_int64(args[9], "rank_lo", &rank_lo) < 0 ||
+        cf_py_int64(args[10], "rank_hi", &rank_hi) < 0 ||
+        cf_py_int64(args[12], "max_threads", &max_threads) < 0)
+        return NULL;
+    divisor = PyFloat_AsDouble(args[11]);
+    if (divisor == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (cf_py_check_dtype_codes(dst_code, src_code) < 0 ||
+        cf_py_chunk_plan(args[6], args[7], args[8], &plan, &params) < 0)
+        return NULL;
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_chunk_pack(dst, dst_numel, (int)dst_code, src, src_numel, (int)src_code, &plan,
+                       rank_lo, rank_hi, divisor, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    free(params);
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(cf_py_scale_cast_add_doc,
 "scale_cast_add($module, dst_addr, dst_dtype_code, src_addr, src_dtype_code,\n"
 "               numel, divisor, accumulate, /)\n"
@@ -294,12 +481,8 @@ static PyObject *cf_py_scale_cast_add(PyObject *module, PyObject *const *args,
     accumulate = PyObject_IsTrue(args[6]);
     if (accumulate < 0)
         return NULL;
-    if (dst_code < 0 || dst_code >= CF_DTYPE_COUNT || src_code < 0 ||
-        src_code >= CF_DTYPE_COUNT) {
-        cf_err_set(&err, CF_EINVAL, "unknown dtype code (dst %lld, src %lld); expected 0..%d",
-                   (long long)dst_code, (long long)src_code, CF_DTYPE_COUNT - 1);
-        return cf_py_raise(&err);
-    }
+    if (cf_py_check_dtype_codes(dst_code, src_code) < 0)
+        return NULL;
 
     Py_BEGIN_ALLOW_THREADS
     st = cf_reduce_scale_cast_add(dst, (int)dst_code, src, (int)src_code, numel, divisor,
@@ -362,19 +545,26 @@ static PyMethodDef cf_py_methods[] = {
      cf_py_plan_layout_doc},
     {"shard_fill", (PyCFunction)(void (*)(void))cf_py_shard_fill, METH_FASTCALL,
      cf_py_shard_fill_doc},
+    {"chunk_unpack", (PyCFunction)(void (*)(void))cf_py_chunk_unpack, METH_FASTCALL,
+     cf_py_chunk_unpack_doc},
+    {"chunk_pack", (PyCFunction)(void (*)(void))cf_py_chunk_pack, METH_FASTCALL,
+     cf_py_chunk_pack_doc},
     {"scale_cast_add", (PyCFunction)(void (*)(void))cf_py_scale_cast_add, METH_FASTCALL,
      cf_py_scale_cast_add_doc},
     {"norm_partial", (PyCFunction)(void (*)(void))cf_py_norm_partial, METH_FASTCALL,
      cf_py_norm_partial_doc},
     {NULL, NULL, 0, NULL}};
 
-/* Py_mod_exec: add the dtype-code constants; 0 on success, -1 on error. */
+/* Py_mod_exec: add the dtype codes and the chunk copies' threading constants;
+ * 0 on success, -1 on error. */
 static int cf_py_exec(PyObject *m)
 {
     if (PyModule_AddIntConstant(m, "DTYPE_FP32", CF_DTYPE_FP32) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_FP64", CF_DTYPE_FP64) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_BF16", CF_DTYPE_BF16) < 0 ||
-        PyModule_AddIntConstant(m, "DTYPE_FP16", CF_DTYPE_FP16) < 0)
+        PyModule_AddIntConstant(m, "DTYPE_FP16", CF_DTYPE_FP16) < 0 ||
+        PyModule_AddIntConstant(m, "CHUNK_PARALLEL_BYTES", (long)CF_CHUNK_PARALLEL_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_THREADS", CF_MAX_THREADS) < 0)
         return -1;
     return 0;
 }
@@ -390,9 +580,10 @@ static PyModuleDef_Slot cf_py_slots[] = {
     {0, NULL}};
 
 PyDoc_STRVAR(cf_py_module_doc,
-"The C core of cfsdp: flat layout planning, shard copies, gradient\n"
-"scale/cast/accumulate and gradient-norm partials.  Use it through\n"
-"cfsdp._core; every function has a pure-Python twin in cfsdp._ref.");
+"The C core of cfsdp: flat layout planning, shard copies, FSDP2 chunk\n"
+"copy-in/copy-out, gradient scale/cast/accumulate and gradient-norm\n"
+"partials.  Use it through cfsdp._core; every function has a pure-Python\n"
+"twin in cfsdp._ref.");
 
 static struct PyModuleDef cf_py_module = {
     PyModuleDef_HEAD_INIT,

@@ -110,6 +110,13 @@ CF_DEFINE_LOOPS_FOR_DST(FP16)
 static const cf_reduce_loop cf_reduce_loops[CF_DTYPE_COUNT][CF_DTYPE_COUNT] = {
     CF_LOOP_ROW(FP32), CF_LOOP_ROW(FP64), CF_LOOP_ROW(BF16), CF_LOOP_ROW(FP16)};
 
+void cf_reduce_scale_cast_run(void *dst, int dst_dtype, const void *src, int src_dtype,
+                              size_t n, double divisor, bool accumulate)
+{
+    if (n > 0)
+        cf_reduce_loops[dst_dtype][src_dtype](dst, src, n, divisor, divisor != 1.0, accumulate);
+}
+
 cf_status cf_reduce_scale_cast_add(void *dst, int dst_dtype, const void *src, int src_dtype,
                                    int64_t numel, double divisor, bool accumulate,
                                    cf_err *err)
@@ -134,7 +141,7 @@ cf_status cf_reduce_scale_cast_add(void *dst, int dst_dtype, const void *src, in
         return cf_err_set(err, CF_EINVAL, "src: NULL address with numel %lld",
                           (long long)numel);
 
-    cf_reduce_loops[dst_dtype][src_dtype](dst, src, (size_t)numel, divisor, divisor != 1.0,
-                                          accumulate);
+    cf_reduce_scale_cast_run(dst, dst_dtype, src, src_dtype, (size_t)numel, divisor,
+                             accumulate);
     return CF_OK;
 }

@@ -21,4 +21,13 @@ cf_status cf_reduce_scale_cast_add(void *dst, int dst_dtype, const void *src, in
                                    int64_t numel, double divisor, bool accumulate,
                                    cf_err *err);
 
+/*
+ * The loop of cf_reduce_scale_cast_add without its checks, for other files
+ * of the core that validated their arguments already (chunk.c): valid dtype
+ * codes, `n` elements at non-NULL addresses (or n == 0).  Same rounding,
+ * same aliasing rule.  Needs no GIL.
+ */
+void cf_reduce_scale_cast_run(void *dst, int dst_dtype, const void *src, int src_dtype,
+                              size_t n, double divisor, bool accumulate);
+
 #endif /* CF_REDUCE_H */

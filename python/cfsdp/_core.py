@@ -8,13 +8,17 @@ backend, so CUDA tensors never reach C.
 
 Tensors cross into C as (address, numel, dtype code); the caller guarantees
 the memory stays alive for the duration of the call (C allocates nothing).
+Calls that may split a large copy across threads (``chunk_pack``,
+``chunk_unpack``) pass ``torch.get_num_threads()`` as the limit, so
+``OMP_NUM_THREADS`` / ``torch.set_num_threads`` bound the C core as they
+bound torch (the core's own cap is ``_C.MAX_THREADS`` and the online CPUs).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -132,6 +136,81 @@ def shard_fill(
         )
     else:
         _ref.shard_fill(dst, shard_start, srcs, offsets)
+
+
+def _check_1d(fn: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dim() != 1:
+            raise AssertionError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}")
+
+
+def chunk_unpack(
+    dst_natural: torch.Tensor,
+    src_gathered: torch.Tensor,
+    plan: Sequence[tuple[int, int, int, int]],
+    world_size: int,
+    shard_numel: int,
+) -> None:
+    """FSDP2 copy-out: the rank-major all-gather output -> the natural buffer, in one
+    pass.  ``plan`` holds ``(nat_off, numel, chunk_numel, shard_off)`` per parameter;
+    see ``cfsdp._ref.chunk`` for the layout and the plan's invariants (a plan that
+    breaks them is a ``ValueError`` naming the parameter index)."""
+    _check_1d("chunk_unpack", dst_natural=dst_natural, src_gathered=src_gathered)
+    if dst_natural.dtype != src_gathered.dtype:
+        raise AssertionError(
+            f"chunk_unpack: dtype {src_gathered.dtype} != {dst_natural.dtype}"
+        )
+    if _c_ok(dst_natural, src_gathered):
+        _C.chunk_unpack(
+            dst_natural.data_ptr(),
+            dst_natural.numel(),
+            src_gathered.data_ptr(),
+            src_gathered.numel(),
+            dst_natural.element_size(),
+            plan,
+            world_size,
+            shard_numel,
+            torch.get_num_threads(),
+        )
+    else:
+        _ref.chunk_unpack(dst_natural, src_gathered, plan, world_size, shard_numel)
+
+
+def chunk_pack(
+    dst_gathered: torch.Tensor,
+    src_natural: torch.Tensor,
+    plan: Sequence[tuple[int, int, int, int]],
+    world_size: int,
+    shard_numel: int,
+    divisor: float = 1.0,
+    ranks: Optional[tuple[int, int]] = None,
+) -> None:
+    """FSDP2 copy-in: the natural buffer -> ranks ``[lo, hi)`` (``ranks``, default all)
+    of the rank-major layout, ``dst = cast(src / divisor)`` rounded as
+    ``scale_cast_add``, padding and gaps zeroed, in one pass.  ``ranks=(rank, rank +
+    1)`` builds one rank's shard.  See ``cfsdp._ref.chunk``."""
+    _check_1d("chunk_pack", dst_gathered=dst_gathered, src_natural=src_natural)
+    lo, hi = (0, world_size) if ranks is None else ranks
+    if _c_ok(dst_gathered, src_natural):
+        _C.chunk_pack(
+            dst_gathered.data_ptr(),
+            dst_gathered.numel(),
+            DTYPE_CODES[dst_gathered.dtype],
+            src_natural.data_ptr(),
+            src_natural.numel(),
+            DTYPE_CODES[src_natural.dtype],
+            plan,
+            world_size,
+            shard_numel,
+            lo,
+            hi,
+            float(divisor),
+            torch.get_num_threads(),
+        )
+    else:
+        _ref.chunk_pack(
+            dst_gathered, src_natural, plan, world_size, shard_numel, divisor, (lo, hi)
+        )
 
 
 def scale_cast_add(

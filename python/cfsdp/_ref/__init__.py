@@ -8,7 +8,15 @@ use only torch ops, so they serve CUDA tensors as well as CPU ones.
 
 from .layout import plan_layout_lists
 from .copy import shard_fill
+from .chunk import chunk_pack, chunk_unpack
 from .reduce import scale_cast_add
 from .norm import norm_partial
 
-__all__ = ["plan_layout_lists", "shard_fill", "scale_cast_add", "norm_partial"]
+__all__ = [
+    "plan_layout_lists",
+    "shard_fill",
+    "chunk_unpack",
+    "chunk_pack",
+    "scale_cast_add",
+    "norm_partial",
+]

@@ -1,0 +1,165 @@
+"""FSDP2 copy-in / copy-out (twin of ``csrc/chunk.c``).
+
+The layout of a ``fully_shard`` unit: each parameter of shape ``(d0, *rest)``
+is split along dim 0 as ``torch.chunk(p, W)``, so with ``c = ceil(d0 / W)``
+rows per chunk and ``r`` elements per row, rank ``k`` holds the parameter's
+flat elements ``[k*c*r, min((k+1)*c*r, numel))`` (possibly none), padded with
+zeros to ``chunk_numel = c*r``.  A rank's shard (``shard_numel`` elements)
+holds one padded chunk per parameter, at ``shard_off``; the all-gather output
+``G`` is rank-major, ``G[k*shard_numel + shard_off + j]`` being element ``j``
+of rank ``k``'s chunk.  The *natural* buffer holds the whole parameters,
+parameter ``p`` at ``nat_off``.
+
+A *plan* is a sequence of ``(nat_off, numel, chunk_numel, shard_off)``, one
+per parameter, in order; with ``world_size`` and ``shard_numel`` it describes
+the unit.  Invariants, checked (in this order, naming the parameter index)
+by ``check_plan`` here and by the C core with the same messages:
+
+* ``world_size >= 1``, ``shard_numel >= 0``, the four numbers are ``>= 0``;
+* ``numel <= world_size * chunk_numel`` (every element belongs to a rank);
+* the shard segment (the chunk) ``[shard_off, shard_off + chunk_numel)`` lies
+  in the shard, and non-empty ones come in parameter order without overlap;
+* the natural segment ``[nat_off, nat_off + numel)`` lies in the natural
+  buffer, and non-empty ones come in parameter order without overlap (both
+  buffers may have gaps).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+PlanEntry = tuple[int, int, int, int]  # (nat_off, numel, chunk_numel, shard_off)
+
+
+def check_plan(
+    plan: Sequence[PlanEntry],
+    world_size: int,
+    shard_numel: int,
+    natural_numel: int,
+    gathered_numel: int,
+    ranks: tuple[int, int],
+) -> None:
+    """Raise ``ValueError`` unless the plan fits the buffers; see the module doc."""
+    lo, hi = ranks
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if shard_numel < 0:
+        raise ValueError(f"shard_numel must be >= 0, got {shard_numel}")
+    if not 0 <= lo <= hi <= world_size:
+        raise ValueError(
+            f"ranks ({lo}, {hi}) must satisfy 0 <= lo <= hi <= world_size {world_size}"
+        )
+    if gathered_numel != (hi - lo) * shard_numel:
+        raise ValueError(
+            f"gathered buffer has {gathered_numel} elements, expected "
+            f"{(hi - lo) * shard_numel} ({hi - lo} ranks x shard_numel {shard_numel})"
+        )
+    shard_end = nat_end = 0
+    for i, (nat_off, numel, chunk, shard_off) in enumerate(plan):
+        if min(nat_off, numel, chunk, shard_off) < 0:
+            raise ValueError(
+                f"plan param {i}: nat_off, numel, chunk_numel and shard_off must be "
+                f">= 0, got ({nat_off}, {numel}, {chunk}, {shard_off})"
+            )
+        if world_size * chunk < numel:
+            raise ValueError(
+                f"plan param {i}: numel {numel} does not fit in {world_size} chunks of "
+                f"{chunk} elements"
+            )
+        shard_end = _check_segment(i, "shard", shard_off, chunk, shard_numel, shard_end)
+        nat_end = _check_segment(i, "natural", nat_off, numel, natural_numel, nat_end)
+
+
+def _check_segment(i: int, what: str, off: int, n: int, limit: int, prev_end: int) -> int:
+    """Parameter ``i``'s segment ``[off, off + n)`` of the ``what`` buffer must end by
+    ``limit`` and, if non-empty, start at or after ``prev_end`` (the end of the previous
+    non-empty segment); returns the new ``prev_end``."""
+    if off + n > limit:
+        raise ValueError(
+            f"plan param {i}: {what} segment of {n} elements at {off} passes the end {limit}"
+        )
+    if n == 0:
+        return prev_end
+    if off < prev_end:
+        raise ValueError(
+            f"plan param {i}: {what} segment at {off} overlaps the previous one (ends at "
+            f"{prev_end}); segments must be in parameter order"
+        )
+    return off + n
+
+
+def _pieces(plan: Sequence[PlanEntry], lo: int, hi: int):
+    """Per parameter with a non-empty chunk: ``(nat_off, chunk, shard_off, a, b, rem)``:
+    of the ranks ``[lo, hi)``, ranks ``[a, b)`` (``a == lo``) hold a whole chunk and
+    rank ``b`` holds the ``rem`` trailing elements (``rem == 0``: none, or ``b`` is
+    past ``hi``); ranks after that hold nothing."""
+    for nat_off, numel, chunk, shard_off in plan:
+        if chunk == 0:
+            continue
+        full = numel // chunk  # ranks holding a whole chunk
+        rem = numel - full * chunk if lo <= full < hi else 0
+        yield nat_off, chunk, shard_off, lo, max(lo, min(hi, full)), rem
+
+
+def chunk_unpack(
+    dst_natural: torch.Tensor,
+    src_gathered: torch.Tensor,
+    plan: Sequence[PlanEntry],
+    world_size: int,
+    shard_numel: int,
+) -> None:
+    """Copy-out after the all-gather: every parameter's elements from the rank-major
+    ``src_gathered`` (``world_size * shard_numel`` elements) to its segment of
+    ``dst_natural``, bit for bit.  Padding is not read; elements of ``dst_natural``
+    outside the parameters are not written.  Both tensors 1-D, same dtype."""
+    check_plan(plan, world_size, shard_numel, dst_natural.numel(), src_gathered.numel(),
+               (0, world_size))
+    g = src_gathered.view(world_size, shard_numel)
+    for nat_off, chunk, shard_off, a, b, rem in _pieces(plan, 0, world_size):
+        n = (b - a) * chunk
+        if n:
+            dst_natural[nat_off : nat_off + n].view(b - a, chunk).copy_(
+                g[a:b, shard_off : shard_off + chunk]
+            )
+        if rem:
+            dst_natural[nat_off + n : nat_off + n + rem].copy_(g[b, shard_off : shard_off + rem])
+
+
+def chunk_pack(
+    dst_gathered: torch.Tensor,
+    src_natural: torch.Tensor,
+    plan: Sequence[PlanEntry],
+    world_size: int,
+    shard_numel: int,
+    divisor: float = 1.0,
+    ranks: Optional[tuple[int, int]] = None,
+) -> None:
+    """Copy-in: ranks ``[lo, hi)`` (``ranks``, default all) of the rank-major layout,
+    ``(hi - lo) * shard_numel`` elements of ``dst_gathered``, from ``src_natural``.
+
+    Each element is ``cast(src / divisor)`` rounded as ``scale_cast_add`` (torch's
+    ``src / divisor`` in the src dtype, skipped when ``divisor == 1``, then a copy
+    into the dst dtype); every other element of ``dst_gathered`` (chunk padding, gaps)
+    is zero.  Both tensors 1-D."""
+    lo, hi = (0, world_size) if ranks is None else ranks
+    check_plan(plan, world_size, shard_numel, src_natural.numel(), dst_gathered.numel(),
+               (lo, hi))
+    dst_gathered.zero_()
+    g = dst_gathered.view(hi - lo, shard_numel)
+
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return t / divisor if divisor != 1 else t
+
+    for nat_off, chunk, shard_off, a, b, rem in _pieces(plan, lo, hi):
+        start = nat_off + a * chunk  # natural element of rank a's part
+        n = (b - a) * chunk
+        if n:
+            g[a - lo : b - lo, shard_off : shard_off + chunk].copy_(
+                scaled(src_natural[start : start + n]).view(b - a, chunk)
+            )
+        if rem:
+            g[b - lo, shard_off : shard_off + rem].copy_(
+                scaled(src_natural[start + n : start + n + rem])
+            )
