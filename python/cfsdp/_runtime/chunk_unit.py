@@ -97,31 +97,6 @@ def gradient_divide(
     return 1.0, f, SUM, SUM
 
 
-def _tmp_pack(dst, src, plan, W, S, divisor=1.0, ranks=None):  # TEMP until _core.chunk_pack lands
-    lo, hi = ranks or (0, W)
-    dst.zero_()
-    for nat_off, numel, cn, so in plan:
-        for k in range(lo, hi):
-            a = k * cn
-            b = min(a + cn, numel)
-            if b > a:
-                d = dst[(k - lo) * S + so : (k - lo) * S + so + b - a]
-                _core.scale_cast_add(d, src[nat_off + a : nat_off + b].contiguous(), divisor, False)
-
-
-def _tmp_unpack(dst, src, plan, W, S):
-    for nat_off, numel, cn, so in plan:
-        for k in range(W):
-            a = k * cn
-            b = min(a + cn, numel)
-            if b > a:
-                dst[nat_off + a : nat_off + b].copy_(src[k * S + so : k * S + so + b - a])
-
-
-_chunk_pack = getattr(_core, "chunk_pack", _tmp_pack)
-_chunk_unpack = getattr(_core, "chunk_unpack", _tmp_unpack)
-
-
 class ChunkUnit:
     """The parameters of one ``fully_shard`` call (see [Note: chunk layout])."""
 
@@ -175,7 +150,7 @@ class ChunkUnit:
         self.shard = torch.empty(shard, dtype=dtype, device=device)
         with torch.no_grad():
             src = torch.cat([p.detach().reshape(-1) for *_, p, _ in entries]) if entries else None
-            _chunk_pack(self.shard, src, self._plan, W, shard, ranks=(self.rank, self.rank + 1))
+            _core.chunk_pack(self.shard, src, self._plan, W, shard, ranks=(self.rank, self.rank + 1))
         self.natural = torch.empty(nat, dtype=self.param_dtype, device=device)
         _free(self.natural)
         self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
@@ -268,7 +243,7 @@ class ChunkUnit:
         _alloc(self.natural)
         # through ``.data``: refilling the buffer must not bump the version counter
         # of the views autograd saved in forward (they see the same values again)
-        _chunk_unpack(self.natural.data, gathered, self._plan, self.world_size, self.shard_numel)
+        _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size, self.shard_numel)
         self._buf = self.natural
 
     def reshard(self) -> None:
@@ -357,7 +332,7 @@ class ChunkUnit:
         to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
         W, S = self.world_size, self.shard_numel
         inp = torch.empty(W * S, dtype=self.reduce_dtype, device=self.device)
-        _chunk_pack(inp, grad.contiguous(), self._plan, W, S, divisor=self.pre_divide)
+        _core.chunk_pack(inp, grad.contiguous(), self._plan, W, S, divisor=self.pre_divide)
         out = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
         self.grad_unsharded = False
         return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True, op=self.reduce_op), out)
