@@ -158,7 +158,7 @@ class ChunkUnit:
         self._pending_unshard: Optional[comm.Pending] = None
         self._pending_gathered: Optional[torch.Tensor] = None
         self.saved_grad: Optional[torch.Tensor] = None
-        self._grad_buf: Optional[torch.Tensor] = None  # what the published grads view
+        self._grad_buf: Optional[weakref.ref] = None  # what the published grads view
         self.grad_unsharded = False
         self._hooked = False
         self.post_backward_fn = None
@@ -310,7 +310,7 @@ class ChunkUnit:
         grads = [q.sharded.grad for q in self.params]
         if all(g is None for g in grads):
             return
-        buf = self._grad_buf
+        buf = self._grad_buf() if self._grad_buf is not None else None
         if buf is None or any(
             g is None or g._local_tensor.data_ptr() != self._local_view(buf, q).data_ptr()
             for g, q in zip(grads, self.params) if q.local_numel
@@ -345,7 +345,8 @@ class ChunkUnit:
         self.grad_unsharded = False
         if g is None:
             return
-        self._grad_buf = g
+        # weakly: once the user drops every gradient (zero_grad) the buffer goes
+        self._grad_buf = weakref.ref(g)
         for q in self.params:
             if q.requires_grad:
                 with torch.no_grad():
