@@ -280,7 +280,9 @@ class Mismatches:
             self.add(msg)
 
     def tensors(self, what: str, a: torch.Tensor | None, b: torch.Tensor | None,
-                exact: bool = True, a_name: str = "cfsdp", b_name: str = "torch") -> None:
+                exact: bool = True, a_name: str = "cfsdp", b_name: str = "torch",
+                rtol: float = REF_RTOL, atol: float = REF_ATOL) -> None:
+        """Bitwise (``exact``) or ``|a - b| <= atol + rtol * |b|`` elementwise."""
         if a is None or b is None:
             if not (a is None and b is None):
                 self.add(f"{what}: {a_name} is {'None' if a is None else 'a tensor'}, "
@@ -294,9 +296,9 @@ class Mismatches:
             return
         a, b = a.detach(), b.detach()
         if not exact and a.is_floating_point() and a.numel():
-            ratio = ((a - b).abs() / (REF_ATOL + REF_RTOL * b.abs())).max().item()
+            ratio = ((a - b).abs() / (atol + rtol * b.abs())).max().item()
             self.worst_ref = max(self.worst_ref, ratio)
-        ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=REF_RTOL, atol=REF_ATOL)
+        ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=rtol, atol=atol)
         if not ok:
             if a.is_floating_point() and a.numel():
                 diff = (a - b).abs()

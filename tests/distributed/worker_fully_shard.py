@@ -1,0 +1,1240 @@
+"""The composable face: ``cfsdp.fully_shard`` against torch's own ``fully_shard`` (FSDP2).
+
+Run by tests/distributed/test_fully_shard.py under torchrun (gloo, CPU) at W=2 and W=4; every
+subtest below runs inside the one spawn (see _harness.py). The HSDP subtests (2-D mesh,
+replicate 2 x shard 2) are registered at W=4 only.
+
+Three contenders, built from the same seed and trained on the same data:
+
+* ``torch``: torch.distributed.fsdp.fully_shard, the oracle;
+* ``cfsdp``: cfsdp.fully_shard with the same arguments (``CFSDP_FS_SELFTEST=1`` makes this one
+  torch's own fully_shard/FSDPModule too: every subtest must then pass, which checks the
+  comparisons and tolerances themselves, see "Self-test" below);
+* ``ref``:   the unwrapped model in one process (every rank computes it) on all ranks' chunks.
+
+Both sharded contenders run on a DeviceMesh built from the subtest's own gloo group
+(``DeviceMesh.from_group(ctx.pg, "cpu")``; HSDP: from fresh shard/replicate groups), so a
+subtest that dies half-way through a collective cannot desynchronise the next one. fully_shard
+is applied the torch way: each block first, then the root.
+
+Models (tiny, with sizes that W does not divide, so chunks are padded and at W=4 some ranks
+hold empty shards: ``in_proj.weight`` (9, 7), the blocks' (9, 9) and ``out.weight`` (3, 9)
+give rank 3 nothing, ``scale`` (1,) leaves ranks 1-3 empty):
+
+* ``mlp``: a buffer, an input projection, two residual blocks (units), an output projection and
+  a 1-element scale on the root; ``mlp_twice`` calls block 1 twice in a row in one forward,
+  ``mlp_apart`` calls block 0 again after block 1 (torch reduces each unit once, after its
+  last use in backward, in both cases);
+* ``lm``: a tiny transformer (two of worker_parity's Blocks) with a token embedding tied to the
+  output head (one parameter, two state-dict keys) and a (6, 12) position parameter; ``lm1``
+  has one Block (the checkpoint subtests: DSD gathers tensor by tensor, which is the slow part);
+* ``frozen``: the mlp with block 0 frozen (a unit without gradients) and ``in_proj.weight``
+  frozen (frozen and trainable parameters in the root unit).
+
+What is compared, and with which tolerance:
+
+* cfsdp vs torch: **bitwise** (``torch.equal``, same dtype and shape) for every loss, every
+  local gradient shard (``to_local()``) after the last backward, every local parameter shard
+  after the last step, the type/placement/shape of every registered parameter and gradient at
+  the points where a feature changes them, forward outputs, state dicts (keys in order, types,
+  placements, local values; full tensors for full state dicts). Both run the same fp32 (or
+  bf16) ops on the same values: the same dim-0 chunks (``torch.chunk`` sizes, padded), the same
+  all-gathered parameters, the same local forward/backward, the same gloo reduction. torch 2.13
+  reduce-scatters fp32 and bf16 gradients with ``ReduceOp.AVG`` (``_get_gradient_divide_factors``
+  in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; gloo supports AVG there); a sum
+  by the same gloo collective followed by a division by W is bitwise the same, since W = 2 and
+  4 are powers of two (the division is exact). Any difference is a real divergence.
+* torch vs ref, fp32: ``rtol=1e-5, atol=1e-6`` elementwise (worker_parity's REF_RTOL/REF_ATOL,
+  same reasoning): the same maths, but FSDP averages the per-rank gradients through gloo's
+  reduction order while the reference accumulates ``g_r / W`` through autograd, a few ulps per
+  step; over 3 steps of SGD-momentum/AdamW the drift stays far below 1e-5 relative (the worst
+  ratio is logged: <= 0.05 of the tolerance at W=2 and 4). This check is what makes the oracle
+  trustworthy: on torch 2.13 with gloo, FSDP2 *averages* fp32 and bf16 gradients (pytorch
+  issue 162338 reported a sum), so torch itself is the oracle, without force-sum; a summing
+  implementation is off by a factor W, which fails here by a factor ~6e4 (checked by mutating
+  the oracle).
+* torch vs ref under bf16 mixed precision (``MP_TOL``, 2**-5, relative to each tensor's
+  largest magnitude): the reference emulates FSDP2's policy exactly (a bf16 copy of the fp32
+  parameters, the same input/output casts at the same module boundaries as forward hooks,
+  per-rank bf16 gradients, the average taken in ``reduce_dtype or param_dtype``), so the only
+  difference is the reduction's summation order and rounding in bf16 (a few bf16 half-ulps,
+  2**-9 each) and what that does to the next steps' bf16 parameters. At W=2 the emulation is
+  bitwise (a sum of two terms has one rounding); at W=4 the worst case uses 0.48 of the
+  tolerance (bf16 reductions). A summing implementation (a factor W) fails by a factor ~25
+  (checked by mutating the oracle). cfsdp vs torch stays bitwise (same bf16 ops, same gloo
+  reduction in the same dtype).
+
+Deliberate oracle adjustments (torch cannot do it on gloo, or torch is not the spec):
+
+* ``set_gradient_divide_factor(k)``: with k != W torch uses ``ReduceOp.PREMUL_SUM(1/k)``, which
+  gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). The torch oracle adds
+  ``set_force_sum_reduction_for_comms(True)`` (sum, then divide by k); cfsdp is called with the
+  factor only (in the self-test the torch stand-in needs force-sum too). k is 1 or 2W, powers of
+  two, so pre-multiplying by 1/k and dividing the sum by k give the same bits. The reference
+  checks the scale: gradients are ``W / k`` times the mean.
+* ``bad_input``: where torch raises at ``fully_shard`` time, cfsdp must raise the same
+  exception type (or a subclass) and a message naming what torch names, by FQN (a scalar
+  parameter: torch names ``gain``, cfsdp must say ``sub.gain``). Where torch does not check
+  (an FSDP1-wrapped module: torch shards the flat parameter again and trains on garbage, or
+  fails at the first forward; an ``mp_policy`` that is not a MixedPrecisionPolicy: accepted,
+  then an AttributeError or a dtype mismatch at the first forward; a ProcessGroup as ``mesh``:
+  an accidental AttributeError), cfsdp must raise a ValueError or TypeError at once, naming
+  the argument or module. The self-test can only check that torch still behaves as recorded.
+* a no_grad eval forward between steps: torch 2.13 leaves the root's unsharded parameters
+  registered after it (the root's reshard_after_forward defaults to False); cfsdp must not
+  leak them (every parameter a sharded DTensor again). Outputs are compared bitwise.
+* state dicts: what is "saved" is a clone of every tensor (``clone_tree``): state dicts hold
+  live tensors (AdamW's ``step`` too) that the writer's next steps update in place.
+  ``copy.deepcopy(model.state_dict())`` is checked separately (``structure``).
+* Parameters on the ``meta`` device with a CPU mesh are not an error in torch (deferred
+  initialisation); that is tested as the ``meta_init`` feature. The device-type mismatch case
+  is a "cuda" mesh on this CPU-only build.
+
+Self-test: ``CFSDP_FS_SELFTEST=1`` runs every subtest with torch in both seats, so the bitwise
+comparisons, the reference tolerances and the state-dict/DCP round trips are checked to pass on
+a correct implementation.
+
+``CFSDP_FS_PHASE=reshard_save|reshard_load`` (with ``CFSDP_CKPT_DIR``) replaces the subtests by
+one DCP resharding phase: a launch at W=a trains, saves (torch and cfsdp) with
+``torch.distributed.checkpoint`` and records the next losses; a launch at W=b loads both into
+cfsdp and must reproduce them (``RESHARD_RTOL``: the two world sizes sum in different orders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
+
+import _harness as h
+import ckpt_common as cc
+import worker_parity as wp
+from worker_dcp import assert_equal, describe
+
+del h._REGISTRY[:]  # importing worker_parity / worker_dcp registered their subtests: run only ours
+
+import cfsdp  # noqa: E402
+
+SELFTEST = os.environ.get("CFSDP_FS_SELFTEST") == "1"
+PHASE = os.environ.get("CFSDP_FS_PHASE", "")
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+STEPS = 3
+ROWS = 12  # global batch rows per micro-batch: 6 a rank at W=2, 3 at W=4
+MP_TOL = 2.0 ** -5
+RESHARD_RTOL = 1e-5
+BF16 = torch.bfloat16
+CKPT_PREFIX = "_checkpoint_wrapped_module."
+
+
+# --------------------------------------------------------------------------------------------
+# the two sharded implementations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    fully_shard: Callable[..., Any]
+    FSDPModule: type
+    UnshardHandle: type
+    register_fsdp_forward_method: Callable[[nn.Module, str], None]
+
+
+TORCH = Impl("torch", torch_fsdp.fully_shard, torch_fsdp.FSDPModule, torch_fsdp.UnshardHandle,
+             torch_fsdp.register_fsdp_forward_method)
+CFSDP = Impl("cfsdp", *((torch_fsdp.fully_shard, torch_fsdp.FSDPModule, torch_fsdp.UnshardHandle,
+                         torch_fsdp.register_fsdp_forward_method) if SELFTEST else
+                        (cfsdp.fully_shard, cfsdp.FSDPModule, cfsdp.UnshardHandle,
+                         cfsdp.register_fsdp_forward_method)))
+IMPLS = {"torch": TORCH, "cfsdp": CFSDP}
+
+
+# --------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` with x cast to the weight's dtype: under a mixed-precision policy a unit may
+    hand fp32 (its ``output_dtype``) to bf16 parameters."""
+    return lin(x.to(lin.weight.dtype))
+
+
+class MLPBlock(nn.Module):
+    """A residual unit (its input may be fp32 under ``output_dtype``, see ``_linear``)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.ckpt = False  # activation checkpointing inside the unit's own forward
+        self.fail = False  # raise once, to test reset_iter_state
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(_linear(self.lin, x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.fail = False
+            raise InjectedFailure("injected failure in a block's forward")
+        if self.ckpt:
+            return checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+class MLP(nn.Module):
+    def __init__(self, order: tuple[int, ...] = (0, 1)):
+        super().__init__()
+        self.register_buffer("shift", torch.randn(7))
+        self.in_proj = nn.Linear(7, 9)
+        self.blocks = nn.ModuleList(MLPBlock(9) for _ in range(2))
+        self.out = nn.Linear(9, 3)
+        self.scale = nn.Parameter(torch.tensor([1.25]))
+        self.order = order  # the blocks, in the order forward calls them
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        # the elementwise op runs in the input's dtype: shows whether fully_shard cast it
+        hid = F.gelu(_linear(self.in_proj, torch.tanh(x - self.shift)))
+        for i in self.order:
+            hid = self.blocks[i](hid)
+        return _linear(self.out, hid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        """Not ``forward``: uses the root's parameters directly (needs
+        ``register_fsdp_forward_method``)."""
+        return (self.body(x) * self.scale).tanh()
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+
+VOCAB, SEQ, D_MODEL, HEADS = 19, 6, 12, 2
+
+
+class TiedLM(nn.Module):
+    def __init__(self, n_blocks: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Parameter(torch.randn(SEQ, D_MODEL) * 0.02)
+        self.blocks = nn.ModuleList(wp.Block(D_MODEL, HEADS) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+        self.head.weight = self.tok.weight  # tied: one parameter, two state-dict keys
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind in ("mlp", "mlp_twice", "mlp_apart", "frozen"):
+        model = MLP({"mlp_twice": (0, 1, 1), "mlp_apart": (0, 1, 0)}.get(kind, (0, 1)))
+        if kind == "frozen":
+            model.blocks[0].requires_grad_(False)
+            model.in_proj.weight.requires_grad_(False)
+        return model
+    if kind in ("lm", "lm1"):
+        return TiedLM(n_blocks=2 if kind == "lm" else 1)
+    raise AssertionError(kind)
+
+
+def loss_fn(kind: str, out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    if kind.startswith("lm"):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+    return F.mse_loss(out, tgt.to(out.dtype))
+
+
+def batches(kind: str, steps: int, world: int, micro: int = 1, seed: int = 1234):
+    """``[step][micro][rank] -> (x, y)``: a global batch of ROWS rows per micro-batch, split into
+    ``world`` equal chunks (the same data at every world size)."""
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed * 1000 + step)
+        per_micro = []
+        for _ in range(micro):
+            if kind.startswith("lm"):
+                x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+                y = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+            else:
+                x = torch.randn(ROWS, 7, generator=g)
+                y = torch.randn(ROWS, 3, generator=g)
+            per_micro.append(list(zip(x.chunk(world), y.chunk(world))))
+        out.append(per_micro)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# meshes and sharding
+# --------------------------------------------------------------------------------------------
+
+
+def mesh_1d(ctx: h.Context) -> DeviceMesh:
+    return DeviceMesh.from_group(ctx.pg, "cpu")
+
+
+def mesh_2d(ctx: h.Context) -> DeviceMesh:
+    """(replicate 2, shard W/2) over fresh gloo groups (every rank creates every group)."""
+    layout = torch.arange(ctx.world_size).view(2, ctx.world_size // 2)
+    shard = [dist.new_group(row.tolist(), backend="gloo", timeout=h.PG_TIMEOUT) for row in layout]
+    rep = [dist.new_group(col.tolist(), backend="gloo", timeout=h.PG_TIMEOUT) for col in layout.T]
+    r, s = divmod(ctx.rank, layout.shape[1])
+    return DeviceMesh.from_group([rep[s], shard[r]], "cpu", mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def shard_index(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's chunk index, number of chunks) along the mesh's shard dimension."""
+    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+
+
+def local_chunk(full: torch.Tensor, idx: int, n: int) -> torch.Tensor:
+    """What FSDP2 keeps of ``full`` on chunk ``idx`` of ``n``: torch.chunk on dim 0, empty past
+    the last chunk."""
+    chunks = torch.chunk(full, n, dim=0)
+    return chunks[idx] if idx < len(chunks) else full.new_empty((0, *full.shape[1:]))
+
+
+def shard(impl: Impl, model: nn.Module, mesh: DeviceMesh, unit_kw: dict | None = None,
+          root_kw: dict | None = None) -> nn.Module:
+    """fully_shard each unit, then the root (``root_kw`` overrides ``unit_kw`` on the root)."""
+    unit_kw = unit_kw or {}
+    for unit in model.fsdp_units():
+        impl.fully_shard(unit, mesh=mesh, **unit_kw)
+    impl.fully_shard(model, mesh=mesh, **{**unit_kw, **(root_kw or {})})
+    return model
+
+
+def fsdp_modules(impl: Impl, model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, impl.FSDPModule)]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def desc(t: torch.Tensor | None) -> Any:
+    """What a registered parameter or gradient looks like to the user (not its values)."""
+    if t is None:
+        return None
+    kind = "Parameter" if isinstance(t, nn.Parameter) else "Tensor"
+    if isinstance(t, DTensor):
+        return (kind, "DTensor", tuple(t.placements), tuple(t.shape), tuple(t.to_local().shape), t.dtype)
+    return (kind, tuple(t.shape), t.dtype)
+
+
+def reg_state(model: nn.Module) -> dict[str, tuple]:
+    """name -> (parameter, gradient) as registered on the module right now."""
+    return {n: (desc(p), desc(p.grad)) for n, p in model.named_parameters()}
+
+
+def assert_all_sharded(model: nn.Module, where: str) -> None:
+    bad = [n for n, p in model.named_parameters()
+           if not (isinstance(p, nn.Parameter) and isinstance(p, DTensor))]
+    if bad:
+        raise AssertionError(f"{where}: parameters not registered as sharded DTensors: {bad}")
+
+
+def clean(name: str) -> str:
+    return name.replace(CKPT_PREFIX, "")
+
+
+# --------------------------------------------------------------------------------------------
+# training: one scenario, run by each contender
+# --------------------------------------------------------------------------------------------
+
+Hook = Callable[..., Any]
+
+
+@dataclass
+class Scenario:
+    kind: str = "mlp"
+    optim: str = "adamw"
+    steps: int = STEPS
+    micro: int = 1
+    unit_kw: dict | Callable[[nn.Module], dict] = field(default_factory=dict)
+    root_kw: dict | Callable[[nn.Module], dict] = field(default_factory=dict)
+    mp: MixedPrecisionPolicy | None = None  # the policy of the units (for the reference)
+    root_mp: MixedPrecisionPolicy | None = None  # the root's, if not ``mp``
+    build: Callable[[str, int], nn.Module] = build
+    prepare: Hook | None = None  # (model) before fully_shard
+    configure: Hook | None = None  # (impl, model) after fully_shard
+    before_micro: Hook | None = None  # (impl, model, step, micro, notes)
+    after_micro: Hook | None = None  # (impl, model, step, micro, notes)
+    after_step: Hook | None = None  # (impl, model, step, data, notes)
+    call: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda model, x: model(x)
+    ref: bool = True  # compare torch with the single-process reference
+    ref_grad_scale: float = 1.0
+
+
+@dataclass
+class Trace:
+    losses: list[torch.Tensor]  # this rank's loss per (step, micro-batch)
+    grads: dict[str, torch.Tensor | None]  # local gradients after the last backward
+    params: dict[str, torch.Tensor]  # local parameters after the last optimizer step
+    sharded: dict[str, tuple[bool, bool]]  # (grad, param) registered as DTensor at the snapshot
+    notes: list[tuple[str, Any]]  # (label, observation): feature-specific, compared exactly
+    reg: dict[str, tuple]  # registered parameters/gradients after the last optimizer step
+
+
+def snapshot(model: nn.Module, of_grads: bool) -> tuple[dict[str, torch.Tensor | None], dict[str, bool]]:
+    """(local values, is-a-DTensor) of every registered parameter or its gradient. A unit that
+    keeps its parameters unsharded (the root after a forward) registers full tensors."""
+    out: dict[str, torch.Tensor | None] = {}
+    for n, p in model.named_parameters():
+        t = p.grad if of_grads else p
+        out[n] = None if t is None else local(t).detach().clone()
+    return out, {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+
+
+def kwargs_for(spec, model: nn.Module) -> dict:
+    return spec(model) if callable(spec) else dict(spec)
+
+
+def make_model(impl: Impl, sc: Scenario, mesh: DeviceMesh, seed: int = 0) -> nn.Module:
+    model = sc.build(sc.kind, seed)
+    if sc.prepare:
+        sc.prepare(model)
+    shard(impl, model, mesh, kwargs_for(sc.unit_kw, model), kwargs_for(sc.root_kw, model))
+    if sc.configure:
+        sc.configure(impl, model)
+    return model
+
+
+def run_steps(impl: Impl, sc: Scenario, model: nn.Module, opt, data, rank: int, notes: list,
+              record: dict | None = None) -> list[torch.Tensor]:
+    losses = []
+    for s, step_data in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        for m, chunks in enumerate(step_data):
+            x, y = chunks[rank]
+            if sc.before_micro:
+                sc.before_micro(impl, model, s, m, notes)
+            loss = loss_fn(sc.kind, sc.call(model, x), y)
+            loss.backward()
+            losses.append(loss.detach().clone())
+            if sc.after_micro:
+                sc.after_micro(impl, model, s, m, notes)
+        if record is not None and s == len(data) - 1:
+            record["grads"] = snapshot(model, of_grads=True)
+        opt.step()
+        if record is not None and s == len(data) - 1:
+            record["params"], record["reg"] = snapshot(model, of_grads=False), reg_state(model)
+        if sc.after_step:
+            sc.after_step(impl, model, s, step_data, notes)
+    return losses
+
+
+def train(impl: Impl, ctx: h.Context, mesh: DeviceMesh, sc: Scenario, data) -> Trace:
+    model = make_model(impl, sc, mesh)
+    opt = wp.make_optim(sc.optim, model.parameters())
+    notes: list = []
+    record: dict = {}
+    losses = run_steps(impl, sc, model, opt, data, ctx.rank, notes, record)
+    (grads, g_sharded), (params, p_sharded) = record["grads"], record["params"]
+    return Trace(losses, grads, params, {n: (g_sharded[n], p_sharded[n]) for n in params},
+                 notes, record["reg"])
+
+
+def low_precision_copy(ref: nn.Module, sc: Scenario) -> nn.Module:
+    """FSDP2's mixed precision, emulated on one process: the parameters cast to param_dtype and
+    the same input/output casts at the same module boundaries (units and root)."""
+    lp = copy.deepcopy(ref)
+    for p in lp.parameters():  # parameters only: FSDP2 does not cast buffers
+        p.data = p.data.to(sc.mp.param_dtype)
+
+    def cast(dtype):
+        return lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    for mod, pol in [(u, sc.mp) for u in lp.fsdp_units()] + [(lp, sc.root_mp or sc.mp)]:
+        if pol.cast_forward_inputs and pol.param_dtype is not None:
+            mod.register_forward_pre_hook(
+                lambda _m, args, kwargs, f=cast(pol.param_dtype): (tree_map(f, args), tree_map(f, kwargs)),
+                with_kwargs=True)
+        if pol.output_dtype is not None:
+            mod.register_forward_hook(lambda _m, _a, out, f=cast(pol.output_dtype): tree_map(f, out))
+    return lp
+
+
+def train_ref(sc: Scenario, data, world: int) -> tuple[list[list[torch.Tensor]], dict, dict]:
+    """(per (step, micro) the loss of every rank's chunk, full grads after the last backward,
+    full params at the end) of the unwrapped model on all chunks."""
+    ref = build(sc.kind, 0)  # never sc.build: the reference is the plain model on the CPU
+    opt = wp.make_optim(sc.optim, ref.parameters())
+    losses: list[list[torch.Tensor]] = []
+    grads: dict = {}
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    for s, step_data in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        if sc.mp is None:
+            total = 0.0
+            for chunks in step_data:
+                per = [loss_fn(sc.kind, sc.call(ref, x), y) for x, y in chunks]
+                losses.append([l.detach().clone() for l in per])
+                total = total + torch.stack(per).mean()
+            (total * sc.ref_grad_scale).backward()
+        else:
+            if len(step_data) != 1:
+                raise AssertionError("the mixed-precision reference takes one micro-batch a step")
+            lp = low_precision_copy(ref, sc)
+            lp_trainable = [p for p in lp.parameters() if p.requires_grad]
+            red = sc.mp.reduce_dtype or sc.mp.param_dtype
+            per, acc = [], None
+            for x, y in step_data[0]:
+                loss = loss_fn(sc.kind, sc.call(lp, x), y)
+                per.append(loss.detach().clone())
+                g = [t.to(red) for t in torch.autograd.grad(loss, lp_trainable)]
+                acc = g if acc is None else [a + b for a, b in zip(acc, g)]
+            losses.append(per)
+            for p, a in zip(trainable, acc):
+                p.grad = (a / world).to(p.dtype)
+        if s == len(data) - 1:
+            grads = {n: None if p.grad is None else p.grad.detach().clone()
+                     for n, p in ref.named_parameters()}
+        opt.step()
+    return losses, grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+# --------------------------------------------------------------------------------------------
+# comparisons
+# --------------------------------------------------------------------------------------------
+
+
+def compare_traces(mm: wp.Mismatches, c: Trace, t: Trace) -> None:
+    """cfsdp against torch: bitwise."""
+    mm.check(len(c.losses) == len(t.losses), f"{len(c.losses)} losses, torch {len(t.losses)}")
+    for i, (a, b) in enumerate(zip(c.losses, t.losses)):
+        mm.tensors(f"loss #{i}", a, b)
+    mm.check(list(c.grads) == list(t.grads), f"grad names {list(c.grads)} != torch {list(t.grads)}")
+    for n in t.grads:
+        if n in c.grads:
+            mm.tensors(f"local grad {n} after the last backward", c.grads[n], t.grads[n])
+    mm.check(list(c.params) == list(t.params), f"param names {list(c.params)} != torch {list(t.params)}")
+    for n in t.params:
+        if n in c.params:
+            mm.tensors(f"local param {n} after the last step", c.params[n], t.params[n])
+    compare_reg(mm, "after the last step", c.reg, t.reg)
+    mm.check([n[0] for n in c.notes] == [n[0] for n in t.notes],
+             f"observations {[n[0] for n in c.notes]} != torch's {[n[0] for n in t.notes]}")
+    for (label, a), (_, b) in zip(c.notes, t.notes):
+        if isinstance(a, dict) and isinstance(b, dict):
+            compare_reg(mm, label, a, b)
+            continue
+        try:
+            assert_equal(a, b, label)
+        except AssertionError as e:
+            mm.add(str(e))
+
+
+def compare_reg(mm: wp.Mismatches, when: str, c: dict, t: dict) -> None:
+    """Registered (parameter, gradient) descriptions, every differing name listed."""
+    mm.check(list(c) == list(t), f"{when}: parameter names {list(c)} != torch's {list(t)}")
+    for n in t:
+        if n in c and c[n] != t[n]:
+            mm.add(f"{when}: {n} registered as (param, grad) {c[n]}, torch {t[n]}")
+
+
+def compare_ref(mm: wp.Mismatches, t: Trace, ref: tuple, ctx: h.Context, mesh: DeviceMesh,
+                mp: bool = False) -> None:
+    """torch against the single-process reference (see the module docstring for tolerances)."""
+    r_losses, r_grads, r_params = ref
+    idx, n = shard_index(mesh)
+
+    def close(what, a, b):
+        if mp and b is not None and b.numel():
+            mm.tensors(what, a, b, exact=False, a_name="torch", b_name="ref", rtol=MP_TOL,
+                       atol=MP_TOL * b.detach().abs().max().item())
+        else:
+            mm.tensors(what, a, b, exact=False, a_name="torch", b_name="ref")
+
+    for i, (a, b) in enumerate(zip(t.losses, r_losses)):
+        close(f"torch-vs-ref loss #{i}", a, b[ctx.rank])
+    for name in t.params:
+        full_g, full_p = r_grads.get(clean(name)), r_params.get(clean(name))
+        if full_p is None:
+            mm.add(f"torch parameter {name} is not in the reference model")
+            continue
+        g_sharded, p_sharded = t.sharded[name]
+        if g_sharded and full_g is not None:
+            full_g = local_chunk(full_g, idx, n)
+        if p_sharded:
+            full_p = local_chunk(full_p, idx, n)
+        close(f"torch-vs-ref grad {name} (local) after the last backward", t.grads[name], full_g)
+        close(f"torch-vs-ref param {name} (local) after the last step", t.params[name], full_p)
+    if ctx.rank == 0:
+        ctx.log(f"torch-vs-ref: worst |diff|/(atol+rtol*|ref|) = {mm.worst_ref:.3f} (passes if <= 1)")
+
+
+def run_scenario(ctx: h.Context, sc: Scenario, mesh: DeviceMesh | None = None,
+                 mm: wp.Mismatches | None = None) -> None:
+    """Train torch and cfsdp (and the reference) on ``sc``; raise with every mismatch (and
+    those already in ``mm``)."""
+    mesh = mesh or mesh_1d(ctx)
+    mm = mm or wp.Mismatches(ctx)
+    data = batches(sc.kind, sc.steps, ctx.world_size, sc.micro)
+    t = train(TORCH, ctx, mesh, sc, data)
+    c = train(CFSDP, ctx, mesh, sc, data)
+    compare_traces(mm, c, t)
+    if sc.ref:
+        compare_ref(mm, t, train_ref(sc, data, ctx.world_size), ctx, mesh, mp=sc.mp is not None)
+    mm.raise_if_any()
+
+
+# --------------------------------------------------------------------------------------------
+# 1. structure
+# --------------------------------------------------------------------------------------------
+
+
+def check_structure(ctx: h.Context, mm: wp.Mismatches, kind: str, mesh: DeviceMesh,
+                    placements: tuple) -> None:
+    orig = build(kind)
+    t = shard(TORCH, build(kind), mesh)
+    c = shard(CFSDP, build(kind), mesh)
+    idx, n = shard_index(mesh)
+    units = {id(u) for u in c.fsdp_units()} | {id(c)}
+    for (name, mod), (_, omod), (_, tmod) in zip(c.named_modules(), orig.named_modules(), t.named_modules()):
+        who = f"module {name or '<root>'}"
+        if id(mod) in units:
+            mm.check(type(mod).__name__ == "FSDP" + type(omod).__name__,
+                     f"{who}: class {type(mod).__name__}, expected FSDP{type(omod).__name__}")
+            mm.check(isinstance(mod, CFSDP.FSDPModule), f"{who}: not an instance of cfsdp.FSDPModule")
+            mm.check(isinstance(mod, type(omod)), f"{who}: not an instance of {type(omod).__name__}")
+        else:
+            mm.check(type(mod) is type(omod) and not isinstance(mod, CFSDP.FSDPModule),
+                     f"{who}: class {type(mod).__name__} (not a fully_shard unit: must stay "
+                     f"{type(omod).__name__})")
+        mm.check(type(tmod).__name__ == type(mod).__name__,
+                 f"{who}: class {type(mod).__name__}, torch's {type(tmod).__name__}")
+    names = [n_ for n_, _ in c.named_parameters()]
+    mm.check(names == [n_ for n_, _ in orig.named_parameters()],
+             f"named_parameters() {names} != unwrapped {[n_ for n_, _ in orig.named_parameters()]}")
+    mm.check(names == [n_ for n_, _ in t.named_parameters()],
+             f"named_parameters() {names} != torch's {[n_ for n_, _ in t.named_parameters()]}")
+    tp, op = dict(t.named_parameters()), dict(orig.named_parameters())
+    for name, p in c.named_parameters():
+        if name not in tp or name not in op:
+            continue
+        mm.check(isinstance(p, nn.Parameter) and isinstance(p, DTensor),
+                 f"{name}: {type(p).__name__}, expected an nn.Parameter holding a DTensor")
+        if not isinstance(p, DTensor):
+            continue
+        mm.check(tuple(p.placements) == placements, f"{name}: placements {p.placements} != {placements}")
+        mm.check(p.device_mesh == mesh, f"{name}: mesh {p.device_mesh} is not the given mesh {mesh}")
+        mm.check(p.shape == op[name].shape, f"{name}: global shape {tuple(p.shape)} != {tuple(op[name].shape)}")
+        mm.check(p.requires_grad == op[name].requires_grad, f"{name}: requires_grad {p.requires_grad}")
+        mm.check(p.dtype == op[name].dtype, f"{name}: dtype {p.dtype}")
+        mm.tensors(f"{name}: to_local()", p.to_local(), local(tp[name]))
+        mm.tensors(f"{name}: to_local() vs chunk {idx} of the original", p.to_local(),
+                   local_chunk(op[name].detach(), idx, n), b_name="original")
+    # buffers: unchanged, plain tensors
+    cb, ob = list(c.named_buffers()), list(orig.named_buffers())
+    mm.check([b for b, _ in cb] == [b for b, _ in ob], f"buffers {[b for b, _ in cb]} != {[b for b, _ in ob]}")
+    for (bn, b), (_, ob_) in zip(cb, ob):
+        mm.check(not isinstance(b, DTensor), f"buffer {bn} became a DTensor")
+        mm.tensors(f"buffer {bn}", b, ob_, b_name="original")
+    # state_dict(): keys in order, types, placements, local values
+    csd, tsd = c.state_dict(), t.state_dict()
+    mm.check(list(csd) == list(orig.state_dict()),
+             f"state_dict() keys {list(csd)} != unwrapped {list(orig.state_dict())}")
+    try:
+        assert_equal(describe(csd), describe(tsd), "state_dict()")
+    except AssertionError as e:
+        mm.add(str(e))
+    try:  # a common way to keep a snapshot of the weights
+        assert_equal(describe(copy.deepcopy(csd)), describe(tsd), "copy.deepcopy(state_dict())")
+    except Exception as e:  # noqa: BLE001 - reported with the other mismatches
+        mm.add(f"copy.deepcopy(state_dict()): {type(e).__name__}: {e}")
+
+
+@h.subtest(grid={"kind": ["mlp", "lm", "frozen"]})
+def structure(ctx, kind: str):
+    mm = wp.Mismatches(ctx)
+    check_structure(ctx, mm, kind, mesh_1d(ctx), (Shard(0),))
+    mm.raise_if_any()
+
+
+# --------------------------------------------------------------------------------------------
+# 2. parity
+# --------------------------------------------------------------------------------------------
+
+
+@h.subtest(grid={"kind": ["mlp", "lm", "frozen"], "reshard_after_forward": [True, False],
+                 "optim": ["adamw", "sgd"]})
+def parity(ctx, kind: str, reshard_after_forward: bool, optim: str):
+    run_scenario(ctx, Scenario(kind=kind, optim=optim,
+                               unit_kw={"reshard_after_forward": reshard_after_forward}))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. mixed precision
+# --------------------------------------------------------------------------------------------
+
+
+def mp_scenario(kind: str, reduce_dtype, output_dtype, cast: bool, output_at_root_only: bool):
+    unit = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype,
+                                output_dtype=None if output_at_root_only else output_dtype,
+                                cast_forward_inputs=cast)
+    root = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype,
+                                output_dtype=output_dtype, cast_forward_inputs=cast)
+    return Scenario(kind=kind, optim="sgd", steps=3, unit_kw={"mp_policy": unit},
+                    root_kw={"mp_policy": root}, mp=unit, root_mp=root)
+
+
+@h.subtest(grid={"reduce_dtype": [torch.float32, BF16, None], "output_dtype": [None, torch.float32],
+                 "cast_forward_inputs": [True, False]})
+def mixed_precision_mlp(ctx, reduce_dtype, output_dtype, cast_forward_inputs: bool):
+    run_scenario(ctx, mp_scenario("mlp", reduce_dtype, output_dtype, cast_forward_inputs, False))
+
+
+@h.subtest(grid={"reduce_dtype": [torch.float32, BF16, None]})
+def mixed_precision_lm(ctx, reduce_dtype):
+    """The transformer's LayerNorms need bf16 inputs, so output_dtype=fp32 is on the root only."""
+    run_scenario(ctx, mp_scenario("lm", reduce_dtype, torch.float32, True, True))
+
+
+# --------------------------------------------------------------------------------------------
+# 4. gradient accumulation without communication
+# --------------------------------------------------------------------------------------------
+
+
+@h.subtest(grid={"kind": ["mlp", "lm"]})
+def grad_accum(ctx, kind: str):
+    """3 micro-batches a step: ``set_requires_gradient_sync(False)`` for the first two, True for
+    the last. After each no-sync backward the registered parameters and their ``.grad`` must be
+    what torch shows (torch: sharded DTensors, ``.grad`` None: the accumulated unsharded
+    gradient is internal); after the last, gradients and the next step's losses as torch and
+    the reference (the sum over micro-batches of the rank-averaged gradients)."""
+
+    def before(impl, model, s, m, notes):
+        model.set_requires_gradient_sync(m == 2)
+
+    def after(impl, model, s, m, notes):
+        if m < 2:
+            notes.append((f"after no-sync micro-batch {m} of step {s}", reg_state(model)))
+
+    run_scenario(ctx, Scenario(kind=kind, steps=2, micro=3, before_micro=before, after_micro=after))
+
+
+# --------------------------------------------------------------------------------------------
+# 5. features
+# --------------------------------------------------------------------------------------------
+
+
+def _every_block(fn):
+    def prepare(model):
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = fn(blk)
+    return prepare
+
+
+def _ckpt_in_forward(blk):
+    blk.ckpt = True
+    return blk
+
+
+def _eval_forward(require_sharded: Callable[[Impl], bool]):
+    """After each step, an eval-mode no_grad forward; its output is compared with torch's.
+
+    With the root's default reshard_after_forward (False for the root), torch 2.13 leaves the
+    root's unsharded parameters registered after it (until the next forward); cfsdp must not
+    leak them: every parameter is a sharded DTensor again (as its wrapper face frees every unit
+    after a no_grad forward, README). With reshard_after_forward=True everywhere, torch too."""
+
+    def after_step(impl, model, s, step_data, notes):
+        model.eval()
+        with torch.no_grad():
+            out = model(step_data[0][0][0])
+        model.train()
+        notes.append((f"eval output after step {s}", out.clone()))
+        if require_sharded(impl):
+            assert_all_sharded(model, f"{impl.name}: after a no_grad eval forward")
+
+    return after_step
+
+
+def _explicit_unshard(async_op: bool):
+    def before(impl, model, s, m, notes):
+        handles = [mod.unshard(async_op=async_op) for mod in fsdp_modules(impl, model)]
+        if async_op:
+            bad = [type(hd).__name__ for hd in handles if not isinstance(hd, impl.UnshardHandle)]
+            if bad:
+                raise AssertionError(f"{impl.name}: unshard(async_op=True) returned {bad}, not UnshardHandle")
+            for hd in handles:
+                hd.wait()
+        elif any(hd is not None for hd in handles):
+            raise AssertionError(f"{impl.name}: unshard() returned {handles}, expected None")
+        notes.append((f"after unshard(async_op={async_op}), step {s}", reg_state(model)))
+
+    def after(impl, model, s, m, notes):
+        for mod in fsdp_modules(impl, model):
+            mod.reshard()
+        notes.append((f"after reshard(), step {s}", reg_state(model)))
+        assert_all_sharded(model, f"{impl.name}: after reshard()")
+
+    return before, after
+
+
+def _prefetch(impl, model):
+    b0, b1 = model.blocks
+    model.set_modules_to_forward_prefetch([b0, b1])
+    b0.set_modules_to_forward_prefetch([b1])
+    b1.set_modules_to_backward_prefetch([b0])
+
+
+def _no_reshard_after_backward(impl, model, s, m, notes):
+    model.set_requires_gradient_sync(m == 1)
+    model.set_reshard_after_backward(m == 1)
+
+
+def _divide_factor(factor_of_w: Callable[[int], float]):
+    def configure(impl, model):
+        k = factor_of_w(WORLD)
+        for mod in fsdp_modules(impl, model):
+            mod.set_gradient_divide_factor(k)
+            if impl is TORCH or SELFTEST:  # gloo has no PREMUL_SUM (see the module docstring)
+                mod.set_force_sum_reduction_for_comms(True)
+    return configure
+
+
+def _is_last_backward(impl, model, s, m, notes):
+    model.set_is_last_backward(m == 1)
+
+
+def _fail_then_reset(impl, model, s, m, notes):
+    if s != 1:
+        return
+    model.blocks[1].fail = True
+    try:
+        model(torch.zeros(ROWS // WORLD, 7))
+    except InjectedFailure:
+        pass
+    else:
+        raise AssertionError("the injected failure did not propagate")
+    model.reset_iter_state()
+    notes.append(("after reset_iter_state", reg_state(model)))
+
+
+def _register_generate(impl, model):
+    impl.register_fsdp_forward_method(model, "generate")
+
+
+def _meta_build(kind, seed):
+    with torch.device("meta"):
+        return build(kind, seed)
+
+
+def _materialise(impl, model):
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, build("mlp").state_dict(), options=StateDictOptions(full_state_dict=True))
+    assert_all_sharded(model, f"{impl.name}: after to_empty + set_model_state_dict")
+
+
+FEATURES: dict[str, Callable[[], Scenario]] = {
+    "called_twice": lambda: Scenario(kind="mlp_twice"),
+    "called_twice_apart": lambda: Scenario(kind="mlp_apart"),
+    "eval_between_steps": lambda: Scenario(
+        after_step=_eval_forward(lambda impl: impl is CFSDP and not SELFTEST)),
+    "eval_between_steps_reshard_root": lambda: Scenario(
+        unit_kw={"reshard_after_forward": True}, after_step=_eval_forward(lambda impl: True)),
+    "checkpoint_in_forward": lambda: Scenario(prepare=_every_block(_ckpt_in_forward)),
+    "checkpoint_wrapper": lambda: Scenario(prepare=_every_block(checkpoint_wrapper)),
+    "ignored_params": lambda: Scenario(
+        root_kw=lambda model: {"ignored_params": {model.out.weight, model.out.bias}},
+        ref=False),  # ignored grads are not reduced: ranks diverge, torch is the only oracle
+    "unshard_reshard": lambda: Scenario(steps=2, before_micro=_explicit_unshard(False)[0],
+                                        after_micro=_explicit_unshard(False)[1]),
+    "unshard_async": lambda: Scenario(steps=2, before_micro=_explicit_unshard(True)[0],
+                                      after_micro=_explicit_unshard(True)[1]),
+    "prefetch_lists": lambda: Scenario(configure=_prefetch),
+    "reshard_after_backward_false": lambda: Scenario(
+        steps=2, micro=2, before_micro=_no_reshard_after_backward,
+        after_micro=lambda impl, model, s, m, notes: notes.append(
+            (f"after backward {m} of step {s}", reg_state(model)))),
+    "gradient_divide_factor_1": lambda: Scenario(
+        optim="sgd", configure=_divide_factor(lambda w: 1.0), ref_grad_scale=float(WORLD)),
+    "gradient_divide_factor_2w": lambda: Scenario(
+        optim="sgd", configure=_divide_factor(lambda w: 2.0 * w), ref_grad_scale=0.5),
+    "is_last_backward": lambda: Scenario(steps=2, micro=2, before_micro=_is_last_backward),
+    "reset_iter_state": lambda: Scenario(steps=3, before_micro=_fail_then_reset),
+    "register_fsdp_forward_method": lambda: Scenario(configure=_register_generate,
+                                                     call=lambda model, x: model.generate(x)),
+    "meta_init": lambda: Scenario(build=_meta_build, configure=_materialise),
+}
+
+
+@h.subtest(grid={"feature": list(FEATURES)})
+def features(ctx, feature: str):
+    run_scenario(ctx, FEATURES[feature]())
+
+
+# --------------------------------------------------------------------------------------------
+# 6. state dicts and checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def trained(impl: Impl, ctx, mesh, kind: str, data, seed: int = 0):
+    sc = Scenario(kind=kind)
+    model = make_model(impl, sc, mesh, seed)
+    opt = wp.make_optim(sc.optim, model.parameters())
+    if data:
+        run_steps(impl, sc, model, opt, data, ctx.rank, [])
+    return model, opt
+
+
+DIRECTIONS = ("cfsdp->cfsdp", "torch->cfsdp", "cfsdp->torch")
+
+
+def clone_tree(obj: Any) -> Any:
+    """Every tensor of a nested state dict cloned, as if saved and read back: state dicts hold
+    live tensors (AdamW's ``step`` too) that the writer's next steps update in place."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, obj)
+
+
+def save_and_resume(ctx, kind: str, save: Callable, load: Callable) -> dict:
+    """torch and cfsdp train one step and ``save(writer, model, opt)`` (whatever it returns is
+    the checkpoint); both continue two steps (the uninterrupted runs). Then, in every direction
+    of DIRECTIONS, a freshly sharded model of the reader (other seed) ``load(checkpoint, model,
+    opt)``s the writer's checkpoint and trains the same two steps: losses and final local
+    parameters must be the writer's, bitwise. Returns the checkpoints."""
+    mesh = mesh_1d(ctx)
+    data = batches(kind, 3, ctx.world_size)
+    sc = Scenario(kind=kind)
+    src = {name: trained(impl, ctx, mesh, kind, data[:1]) for name, impl in IMPLS.items()}
+    saved = {name: save(name, *src[name]) for name in IMPLS}
+    want = {name: run_steps(IMPLS[name], sc, *src[name], data[1:], ctx.rank, []) for name in IMPLS}
+    mm = wp.Mismatches(ctx)
+    for direction in DIRECTIONS:
+        writer, reader = direction.split("->")
+        dst = trained(IMPLS[reader], ctx, mesh, kind, None, seed=1)
+        load(saved[writer], *dst)
+        got = run_steps(IMPLS[reader], sc, *dst, data[1:], ctx.rank, [])
+        for i, (a, b) in enumerate(zip(got, want[writer])):
+            mm.tensors(f"{direction}: loss of resumed step {i}", a, b, a_name="loaded", b_name="uninterrupted")
+        for (n, p), (_, q) in zip(dst[0].named_parameters(), src[writer][0].named_parameters()):
+            mm.tensors(f"{direction}: local param {n} after the resumed steps", local(p), local(q),
+                       a_name="loaded", b_name="uninterrupted")
+    mm.raise_if_any()
+    return saved
+
+
+@h.subtest(grid={"kind": ["mlp", "lm1"]})
+def state_dict_load(ctx, kind: str):
+    """``model.state_dict()`` / ``optimizer.state_dict()`` loaded with ``load_state_dict`` into a
+    freshly sharded model (other seed), torch's into cfsdp and back: the model's state dict is
+    then the saved one, and the next steps are the uninterrupted run's."""
+
+    def save(writer, model, opt):
+        return clone_tree((model.state_dict(), opt.state_dict()))
+
+    def load(saved, model, opt):
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(clone_tree(saved[1]))  # it keeps the tensors it is given
+        assert_equal(describe(model.state_dict()), describe(saved[0]), "state_dict() after loading")
+
+    save_and_resume(ctx, kind, save, load)
+
+
+def dsd_options(full: bool, offload: bool, loading: bool = False) -> StateDictOptions:
+    # a full state dict with cpu_offload lives on rank 0 only: loading it needs the broadcast
+    return StateDictOptions(full_state_dict=full, cpu_offload=offload and not loading,
+                            broadcast_from_rank0=full and offload and loading)
+
+
+DSD_OPTIONS = {"full_state_dict+cpu_offload": (True, True), "full_state_dict": (True, False),
+               "sharded": (False, False)}  # (full_state_dict, cpu_offload)
+
+
+@h.subtest(grid={"options": list(DSD_OPTIONS)})
+def dsd(ctx, options: str):
+    """torch.distributed.checkpoint.state_dict on both: get_model_state_dict /
+    get_optimizer_state_dict of cfsdp equal torch's (keys, types, placements, values; full
+    tensors for full_state_dict, ``{}`` on ranks other than 0 with cpu_offload);
+    set_model_state_dict / set_optimizer_state_dict of either's into a fresh model of either
+    resume the uninterrupted run."""
+    full_state_dict, cpu_offload = DSD_OPTIONS[options]
+    opts = dsd_options(full_state_dict, cpu_offload)
+    load_opts = dsd_options(full_state_dict, cpu_offload, loading=True)
+
+    def save(writer, model, opt):
+        return clone_tree((get_model_state_dict(model, options=opts),
+                           get_optimizer_state_dict(model, opt, options=opts)))
+
+    def load(saved, model, opt):
+        msd, osd = clone_tree(saved)
+        set_model_state_dict(model, msd, options=load_opts)
+        set_optimizer_state_dict(model, opt, osd, options=load_opts)
+
+    got = save_and_resume(ctx, "lm1", save, load)
+    assert_equal(describe(got["cfsdp"]), describe(got["torch"]), "DSD (model, optim) state dicts")
+    if full_state_dict and cpu_offload and ctx.rank != 0 and (got["cfsdp"][0] or got["cfsdp"][1]):
+        raise AssertionError("full_state_dict with cpu_offload: ranks other than 0 must get {}")
+
+
+@contextlib.contextmanager
+def shared_tmpdir(ctx):
+    """A directory every rank sees: rank 0 creates it and broadcasts the path."""
+    obj = [tempfile.mkdtemp(prefix="cfsdp-fs-", dir=os.environ.get("CFSDP_CKPT_DIR")) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(obj, src=0, group=ctx.pg)
+    try:
+        yield obj[0]
+    finally:
+        dist.barrier(group=ctx.pg)
+        if ctx.rank == 0:
+            shutil.rmtree(obj[0], ignore_errors=True)
+
+
+def dcp_save(ctx, model, opt, path: str) -> None:
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, process_group=ctx.pg)
+
+
+def dcp_load(ctx, model, opt, path: str) -> None:
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path, process_group=ctx.pg)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+@h.subtest
+def dcp_roundtrip(ctx):
+    """dcp.save of the sharded model+optimizer state dicts by each implementation, dcp.load into
+    a fresh model of either: the next steps are the uninterrupted run's, bitwise."""
+    with shared_tmpdir(ctx) as root:
+        def save(writer, model, opt):
+            path = os.path.join(root, writer)
+            dcp_save(ctx, model, opt, path)
+            return path
+
+        save_and_resume(ctx, "lm1", save, lambda path, model, opt: dcp_load(ctx, model, opt, path))
+
+
+def _global_losses(ctx, losses: list[torch.Tensor]) -> list[float]:
+    out = []
+    for loss in losses:
+        t = loss.detach().clone()
+        dist.all_reduce(t, group=ctx.pg)
+        out.append((t / ctx.world_size).item())
+    return out
+
+
+def reshard_save(ctx):
+    mesh = mesh_1d(ctx)
+    data = batches("lm1", 4, ctx.world_size)
+    root = cc.ckpt_dir(ctx, "fully_shard_reshard")
+    want = {}
+    for name, impl in IMPLS.items():
+        model, opt = trained(impl, ctx, mesh, "lm1", data[:2])
+        dcp_save(ctx, model, opt, str(root / name))
+        want[name] = _global_losses(ctx, run_steps(impl, Scenario(kind="lm1"), model, opt, data[2:], ctx.rank, []))
+    if ctx.rank == 0:
+        (root / "losses.json").write_text(json.dumps({"world_size": ctx.world_size, "losses": want}))
+
+
+def reshard_load(ctx):
+    mesh = mesh_1d(ctx)
+    root = cc.ckpt_dir(ctx, "fully_shard_reshard")
+    saved = json.loads((root / "losses.json").read_text())
+    if saved["world_size"] == ctx.world_size:
+        raise AssertionError("the resharding test must load at another world size")
+    data = batches("lm1", 4, ctx.world_size)
+    for writer in IMPLS:
+        model, opt = trained(CFSDP, ctx, mesh, "lm1", None, seed=1)
+        dcp_load(ctx, model, opt, str(root / writer))
+        got = _global_losses(ctx, run_steps(CFSDP, Scenario(kind="lm1"), model, opt, data[2:], ctx.rank, []))
+        cc.assert_same_losses(got, saved["losses"][writer],
+                              f"{writer} at W={saved['world_size']} -> cfsdp at W={ctx.world_size}",
+                              rtol=RESHARD_RTOL)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. HSDP
+# --------------------------------------------------------------------------------------------
+
+if WORLD == 4:
+
+    @h.subtest(grid={"kind": ["mlp", "lm"]})
+    def hsdp(ctx, kind: str):
+        """2-D mesh (replicate 2, shard 2): placements (Replicate(), Shard(0)), the shard of the
+        rank's shard coordinate; training bitwise as torch, and as the reference (gradients
+        averaged over all 4 ranks: reduce-scatter in the shard group, all-reduce across)."""
+        mesh = mesh_2d(ctx)
+        mm = wp.Mismatches(ctx)
+        check_structure(ctx, mm, kind, mesh, (Replicate(), Shard(0)))
+        run_scenario(ctx, Scenario(kind=kind), mesh, mm)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. bad input
+# --------------------------------------------------------------------------------------------
+
+
+class Holder(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.pre = nn.Linear(5, 3)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(self.pre(x))
+
+
+class ScalarParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.sub = nn.Module()
+        self.sub.gain = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.sub.gain
+
+
+def _fsdp1(impl: Impl, ctx, module: nn.Module) -> nn.Module:
+    if impl is TORCH or SELFTEST:
+        return torch_fsdp.FullyShardedDataParallel(module, process_group=ctx.pg, device_id=torch.device("cpu"))
+    return cfsdp.FullyShardedDataParallel(module, process_group=ctx.pg)
+
+
+def _twice(impl, ctx, mesh):
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+    impl.fully_shard(model[0], mesh=mesh)
+    impl.fully_shard(model[0], mesh=mesh)
+
+
+# name -> (call(impl, ctx, mesh), expectation). Expectations:
+#   ("same", needles, cfsdp_needles): torch raises; cfsdp raises an instance of torch's type;
+#       both messages contain every needle; cfsdp's also every cfsdp_needle (what torch names
+#       only by its local name, cfsdp must name by FQN).
+#   ("cfsdp", types, needles, torch_raises): torch does not check (it accepts the input and
+#       fails later or never, or fails at once by accident: ``torch_raises`` records which);
+#       cfsdp must raise one of ``types`` at fully_shard time, naming the needles.
+BAD_INPUT: dict[str, tuple[Callable, tuple]] = {
+    "fsdp1_wrapped_root": (
+        lambda impl, ctx, mesh: impl.fully_shard(_fsdp1(impl, ctx, nn.Linear(5, 3)), mesh=mesh),
+        ("cfsdp", (ValueError, TypeError), ["FullyShardedDataParallel"], None)),
+    "fsdp1_wrapped_submodule": (
+        lambda impl, ctx, mesh: impl.fully_shard(Holder(_fsdp1(impl, ctx, nn.Linear(3, 2))), mesh=mesh),
+        ("cfsdp", (ValueError, TypeError), ["FullyShardedDataParallel", "inner"], None)),
+    "applied_twice": (_twice, ("same", ["already"], [])),
+    "cuda_mesh_on_cpu_build": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=DeviceMesh.from_group(ctx.pg, "cuda")),
+        ("same", ["cuda"], [])),
+    "reshard_after_forward_str": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=mesh, reshard_after_forward="yes"),
+        ("same", ["reshard_after_forward"], [])),
+    "reshard_after_forward_not_a_factor": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=mesh, reshard_after_forward=3),
+        ("same", ["reshard_after_forward"], [])),
+    "mp_policy_fsdp1_class": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=mesh,
+                                                 mp_policy=MixedPrecision(param_dtype=BF16)),
+        ("cfsdp", (TypeError,), ["mp_policy", "MixedPrecisionPolicy"], None)),
+    "mp_policy_dict": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=mesh, mp_policy={"param_dtype": BF16}),
+        ("cfsdp", (TypeError,), ["mp_policy", "MixedPrecisionPolicy"], None)),
+    "mesh_is_a_process_group": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=ctx.pg),
+        # torch: AttributeError "'ProcessGroup' object has no attribute 'ndim'"
+        ("cfsdp", (TypeError, ValueError), ["mesh", "DeviceMesh"], AttributeError)),
+    "scalar_parameter": (
+        lambda impl, ctx, mesh: impl.fully_shard(ScalarParam(), mesh=mesh),
+        ("same", ["gain"], ["sub.gain"])),
+    "container_without_forward": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh),
+        ("same", ["forward"], [])),
+}
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the exception is the result
+        return e
+    return None
+
+
+@h.subtest(grid={"case": list(BAD_INPUT)})
+def bad_input(ctx, case: str):
+    call, expect = BAD_INPUT[case]
+    mesh = mesh_1d(ctx)
+    t_exc = _raised(lambda: call(TORCH, ctx, mesh))
+    c_exc = _raised(lambda: call(CFSDP, ctx, mesh))
+    c_msg = "" if c_exc is None else str(c_exc)
+    if expect[0] == "same":
+        _, needles, cfsdp_needles = expect
+        if t_exc is None:
+            raise AssertionError(f"torch did not raise for {case}: the expectation is out of date")
+        for n in needles:
+            if n.lower() not in str(t_exc).lower():
+                raise AssertionError(f"torch's message does not contain {n!r}: {t_exc}")
+        if c_exc is None:
+            raise AssertionError(f"cfsdp did not raise; torch raises {type(t_exc).__name__}: {t_exc}")
+        if not isinstance(c_exc, type(t_exc)):
+            raise AssertionError(f"cfsdp raised {type(c_exc).__name__}: {c_msg}; torch raises "
+                                 f"{type(t_exc).__name__}: {t_exc}")
+        missing = [n for n in needles + ([] if SELFTEST else cfsdp_needles) if n.lower() not in c_msg.lower()]
+        if missing:
+            raise AssertionError(f"cfsdp's message does not name {missing}: {c_msg}")
+        return
+    _, types, needles, torch_raises = expect
+    if SELFTEST:
+        # torch in the cfsdp seat: only the recorded torch behaviour can be checked
+        if type(t_exc) is not (torch_raises or type(None)):
+            raise AssertionError(f"torch's behaviour for {case} is not the recorded one "
+                                 f"({torch_raises}): {t_exc!r}")
+        ctx.log(f"self-test: torch gives {t_exc!r} for {case} (cfsdp must raise {types})")
+        return
+    if c_exc is None or not isinstance(c_exc, types):
+        raise AssertionError(f"cfsdp {'did not raise' if c_exc is None else f'raised {type(c_exc).__name__}: {c_msg}'}"
+                             f"; expected one of {[t.__name__ for t in types]} at fully_shard time "
+                             f"(torch: {'no check' if t_exc is None else repr(t_exc)})")
+    missing = [n for n in needles if n.lower() not in c_msg.lower()]
+    if missing:
+        raise AssertionError(f"cfsdp's message does not name {missing}: {c_msg}")
+
+
+if PHASE:
+    del h._REGISTRY[:]
+    h.subtest({"reshard_save": reshard_save, "reshard_load": reshard_load}[PHASE])
+
+
+if __name__ == "__main__":
+    h.main()
