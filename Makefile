@@ -43,7 +43,8 @@ build: $(STAMP)
 # layout, shard fill, cast/reduce, norm, chunk copy-in/out; the checkpoint
 # launches call the same ones and would add minutes, not coverage).
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
-	tests/distributed/test_strategies.py tests/distributed/test_clip.py
+	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
+	tests/distributed/test_fully_shard.py
 test: build
 	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
 	$(MAKE) --no-print-directory sanitize

@@ -40,6 +40,11 @@ def _nyi(what: str) -> NotImplementedError:
     )
 
 
+class AppliedTwiceError(AssertionError, ValueError):
+    """``fully_shard`` applied twice to one module: torch raises ``AssertionError``;
+    cfsdp's error is one (and a ``ValueError``, the natural type for bad input)."""
+
+
 class _FSState:
     """What one ``fully_shard`` call creates: the modules, the policy and the
     runtime state (``UnitState``) of its unit."""
@@ -90,6 +95,10 @@ class _FSState:
                         "fully_shard([module_a, module_b]) to place them in the same FSDP group."
                     )
                 seen[q.sharded] = q.fqn
+        for s in states:  # take over parameters materialised or replaced since fully_shard
+            if s.unit is not None:
+                s.unit.reset_sharded_params()
+                s.unit.check_materialised()
         lazy_init_root(st, [s.ustate for s in states], BACKWARD_PRE, False)
         for s in states:
             s.ustate.fs_state = s  # type: ignore[attr-defined]
@@ -253,13 +262,32 @@ class FSDPModule:
         raise _nyi("set_all_reduce_hook")
 
     def reset_iter_state(self) -> None:
-        """Forget the recorded forward order (the next iteration records it again)."""
+        """After an exception aborted a forward or backward: wait for collectives in
+        flight, reshard every unit, drop the failed iteration's gradients (reductions
+        in flight and unreduced accumulations) and per-iteration state.  Call it on
+        the root."""
         st = _state(self).ustate
-        if st.root is not None:
-            st.root.exec_order.clear()
-            st.root.recording = True
-            for s in st.root.states:
-                s.order_index = None
+        if st.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        root = st.root
+        if root is None:
+            return
+        for p in root.pending:
+            p.pending.wait()
+        root.pending.clear()
+        root.callback_queued = False
+        root.exec_order.clear()
+        root.recording = True
+        for s in root.states:
+            s.order_index = None
+            s.training_state = TrainingState.IDLE
+            s.fs_state._to_run.clear()
+            u = s.unit
+            if u is not None:
+                u.reshard()
+                u.saved_grad = None
+                u.flat_param.grad = None
+                u.grad_unsharded = False
 
 
 class UnshardHandle:
@@ -358,7 +386,11 @@ def fully_shard(
                     "wrapped by cfsdp.FullyShardedDataParallel. Use one face per model."
                 )
         if getattr(m, _STATE_ATTR, None) is not None:
-            raise ValueError(f"fully_shard was already applied to {type(m).__name__}")
+            raise AppliedTwiceError(
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard was already applied to {type(m).__name__}; apply it once "
+                "per module (fully_shard([a, b]) groups several modules in one unit)."
+            )
     if dp_mesh_dims is not None:
         raise _nyi("dp_mesh_dims")
     mesh = mesh if mesh is not None else _default_mesh()
@@ -409,9 +441,7 @@ def fully_shard(
                 f"fully_shard doesn't support scalar parameters. Change '{fqn}' to a 1D "
                 "tensor with numel equal to 1."
             )
-        if p.device.type == "meta":
-            raise _nyi(f"parameters on the meta device ('{fqn}')")
-        if p.device != device:
+        if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "
                 f"{mesh.device_type}; move the module to {device} before fully_shard."

@@ -59,6 +59,7 @@ class ChunkParam:
     shard_off: int  # offset in ``shard`` (and in each rank's part of ``gathered``)
     requires_grad: bool
     sharded: Optional[nn.Parameter] = None  # the DTensor parameter the user sees
+    unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
 
     @property
@@ -146,14 +147,15 @@ class ChunkUnit:
         self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off) for q in self.params]
         self._split_sizes = [q.numel for q in self.params]
 
-        # This rank's shard, straight from the original parameters.
-        self.shard = torch.empty(shard, dtype=dtype, device=device)
-        with torch.no_grad():
-            src = torch.cat([p.detach().reshape(-1) for *_, p, _ in entries]) if entries else None
-            _core.chunk_pack(self.shard, src, self._plan, W, shard, ranks=(self.rank, self.rank + 1))
-        self.natural = torch.empty(nat, dtype=self.param_dtype, device=device)
-        _free(self.natural)
-        self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
+        # This rank's shard, straight from the original parameters (on the meta
+        # device for deferred initialisation: see ``reset_sharded_params``).
+        is_meta = entries[0][3].is_meta
+        self.shard = torch.empty(shard, dtype=dtype, device="meta" if is_meta else device)
+        if not is_meta:
+            with torch.no_grad():
+                src = torch.cat([p.detach().reshape(-1) for *_, p, _ in entries])
+                _core.chunk_pack(self.shard, src, self._plan, W, shard, ranks=(self.rank, self.rank + 1))
+        self._new_natural()
         self._buf: Optional[torch.Tensor] = None  # ``natural`` while unsharded
         self._pending_unshard: Optional[comm.Pending] = None
         self._pending_gathered: Optional[torch.Tensor] = None
@@ -185,34 +187,102 @@ class ChunkUnit:
             shape=q.shape, stride=make_contiguous_strides_for(q.shape),
         )
 
+    def _new_natural(self) -> None:
+        """The unsharded buffer (storage freed) and the flat parameter over it."""
+        self.natural = torch.empty(self.natural_numel, dtype=self.param_dtype, device=self.shard.device)
+        _free(self.natural)
+        self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
+        self._hooked = False
+        for q in self.params:
+            q.unsharded = None
+
     def _install_sharded_params(self) -> None:
         for q in self.params:
+            local = self._local_view(self.shard, q)
+            if not local.is_meta:
+                # The same memory with a storage offset of 0 (DLPack keeps the shard
+                # alive): torch's DTensor deep-copies a local tensor at a non-zero
+                # offset through its storage and fails (copy.deepcopy(state_dict)).
+                local = torch.from_dlpack(local)
             with torch.no_grad():
-                dt = self._dtensor(self._local_view(self.shard, q), q)
+                dt = self._dtensor(local, q)
             q.sharded = nn.Parameter(dt, requires_grad=q.requires_grad)
-            for mod, name in ((q.module, q.name), *q.aliases):
-                mod._parameters[name] = q.sharded
+            self._register(q, q.sharded)
+
+    @staticmethod
+    def _register(q: "ChunkParam", param: nn.Parameter) -> None:
+        for mod, name in ((q.module, q.name), *q.aliases):
+            mod._parameters[name] = param
+
+    def _register_unsharded(self) -> None:
+        """While unsharded, the modules hold full-size parameters (views of the
+        unsharded buffer), as torch's FSDP2 registers its unsharded parameters."""
+        for q in self.params:
+            if q.unsharded is None:
+                v = self.natural[q.nat_off : q.nat_off + q.numel].view(q.shape)
+                q.unsharded = nn.Parameter(v, requires_grad=q.requires_grad)
+            elif q.unsharded.requires_grad != q.requires_grad:
+                q.unsharded.requires_grad_(q.requires_grad)
+            self._register(q, q.unsharded)
 
     def reset_sharded_params(self) -> None:
-        """After ``load_state_dict(assign=True)`` or a user's ``setattr``: copy a
-        replaced parameter's local values into the shard and put ours back."""
+        """Take over parameters that replaced ours (``to_empty`` after meta-device
+        construction, ``load_state_dict(assign=True)``, a user's ``setattr``):
+        copy their local values into the shard (allocating it if it was on the
+        meta device) and register our DTensor parameters again."""
+        if self._buf is not None:
+            return  # unsharded: the registered parameters are the full views
+        replaced = {}
         for q in self.params:
             cur = q.module._parameters.get(q.name)
-            if cur is q.sharded or cur is None:
-                continue
-            local = cur.to_local() if isinstance(cur, DTensor) else None
-            if local is None or tuple(local.shape) != (q.local_rows, *q.shape[1:]):
-                raise ValueError(
-                    f"fully_shard: parameter '{q.fqn}' was replaced by a tensor of type "
-                    f"{type(cur).__name__} and shape {tuple(getattr(local, 'shape', cur.shape))}; "
-                    f"expected a DTensor whose local shard has shape {(q.local_rows, *q.shape[1:])}."
+            if cur is not None and (cur is not q.sharded or self._moved(q)):
+                local = cur.to_local() if isinstance(cur, DTensor) else None
+                want = (q.local_rows, *q.shape[1:])
+                if local is None or tuple(local.shape) != want:
+                    raise ValueError(
+                        f"fully_shard: parameter '{q.fqn}' was replaced by a {type(cur).__name__} "
+                        f"of shape {tuple(getattr(local, 'shape', cur.shape))}; expected a DTensor "
+                        f"whose local shard has shape {want}."
+                    )
+                replaced[id(q)] = cur
+        if not replaced:
+            return
+        if self.shard.is_meta:
+            if len(replaced) != len(self.params):
+                missing = next(q.fqn for q in self.params if id(q) not in replaced)
+                raise RuntimeError(
+                    f"fully_shard: parameter '{missing}' is still on the meta device; "
+                    "materialise the whole module (module.to_empty(device=...)) before use."
                 )
-            with torch.no_grad():
-                self._local_view(self.shard, q).copy_(local)
-            q.requires_grad = cur.requires_grad
-            q.sharded.requires_grad_(cur.requires_grad)
-            for mod, name in ((q.module, q.name), *q.aliases):
-                mod._parameters[name] = q.sharded
+            dev = next(iter(replaced.values())).to_local().device
+            self.device = dev
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=dev)
+            self._new_natural()
+            self.refresh_requires_grad_flat()
+        with torch.no_grad():
+            for q in self.params:
+                cur = replaced.get(id(q))
+                if cur is not None:
+                    self._local_view(self.shard, q).copy_(cur.to_local())
+                    q.requires_grad = cur.requires_grad
+        if self.shard.device.type != "meta":
+            self._install_sharded_params()
+
+    def _moved(self, q: "ChunkParam") -> bool:
+        """Whether our own parameter's local tensor was swapped (``module._apply``,
+        e.g. ``to_empty``, may assign ``param.data`` in place)."""
+        local = q.sharded._local_tensor
+        mine = self._local_view(self.shard, q)
+        if local.device != mine.device:
+            return True
+        return q.local_numel > 0 and local.data_ptr() != mine.data_ptr()
+
+    def check_materialised(self) -> None:
+        if self.shard.is_meta:
+            raise RuntimeError(
+                f"fully_shard: parameter '{self.params[0].fqn}' is still on the meta device; "
+                "call module.to_empty(device=...) and initialise it before the first forward."
+            )
 
     # ------------------------------------------------------- unshard/reshard
     @property
@@ -245,6 +315,7 @@ class ChunkUnit:
         # of the views autograd saved in forward (they see the same values again)
         _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size, self.shard_numel)
         self._buf = self.natural
+        self._register_unsharded()
 
     def reshard(self) -> None:
         if self._pending_unshard is not None:
@@ -256,6 +327,8 @@ class ChunkUnit:
         for q in self.params:
             for mod, name in ((q.module, q.name), *q.aliases):
                 mod.__dict__.pop(name, None)
+            q.unsharded.grad = None
+            self._register(q, q.sharded)
 
     def use_forward_views(self) -> None:
         """Bind each parameter name to a view of ``flat_param`` (through autograd;
@@ -277,6 +350,9 @@ class ChunkUnit:
     def refresh_requires_grad(self) -> None:
         for q in self.params:
             q.requires_grad = q.sharded.requires_grad
+        self.refresh_requires_grad_flat()
+
+    def refresh_requires_grad_flat(self) -> None:
         rg = any(q.requires_grad for q in self.params)
         self.flat_param.requires_grad_(rg)
         if rg and not self._hooked:
@@ -356,7 +432,15 @@ class ChunkUnit:
 
     def publish_unsharded_grad(self) -> None:
         """No gradient sync: the unreduced gradient stays with the unit until a
-        synchronising backward; the parameters keep their sharded gradients."""
+        synchronising backward.  A unit left unsharded (``reshard_after_backward``
+        False) shows it as the full-size gradient of each registered parameter,
+        as torch does; the sharded parameters keep their sharded gradients."""
+        g = self.flat_param.grad
+        if self._buf is None or g is None:
+            return
+        for q in self.params:
+            if q.requires_grad:
+                q.unsharded.grad = g[q.nat_off : q.nat_off + q.numel].view(q.shape)
 
     def drop_grad_if_orig_grads_cleared(self) -> None:
         pass
