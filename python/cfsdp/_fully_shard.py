@@ -58,7 +58,6 @@ class _FSState:
         self.ustate = UnitState(unit, name, True if reshard_after_forward is None else reshard_after_forward)
         self.ustate.reshard_after_backward = True
         self.ustate.root_reshards_after_forward = not self.auto_reshard
-        self.unshard_in_backward = True
         self.requires_all_reduce = True
         self.post_optim_event = None
         self.is_last_backward = True
@@ -248,9 +247,9 @@ class FSDPModule:
                 u.update_divide_factors()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        if not unshard_in_backward:
-            raise _nyi("set_unshard_in_backward(False)")
-        _state(self).unshard_in_backward = True
+        """False: backward does not all-gather this module's parameters (for modules
+        whose backward needs no parameter values, e.g. an embedding)."""
+        _state(self).ustate.unshard_in_backward = bool(unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: cfsdp finishes every gradient reduction at
@@ -259,7 +258,16 @@ class FSDPModule:
         _state(self).is_last_backward = bool(is_last_backward)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
-        raise _nyi("set_all_reduce_hook")
+        """``hook(reduced)`` on each unit's reduced gradient shard (in ``reduce_dtype``,
+        before any post-divide) of this module's unit: after the HSDP all-reduce, or
+        after the reduce-scatter on a 1-D mesh.  cfsdp runs it synchronously in backward, so
+        ``stream`` orders nothing on CPU ranks."""
+        u = _state(self).unit  # this module's unit only, as torch
+        if u is None:
+            return
+        if stream is not None and u.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
+        u.all_reduce_hook = hook
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: wait for collectives in

@@ -852,6 +852,18 @@ def _fail_then_reset(impl, model, s, m, notes):
     notes.append(("after reset_iter_state", reg_state(model)))
 
 
+def _halve_in_hook(impl, model):
+    for mod in fsdp_modules(impl, model):
+        mod.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
+
+
+def _compile_body(blk):
+    # aot_eager: the compiled graph runs the same aten ops as eager (inductor would
+    # fuse differently and takes minutes to compile on 2 cores)
+    blk._body = torch.compile(blk._body, backend="aot_eager")
+    return blk
+
+
 def _register_generate(impl, model):
     impl.register_fsdp_forward_method(model, "generate")
 
@@ -897,7 +909,55 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "register_fsdp_forward_method": lambda: Scenario(configure=_register_generate,
                                                      call=lambda model, x: model.generate(x)),
     "meta_init": lambda: Scenario(build=_meta_build, configure=_materialise),
+    "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),
+    "compiled_block": lambda: Scenario(prepare=_every_block(_compile_body)),
 }
+
+
+class EmbNet(nn.Module):
+    """An embedding unit whose backward needs no weight values (set_unshard_in_backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(idx)))
+
+
+@h.subtest
+def unshard_in_backward_false(ctx):
+    """emb.set_unshard_in_backward(False): backward skips the embedding's all-gather; losses,
+    local gradients and parameters equal torch's (which skips it too) bitwise."""
+    mm = wp.Mismatches(ctx)
+    mesh = mesh_1d(ctx)
+    out = {}
+    for impl in (TORCH, CFSDP):
+        torch.manual_seed(0)
+        m = EmbNet()
+        impl.fully_shard(m.emb, mesh=mesh)
+        impl.fully_shard(m, mesh=mesh)
+        m.emb.set_unshard_in_backward(False)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 + step)
+            idx = torch.randint(0, 11, (ROWS, 3), generator=g).chunk(ctx.world_size)[ctx.rank]
+            loss = m(idx).pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+            grads = {n: local(p.grad).clone() for n, p in m.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        out[impl.name] = (losses, grads, {n: local(p).clone() for n, p in m.named_parameters()})
+    (cl, cg, cp), (tl, tg, tp) = out["cfsdp"], out["torch"]
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss {i}", a, b)
+    for n in tg:
+        mm.tensors(f"grad {n}", cg[n], tg[n])
+        mm.tensors(f"param {n}", cp[n], tp[n])
+    mm.raise_if_any()
 
 
 @h.subtest(grid={"feature": list(FEATURES)})

@@ -165,6 +165,7 @@ class ChunkUnit:
         self._hooked = False
         self.post_backward_fn = None
         self.comm_hook = None
+        self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced shard
         self._install_sharded_params()
         self.refresh_requires_grad()
         self.pre_divide = self.post_divide = 1.0

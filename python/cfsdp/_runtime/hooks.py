@@ -140,6 +140,8 @@ class UnitState:
         # None means the implicit neighbour in the recorded order.
         self.forward_prefetch_states: Optional[list["UnitState"]] = None
         self.backward_prefetch_states: Optional[list["UnitState"]] = None
+        # False: backward needs no parameter values (e.g. an embedding), skip the unshard
+        self.unshard_in_backward = True
         if unit is not None:
             unit.post_backward_fn = self._post_backward
 
@@ -217,9 +219,10 @@ class UnitState:
         self.training_state = TrainingState.BACKWARD_PRE
         u = self.unit
         if u is not None:
-            u.unshard()
-            with torch.enable_grad():  # backward runs without grad mode
-                u.use_forward_views()  # for a recompute in backward: [Note: recompute]
+            if self.unshard_in_backward:
+                u.unshard()
+                with torch.enable_grad():  # backward runs without grad mode
+                    u.use_forward_views()  # for a recompute in backward: [Note: recompute]
             u.take_grad_for_backward()
         if root.backward_prefetch == BACKWARD_PRE:
             self._prefetch_backward()

@@ -96,6 +96,7 @@ class Unit:
         self.state = TrainingState.IDLE
         self.pre_divide, self.post_divide = divide_factors(dp_size)
         self.replicate_op = dist.ReduceOp.SUM  # HSDP's reduction across replicas
+        self.all_reduce_hook = None  # called on the reduced shard before the post-divide
         self.infos, self.shared = self._collect(module, params)
         self._validate(name_for_errors)
         dtype = self.infos[0].param.dtype
@@ -681,6 +682,8 @@ class PendingReduce:
         out = self.out
         if u.replicate_group is not None:  # HSDP: reduce across replicas too
             comm.all_reduce(out, u.replicate_group, False, op=u.replicate_op).wait()
+        if u.all_reduce_hook is not None:  # fully_shard's set_all_reduce_hook
+            u.all_reduce_hook(out)
         # torch's order: post-divide in the reduction dtype, cast to the
         # gradient dtype, then accumulate; scale_cast_add does all three.
         div = u.post_divide if (u.post_divide > 1 and not self.divided) else 1.0
