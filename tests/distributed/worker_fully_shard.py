@@ -1160,6 +1160,11 @@ if WORLD == 4:
         check_structure(ctx, mm, kind, mesh, (Replicate(), Shard(0)))
         run_scenario(ctx, Scenario(kind=kind), mesh, mm)
 
+    @h.subtest(grid={"reduce_dtype": [torch.float32, BF16]})
+    def hsdp_mixed_precision(ctx, reduce_dtype):
+        """HSDP 2 x 2 with bf16 parameters: bitwise as torch, and as the reference."""
+        run_scenario(ctx, mp_scenario("mlp", reduce_dtype, None, True, False), mesh_2d(ctx))
+
 
 # --------------------------------------------------------------------------------------------
 # 8. bad input
