@@ -418,6 +418,7 @@ def fully_shard(
     shard_group = mesh.get_group(mesh.ndim - 1)
     replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
     shard_size = shard_group.size()
+    post_forward_group = None
     if reshard_after_forward is not None:
         if not isinstance(reshard_after_forward, (bool, int)):
             raise ValueError(
@@ -436,7 +437,11 @@ def fully_shard(
             elif n == shard_size:
                 reshard_after_forward = True
             else:
-                raise _nyi(f"reshard_after_forward={n} (resharding to a smaller group)")
+                # groups of n consecutive ranks of the (flattened) mesh, as torch's
+                # post-forward mesh; every rank creates every group
+                post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, n))
+                post_forward_group = post_forward_mesh.get_group(1)
+                reshard_after_forward = True
     ignored = set(ignored_params or ())
     managed, params = _managed(modules, ignored)
     root_mod = modules[0]
@@ -475,6 +480,7 @@ def fully_shard(
     unit = None
     if entries:
         unit = ChunkUnit(entries, mesh, shard_group, replicate_group, device, param_dtype, reduce_dtype)
+        unit.post_forward_group = post_forward_group
     for b in (b for m in managed for b in m._buffers.values() if b is not None):
         if b.device != device and b.device.type != "meta":
             b.data = b.to(device)

@@ -237,7 +237,9 @@ class MLP(nn.Module):
         ``register_fsdp_forward_method``)."""
         return (self.body(x) * self.scale).tanh()
 
-    def fsdp_units(self) -> list[nn.Module]:
+    def fsdp_units(self) -> list:
+        if getattr(self, "grouped", False):  # fully_shard([block0, block1]): one unit
+            return [list(self.blocks)]
         return list(self.blocks)
 
 
@@ -266,8 +268,9 @@ class TiedLM(nn.Module):
 
 def build(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    if kind in ("mlp", "mlp_twice", "mlp_apart", "frozen"):
+    if kind in ("mlp", "mlp_twice", "mlp_apart", "frozen", "mlp_grouped"):
         model = MLP({"mlp_twice": (0, 1, 1), "mlp_apart": (0, 1, 0)}.get(kind, (0, 1)))
+        model.grouped = kind == "mlp_grouped"
         if kind == "frozen":
             model.blocks[0].requires_grad_(False)
             model.in_proj.weight.requires_grad_(False)
@@ -852,6 +855,11 @@ def _fail_then_reset(impl, model, s, m, notes):
     notes.append(("after reset_iter_state", reg_state(model)))
 
 
+def _force_sum(impl, model):
+    for mod in fsdp_modules(impl, model):
+        mod.set_force_sum_reduction_for_comms(True)
+
+
 def _halve_in_hook(impl, model):
     for mod in fsdp_modules(impl, model):
         mod.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
@@ -911,7 +919,11 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "meta_init": lambda: Scenario(build=_meta_build, configure=_materialise),
     "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),
     "compiled_block": lambda: Scenario(prepare=_every_block(_compile_body)),
+    "force_sum_reduction": lambda: Scenario(configure=_force_sum),
+    "grouped_modules": lambda: Scenario(kind="mlp_grouped"),
 }
+if WORLD == 4:  # reshard to a group of 2 after forward (at W=2 the int 2 means True)
+    FEATURES["reshard_after_forward_int"] = lambda: Scenario(unit_kw={"reshard_after_forward": 2})
 
 
 class EmbNet(nn.Module):

@@ -166,6 +166,9 @@ class ChunkUnit:
         self.post_backward_fn = None
         self.comm_hook = None
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced shard
+        # reshard_after_forward=k (1 < k < W): the group of k ranks backward gathers over
+        self.post_forward_group: Optional[dist.ProcessGroup] = None
+        self._post_forward_shard: Optional[torch.Tensor] = None
         self._install_sharded_params()
         self.refresh_requires_grad()
         self.pre_divide = self.post_divide = 1.0
@@ -295,6 +298,10 @@ class ChunkUnit:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.unshard_from_post_forward():
+            if not async_op:
+                self.wait_unshard()
+            return
         src = self.shard
         if self.uses_mp:  # the all-gather input: the shard cast in one C pass
             src = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
@@ -304,6 +311,34 @@ class ChunkUnit:
         self._pending_unshard = comm.all_gather(out, src, self.group, async_op=True)
         if not async_op:
             self.wait_unshard()
+
+    def reshard_after_forward(self, for_backward: bool) -> None:
+        """Post-forward reshard.  With a post-forward group (``reshard_after_forward``
+        an int k: groups of k consecutive ranks), keep this rank's 1/k of the gathered
+        buffer (the rank-major shards of the W/k ranks at its position in the group)
+        so backward all-gathers over the k ranks only; else free everything."""
+        if self.post_forward_group is None or not for_backward or self._buf is None:
+            self.reshard()
+            return
+        k = self.post_forward_group.size()
+        per = self.world_size // k
+        j = self.post_forward_group.rank()
+        kept = torch.empty(per * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        _core.chunk_pack(kept, self.natural.detach(), self._plan, self.world_size, self.shard_numel,
+                         ranks=(j * per, (j + 1) * per))
+        self.reshard()
+        self._post_forward_shard = kept
+
+    def unshard_from_post_forward(self) -> bool:
+        """Issue the all-gather over the post-forward group, if a post-forward shard is kept."""
+        kept = self._post_forward_shard
+        if kept is None:
+            return False
+        self._post_forward_shard = None
+        out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        self._pending_gathered = out
+        self._pending_unshard = comm.all_gather(out, kept, self.post_forward_group, async_op=True)
+        return True
 
     def wait_unshard(self) -> None:
         if self._pending_unshard is None:
@@ -319,6 +354,7 @@ class ChunkUnit:
         self._register_unsharded()
 
     def reshard(self) -> None:
+        self._post_forward_shard = None
         if self._pending_unshard is not None:
             self.wait_unshard()
         if self._buf is None:

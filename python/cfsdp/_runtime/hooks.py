@@ -178,7 +178,7 @@ class UnitState:
         needs_grad = torch.is_grad_enabled()
         keep_for_backward = self.is_root and needs_grad and not self.root_reshards_after_forward
         if u is not None and not keep_for_backward and self.reshard_after_forward:
-            u.reshard()
+            u.reshard_after_forward(needs_grad)
         self.training_state = TrainingState.IDLE
         hooked = needs_grad and self._register_pre_backward(output)
         if self.is_root and not hooked and self.root is not None:

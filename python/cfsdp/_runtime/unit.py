@@ -383,6 +383,10 @@ class Unit:
             for s in self.shared:
                 s.module.__dict__.pop(s.name, None)
 
+    def reshard_after_forward(self, for_backward: bool) -> None:
+        """Post-forward reshard (the wrapper face frees everything)."""
+        self.reshard()
+
     def refresh_requires_grad(self) -> None:
         """With use_orig_params=True the flat parameter requires grad while any
         original parameter does (they may be frozen after wrapping, as torch)."""
