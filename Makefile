@@ -48,8 +48,8 @@ TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_preci
 test: build
 	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
 	$(MAKE) --no-print-directory sanitize
-	CFSDP_IMPL=c $(PY) -m pytest -q tests/distributed
-	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q tests/unit $(TWIN_DIST)
+	CFSDP_IMPL=c $(PY) -m pytest -q --durations=12 tests/distributed
+	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 tests/unit $(TWIN_DIST)
 
 test-unit: build
 	$(PY) -m pytest -q tests/unit
