@@ -16,7 +16,7 @@ listed in README.md).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -58,9 +58,7 @@ class _FSState:
         self.ustate = UnitState(unit, name, True if reshard_after_forward is None else reshard_after_forward)
         self.ustate.reshard_after_backward = True
         self.ustate.root_reshards_after_forward = not self.auto_reshard
-        self.requires_all_reduce = True
         self.post_optim_event = None
-        self.is_last_backward = True
         self._to_run: set[int] = set()  # modules of this call yet to run forward in this pass
 
     # ----------------------------------------------------------------- hooks
@@ -203,10 +201,9 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether to all-reduce across replicas (only True is implemented)."""
         for m in _fs_modules(self, recurse):
-            s = _state(m)
-            if not requires_all_reduce and s.unit is not None and s.unit.replicate_group is not None:
+            u = _state(m).unit
+            if not requires_all_reduce and u is not None and u.replicate_group is not None:
                 raise _nyi("set_requires_all_reduce(False) with HSDP")
-            s.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -233,17 +230,18 @@ class FSDPModule:
         _state(self).post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        for m in _fs_modules(self, True):
-            u = _state(m).unit
-            if u is not None:
-                u.gradient_divide_factor = float(factor)
-                u.update_divide_factors()
+        self._set_reduction(gradient_divide_factor=float(factor))
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        self._set_reduction(force_sum_reduction=bool(enable))
+
+    def _set_reduction(self, **attrs: Any) -> None:
+        """Set reduction attributes on every unit in the tree and rederive its ops."""
         for m in _fs_modules(self, True):
             u = _state(m).unit
             if u is not None:
-                u.force_sum_reduction = bool(enable)
+                for k, v in attrs.items():
+                    setattr(u, k, v)
                 u.update_divide_factors()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -255,7 +253,7 @@ class FSDPModule:
         """Accepted for compatibility: cfsdp finishes every gradient reduction at
         the end of each backward, so there is nothing to defer (on CPU torch has no
         stream to defer it on either)."""
-        _state(self).is_last_backward = bool(is_last_backward)
+        _state(self)  # as torch: only on a module fully_shard was applied to
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """``hook(reduced)`` on each unit's reduced gradient shard (in ``reduce_dtype``,
@@ -550,8 +548,6 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Accepted for compatibility: torch shares CUDA streams between the modules'
     collectives; cfsdp issues every collective in order on its process group, so
     the modules already share one context."""
-    if not isinstance(modules, (list, tuple)) or not modules:
+    if not modules:
         raise ValueError(f"Expects list of FSDPModules but got {modules}")
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"Expects FSDPModule but got {type(m)}: {m}")
+    _check_fsdp_modules(modules)

@@ -182,7 +182,7 @@ IMPLS = {"torch": TORCH, "cfsdp": CFSDP}
 
 
 class InjectedFailure(RuntimeError):
-    pass
+    """Raised once by a block's forward (reset_iter_state's recovery test)."""
 
 
 def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -845,11 +845,12 @@ def _fail_then_reset(impl, model, s, m, notes):
     if s != 1:
         return
     model.blocks[1].fail = True
+    failed = False
     try:
         model(torch.zeros(ROWS // WORLD, 7))
     except InjectedFailure:
-        pass
-    else:
+        failed = True  # expected: the forward aborts mid-flight
+    if not failed:
         raise AssertionError("the injected failure did not propagate")
     model.reset_iter_state()
     notes.append(("after reset_iter_state", reg_state(model)))

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _core
 from . import comm
-from .unit import PendingReduce, TrainingState, _alloc, _free, set_grad
+from .reduce import divide_factors
+from .unit import PendingReduce, _alloc, _free, hook_grad_ready
 
 
 @dataclass
@@ -58,6 +59,7 @@ class ChunkParam:
     nat_off: int  # offset in ``natural``
     shard_off: int  # offset in ``shard`` (and in each rank's part of ``gathered``)
     requires_grad: bool
+    stride: tuple = ()  # the full parameter's contiguous stride (the DTensors' global stride)
     sharded: Optional[nn.Parameter] = None  # the DTensor parameter the user sees
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
@@ -90,11 +92,9 @@ def gradient_divide(
             return 1.0, 1.0, AVG, SUM
         return float(factor), 1.0, SUM, SUM
     f = float(dp_size) if factor is None else float(factor)
-    if overflow_risk:
-        pre = 1
-        while f % pre == 0 and f / pre > pre:
-            pre *= 2
-        return float(pre), f / pre, SUM, SUM
+    if overflow_risk:  # torch FSDP1's split into a pre- and a post-divide factor
+        pre, post = divide_factors(f)
+        return pre, post, SUM, SUM
     return 1.0, f, SUM, SUM
 
 
@@ -119,7 +119,6 @@ class ChunkUnit:
         self.world_size = W = group.size()
         self.replicate_group = replicate_group
         self.device = device
-        self.state = TrainingState.IDLE
         self.placements = (Shard(0),) if replicate_group is None else (Replicate(), Shard(0))
         dtype = entries[0][3].dtype
         self.dtype = dtype
@@ -138,7 +137,8 @@ class ChunkUnit:
             local = max(0, min(c, rows - self.rank * c))
             self.params.append(
                 ChunkParam(module, name, fqn, p.shape, p.numel(), rows, row_numel, c, local,
-                           nat, shard, p.requires_grad, aliases=aliases)
+                           nat, shard, p.requires_grad, tuple(make_contiguous_strides_for(p.shape)),
+                           aliases=aliases)
             )
             nat += p.numel()
             shard += c * row_numel
@@ -160,11 +160,13 @@ class ChunkUnit:
         self._pending_unshard: Optional[comm.Pending] = None
         self._pending_gathered: Optional[torch.Tensor] = None
         self.saved_grad: Optional[torch.Tensor] = None
-        self._grad_buf: Optional[weakref.ref] = None  # what the published grads view
+        # the gradient buffer and the DTensor gradients last published (weakly:
+        # zero_grad frees them)
+        self._grad_buf: Optional[weakref.ref] = None
+        self._published: list[Optional[weakref.ref]] = []
         self.grad_unsharded = False
-        self._hooked = False
+        self._unsharded_grads = False  # publish_unsharded_grad gave the full-size params grads
         self.post_backward_fn = None
-        self.comm_hook = None
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced shard
         # reshard_after_forward=k (1 < k < W): the group of k ranks backward gathers over
         self.post_forward_group: Optional[dist.ProcessGroup] = None
@@ -188,7 +190,7 @@ class ChunkUnit:
     def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False,
-            shape=q.shape, stride=make_contiguous_strides_for(q.shape),
+            shape=q.shape, stride=q.stride,
         )
 
     def _new_natural(self) -> None:
@@ -364,8 +366,10 @@ class ChunkUnit:
         for q in self.params:
             for mod, name in ((q.module, q.name), *q.aliases):
                 mod.__dict__.pop(name, None)
-            q.unsharded.grad = None
+            if self._unsharded_grads:
+                q.unsharded.grad = None
             self._register(q, q.sharded)
+        self._unsharded_grads = False
 
     def use_forward_views(self) -> None:
         """Bind each parameter name to a view of ``flat_param`` (through autograd;
@@ -393,27 +397,13 @@ class ChunkUnit:
         rg = any(q.requires_grad for q in self.params)
         self.flat_param.requires_grad_(rg)
         if rg and not self._hooked:
-            unit_ref = weakref.ref(self)
-
-            def hook(p: torch.Tensor) -> None:
-                unit = unit_ref()
-                if unit is not None:
-                    unit._on_grad_ready(p)
-
-            self.flat_param.register_post_accumulate_grad_hook(hook)
+            hook_grad_ready(self)
             self._hooked = True
 
     def before_forward(self) -> None:
         self.refresh_requires_grad()
 
     # --------------------------------------------------------------- grads
-    def _on_grad_ready(self, flat_param: torch.Tensor) -> None:
-        grad = flat_param.grad
-        flat_param.grad = None
-        if self.post_backward_fn is None:
-            raise AssertionError("cfsdp chunk unit has no post-backward handler")
-        self.post_backward_fn(self, grad)
-
     def take_grad_for_backward(self) -> None:
         """Before backward: collect the sharded gradients the user's parameters hold
         (they may have been cleared or replaced since they were published) into one
@@ -424,10 +414,9 @@ class ChunkUnit:
         if all(g is None for g in grads):
             return
         buf = self._grad_buf() if self._grad_buf is not None else None
-        if buf is None or any(
-            g is None or g._local_tensor.data_ptr() != self._local_view(buf, q).data_ptr()
-            for g, q in zip(grads, self.params) if q.local_numel
-        ):
+        published = [r() if r is not None else None for r in self._published]
+        if buf is None or any(g is not p for g, p in zip(grads, published)):
+            # a gradient was cleared or replaced since it was published
             buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 for g, q in zip(grads, self.params):
@@ -460,12 +449,16 @@ class ChunkUnit:
             return
         # weakly: once the user drops every gradient (zero_grad) the buffer goes
         self._grad_buf = weakref.ref(g)
+        published = []
         for q in self.params:
             if q.requires_grad:
                 with torch.no_grad():
                     q.sharded.grad = self._dtensor(self._local_view(g, q), q)
+                published.append(weakref.ref(q.sharded.grad))
             else:
                 q.sharded.grad = None
+                published.append(None)
+        self._published = published
 
     def publish_unsharded_grad(self) -> None:
         """No gradient sync: the unreduced gradient stays with the unit until a
@@ -478,9 +471,7 @@ class ChunkUnit:
         for q in self.params:
             if q.requires_grad:
                 q.unsharded.grad = g[q.nat_off : q.nat_off + q.numel].view(q.shape)
-
-    def drop_grad_if_orig_grads_cleared(self) -> None:
-        pass
+        self._unsharded_grads = True
 
 
-__all__ = ["ChunkUnit", "ChunkParam", "gradient_divide", "set_grad"]
+__all__ = ["ChunkUnit", "ChunkParam", "gradient_divide"]

@@ -394,17 +394,7 @@ class Unit:
             self.requires_grad = any(i.param.requires_grad for i in self.infos)
             self.flat_param.requires_grad_(self.requires_grad)
         if self.requires_grad and not self._hooked:
-            # The hook lives in the tensor's C++ hook list, out of the garbage
-            # collector's sight: hold the unit weakly, or a unit and its flat
-            # parameter would keep each other alive after the model is gone.
-            unit_ref = weakref.ref(self)
-
-            def hook(p: torch.Tensor) -> None:
-                unit = unit_ref()
-                if unit is not None:
-                    unit._on_grad_ready(p)
-
-            self.flat_param.register_post_accumulate_grad_hook(hook)
+            hook_grad_ready(self)
             self._hooked = True
 
     def use_forward_views(self) -> None:
@@ -543,13 +533,6 @@ class Unit:
                 set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
 
     # --------------------------------------------------------------- grads
-    def _on_grad_ready(self, flat_param: torch.Tensor) -> None:
-        grad = flat_param.grad
-        flat_param.grad = None
-        if self.post_backward_fn is None:
-            raise AssertionError("cfsdp unit has no post-backward handler")
-        self.post_backward_fn(self, grad)
-
     def reduce_grad(self, grad: torch.Tensor) -> "PendingReduce":
         """Pre-divide and issue the reduction of the unsharded flat gradient:
         a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
@@ -701,6 +684,29 @@ class PendingReduce:
             g = torch.empty(out.numel(), dtype=u.dtype, device=out.device)
             scale_cast_add(g, out, div, False)
             u.saved_grad = g
+
+
+def hook_grad_ready(unit) -> None:
+    """When ``unit.flat_param``'s gradient has been accumulated in backward, take it
+    off the parameter and hand it to ``unit.post_backward_fn(unit, grad)`` (set by
+    the runtime).  Both faces' units use it.
+
+    The hook lives in the tensor's C++ hook list, out of the garbage collector's
+    sight: it holds the unit weakly, or a unit and its flat parameter would keep
+    each other alive after the model is gone."""
+    unit_ref = weakref.ref(unit)
+
+    def hook(p: torch.Tensor) -> None:
+        u = unit_ref()
+        if u is None:
+            return
+        grad = p.grad
+        p.grad = None
+        if u.post_backward_fn is None:
+            raise AssertionError("cfsdp unit has no post-backward handler")
+        u.post_backward_fn(u, grad)
+
+    unit.flat_param.register_post_accumulate_grad_hook(hook)
 
 
 def _alloc(t: torch.Tensor) -> None:
