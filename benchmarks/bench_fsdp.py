@@ -544,7 +544,8 @@ def cfsdp_version() -> str:
     return f"{ver} (backend {getattr(cfsdp, 'backend', 'unknown')})"
 
 
-def machine_info(args: argparse.Namespace, rss_reset: bool, setup: Setup) -> dict[str, Any]:
+def machine_info_basic() -> dict[str, Any]:
+    """Machine, versions, date and launch command (shared by every benchmark)."""
     return {
         "platform": platform.platform(),
         "cpu_model": _cpu_model(),
@@ -556,9 +557,15 @@ def machine_info(args: argparse.Namespace, rss_reset: bool, setup: Setup) -> dic
         "world_size": dist.get_world_size(),
         "backend": dist.get_backend(),
         "threads_per_rank": torch.get_num_threads(),
-        "rss_reset": rss_reset,
         "command": "torchrun --standalone --nproc_per_node "
         f"{dist.get_world_size()} " + " ".join(sys.argv),
+    }
+
+
+def machine_info(args: argparse.Namespace, rss_reset: bool, setup: Setup) -> dict[str, Any]:
+    return {
+        **machine_info_basic(),
+        "rss_reset": rss_reset,
         "warmup": args.warmup,
         "iters": args.iters,
         "mixed_precision": setup.mp,

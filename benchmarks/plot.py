@@ -9,6 +9,10 @@ Reads the JSON written by ``bench_fsdp.py``.  Each model gets its own panel
 (models differ by orders of magnitude in step time); the ``local`` floor is
 drawn as a dashed line and failed contenders are marked instead of drawn.
 When a model appears in several files, the last file wins.
+
+``--vs-size`` instead draws one line per contender: median step time against
+parameter count, one point per (file, model) -- the files of a size sweep
+(``bench_fsdp.py --set d_model=...`` runs), log-log.
 """
 
 from __future__ import annotations
@@ -86,13 +90,51 @@ def plot(models: dict[str, dict[str, Any]], machine: dict[str, Any], out: Path) 
     plt.close(fig)
 
 
+def plot_vs_size(paths: list[Path], out: Path) -> None:
+    """Step time against model size, one line per contender (see module doc)."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    machine: dict[str, Any] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        machine = report["machine"]
+        for model in report["models"].values():
+            n = model["config"]["n_params"]
+            for name, res in model["contenders"].items():
+                if "error" not in res:
+                    points.setdefault(name, []).append((n, res["step_ms"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, pts in points.items():
+        pts.sort()
+        ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o",
+                color=COLORS.get(name, "#607d8b"), label=name,
+                linestyle="--" if name == "local" else "-")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("median step time (ms)")
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(
+        f"world {machine.get('world_size')} x {machine.get('threads_per_rank')} thread, "
+        f"torch {machine.get('torch')}, {machine.get('date', '')[:10]}", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", type=Path, help="JSON files from bench_fsdp.py")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results.png"))
+    p.add_argument("--vs-size", action="store_true",
+                   help="step time against parameter count (a size sweep), one line per contender")
     args = p.parse_args()
-    models, machine = load_models(args.inputs)
-    plot(models, machine, args.out)
+    if args.vs_size:
+        plot_vs_size(args.inputs, args.out)
+    else:
+        models, machine = load_models(args.inputs)
+        plot(models, machine, args.out)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")
 
 

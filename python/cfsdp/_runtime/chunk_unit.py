@@ -28,7 +28,7 @@ exactly, so local shards and gradients match torch's bit for bit.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
 from . import comm
@@ -63,6 +64,7 @@ class ChunkParam:
     sharded: Optional[nn.Parameter] = None  # the DTensor parameter the user sees
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
+    specs: dict = field(default_factory=dict)  # dtype -> DTensorSpec of the sharded DTensors
 
     @property
     def chunk_numel(self) -> int:
@@ -152,9 +154,13 @@ class ChunkUnit:
         is_meta = entries[0][3].is_meta
         self.shard = torch.empty(shard, dtype=dtype, device="meta" if is_meta else device)
         if not is_meta:
-            with torch.no_grad():
-                src = torch.cat([p.detach().reshape(-1) for *_, p, _ in entries])
-                _core.chunk_pack(self.shard, src, self._plan, W, shard, ranks=(self.rank, self.rank + 1))
+            # Only this rank's rows of each parameter are read, straight into the
+            # shard (one C pass, padding zeroed): the unit is never concatenated.
+            rows_here = []
+            for q, (*_, p, _) in zip(self.params, entries):
+                start = self.rank * q.chunk_numel
+                rows_here.append(p.detach().reshape(-1)[start : start + q.local_numel])
+            _core.shard_fill(self.shard, 0, rows_here, [q.shard_off for q in self.params])
         self._new_natural()
         self._buf: Optional[torch.Tensor] = None  # ``natural`` while unsharded
         self._pending_unshard: Optional[comm.Pending] = None
@@ -188,10 +194,15 @@ class ChunkUnit:
         return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_rows, *q.shape[1:])
 
     def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False,
-            shape=q.shape, stride=q.stride,
-        )
+        """``local`` as this parameter's sharded DTensor (no autograd edge).  The
+        spec is built once per parameter and dtype and the DTensor constructed
+        directly: ``DTensor.from_local`` goes through an autograd Function and
+        rebuilds the spec, which dominated publishing small units' gradients."""
+        spec = q.specs.get(local.dtype)
+        if spec is None:
+            meta = TensorMeta(q.shape, q.stride, local.dtype)
+            spec = q.specs[local.dtype] = DTensorSpec(self.mesh, self.placements, tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
 
     def _new_natural(self) -> None:
         """The unsharded buffer (storage freed) and the flat parameter over it."""
