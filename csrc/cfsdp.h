@@ -10,7 +10,8 @@
  * failing status to the caller; CF_CHECK_GOTO jumps to the function's single
  * cleanup label.  Only module.c turns a cf_err into a Python exception:
  * CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError, CF_ENOMEM ->
- * MemoryError.
+ * MemoryError, CF_ERUNTIME -> RuntimeError (shm.c, queue.c: a failed system
+ * call, a timeout, a peer that failed).
  */
 #ifndef CFSDP_H
 #define CFSDP_H
@@ -33,10 +34,11 @@ typedef enum {
     CF_OK = 0,
     CF_EINVAL = 1,    /* bad argument (ValueError) */
     CF_EOVERFLOW = 2, /* a size or offset does not fit (OverflowError) */
-    CF_ENOMEM = 3     /* an index array could not be allocated (MemoryError) */
+    CF_ENOMEM = 3,    /* an index array could not be allocated (MemoryError) */
+    CF_ERUNTIME = 4   /* a collective or system call failed (RuntimeError) */
 } cf_status;
 
-#define CF_ERR_MSG_LEN 256
+#define CF_ERR_MSG_LEN 512
 
 /* The error record: status plus a message, filled by cf_err_set. */
 typedef struct {

@@ -24,7 +24,9 @@
 #include "copy.h"
 #include "layout.h"
 #include "norm.h"
+#include "queue.h"
 #include "reduce.h"
+#include "shm.h"
 #include "thread.h"
 
 /* Raise the Python exception for a failed status; always returns NULL. */
@@ -540,6 +542,690 @@ static PyObject *cf_py_norm_partial(PyObject *module, PyObject *const *args, Py_
     return PyFloat_FromDouble(out);
 }
 
+/* ==========================================================================
+ * Shared-memory collectives (csrc/shm.c) on an ordered work queue
+ * (csrc/queue.c): the kernels shm_reduce / shm_memcpy, and the types
+ * ShmGroup (one rank's view of a segment plus its worker thread) and ShmWork
+ * (one queued collective).  Everything of this feature in module.c is in
+ * this block, plus its method-table entries at the end of the table and one
+ * call in cf_py_exec.  Errors of a collective are RuntimeError.
+ * ========================================================================== */
+
+/* Like cf_py_raise, with CF_ERUNTIME -> RuntimeError. */
+static PyObject *cf_py_shm_raise(const cf_err *err)
+{
+    if (err->status == CF_ERUNTIME) {
+        PyErr_SetString(PyExc_RuntimeError, err->msg[0] ? err->msg : "cfsdp shm: error");
+        return NULL;
+    }
+    return cf_py_raise(err);
+}
+
+PyDoc_STRVAR(cf_py_shm_reduce_doc,
+"shm_reduce($module, dst_addr, src_addrs, numel, dtype_code, scale, max_threads, /)\n"
+"--\n"
+"\n"
+"dst = round(scale * (src[0] + src[1] + ...)), elementwise, in one pass.\n"
+"\n"
+"The sources are summed left to right in float32 (float64 for fp64; bf16\n"
+"and fp16 widen exactly), multiplied by scale in that type (skipped when\n"
+"scale == 1) and rounded once to the dtype (code fp32=0, fp64=1, bf16=2,\n"
+"fp16=3).  dst may be one of the sources exactly.  The sum kernel of the\n"
+"shared-memory collectives; same bits as cfsdp._ref.shm_reduce (NaN\n"
+"payloads aside).  Runs with the GIL released, on up to min(max_threads, 4,\n"
+"online CPUs) threads above CHUNK_PARALLEL_BYTES.  ValueError for an unknown\n"
+"dtype code, no sources, negative numel or a NULL address.");
+
+static PyObject *cf_py_shm_reduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq;
+    const void *srcs[CF_SHM_MAX_WORLD];
+    void *dst;
+    int64_t numel, code, max_threads, n;
+    double scale;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("shm_reduce", nargs, 6) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 || cf_py_int64(args[2], "numel", &numel) < 0 ||
+        cf_py_int64(args[3], "dtype_code", &code) < 0 ||
+        cf_py_int64(args[5], "max_threads", &max_threads) < 0)
+        return NULL;
+    scale = PyFloat_AsDouble(args[4]);
+    if (scale == -1.0 && PyErr_Occurred())
+        return NULL;
+    seq = PySequence_Fast(args[1], "src_addrs must be a sequence of int addresses");
+    if (seq == NULL)
+        return NULL;
+    n = (int64_t)PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > CF_SHM_MAX_WORLD) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "number of sources must be in [1, %d], got %lld",
+                     CF_SHM_MAX_WORLD, (long long)n);
+        return NULL;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        void *p;
+        if (cf_py_addr(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)j), "src_addr", &p) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        srcs[j] = p;
+    }
+    Py_DECREF(seq);
+    if (code < 0 || code >= CF_DTYPE_COUNT) {
+        cf_err_set(&err, CF_EINVAL, "unknown dtype code %lld; expected 0..%d", (long long)code,
+                   CF_DTYPE_COUNT - 1);
+        return cf_py_raise(&err);
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_shm_reduce(dst, srcs, n, numel, (int)code, scale, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_shm_memcpy_doc,
+"shm_memcpy($module, dst_addr, src_addr, nbytes, max_threads, /)\n"
+"--\n"
+"\n"
+"Copy nbytes from src to dst (no overlap), as the collectives copy: one\n"
+"memcpy per thread, up to min(max_threads, 4, online CPUs) threads above\n"
+"CHUNK_PARALLEL_BYTES.  Twin: cfsdp._ref.shm_memcpy.  Runs with the GIL\n"
+"released.  ValueError for a negative size or a NULL address.");
+
+static PyObject *cf_py_shm_memcpy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *dst, *src;
+    int64_t nbytes, max_threads;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("shm_memcpy", nargs, 4) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 || cf_py_addr(args[1], "src_addr", &src) < 0 ||
+        cf_py_int64(args[2], "nbytes", &nbytes) < 0 ||
+        cf_py_int64(args[3], "max_threads", &max_threads) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_shm_memcpy(dst, src, nbytes, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_shm_segment_bytes_doc,
+"shm_segment_bytes($module, world_size, slot_bytes, /)\n"
+"--\n"
+"\n"
+"Bytes of a segment for world_size ranks with slot halves of slot_bytes\n"
+"(0 if out of range).");
+
+static PyObject *cf_py_shm_segment_bytes(PyObject *module, PyObject *const *args,
+                                         Py_ssize_t nargs)
+{
+    int64_t w, s;
+    (void)module;
+    if (cf_py_check_nargs("shm_segment_bytes", nargs, 2) < 0 ||
+        cf_py_int64(args[0], "world_size", &w) < 0 || cf_py_int64(args[1], "slot_bytes", &s) < 0)
+        return NULL;
+    return PyLong_FromSize_t(cf_shm_segment_bytes(w, s));
+}
+
+typedef struct {
+    PyObject_HEAD
+    cf_shm_group *g; /* NULL once closed */
+    cf_queue *q;
+    PyObject *work_type;
+} cf_py_shm_group;
+
+typedef struct {
+    PyObject_HEAD
+    cf_py_shm_group *group; /* keeps the queue alive */
+    cf_queue_op *op;        /* NULL once released */
+    PyObject *keep;         /* the tensors, until the op is done */
+    PyObject *error;        /* the op's message (str) once it failed */
+    int op_code;
+} cf_py_shm_work;
+
+/* Stop the worker (the running op fails with "group closed") and unmap. */
+static void cf_py_shm_group_shutdown(cf_py_shm_group *self)
+{
+    if (self->g == NULL)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    cf_shm_group_abort(self->g);
+    cf_queue_stop(self->q);
+    cf_shm_group_close(self->g);
+    Py_END_ALLOW_THREADS
+    self->g = NULL;
+}
+
+static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"name",       "create",    "world_size", "rank", "slot_bytes",
+                             "timeout_s",  "label",     "global_ranks", NULL};
+    const char *name, *label;
+    int create;
+    long long world, rank, slot;
+    double timeout_s;
+    PyObject *granks_obj, *seq = NULL, *module, *work_type;
+    int64_t granks[CF_SHM_MAX_WORLD];
+    char qlabel[128];
+    cf_py_shm_group *self = NULL;
+    cf_shm_group *g = NULL;
+    cf_queue *q = NULL;
+    cf_err err;
+    cf_status st;
+
+    cf_err_init(&err);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "spLLLdsO:ShmGroup", kwlist, &name, &create,
+                                     &world, &rank, &slot, &timeout_s, &label, &granks_obj))
+        return NULL;
+    if (world < 1 || world > CF_SHM_MAX_WORLD) {
+        PyErr_Format(PyExc_ValueError, "world_size must be in [1, %d], got %lld",
+                     CF_SHM_MAX_WORLD, world);
+        return NULL;
+    }
+    seq = PySequence_Fast(granks_obj, "global_ranks must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != (Py_ssize_t)world) {
+        PyErr_Format(PyExc_ValueError, "global_ranks has %zd entries, expected world_size %lld",
+                     PySequence_Fast_GET_SIZE(seq), world);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)world; i++)
+        if (cf_py_int64(PySequence_Fast_GET_ITEM(seq, i), "global rank", &granks[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    Py_DECREF(seq);
+    module = PyType_GetModule(type);
+    if (module == NULL)
+        return NULL;
+    work_type = PyObject_GetAttrString(module, "ShmWork");
+    if (work_type == NULL)
+        return NULL;
+
+    snprintf(qlabel, sizeof qlabel, "cfsdp shm group '%s'", label);
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_shm_group_open(name, create != 0, world, rank, slot, timeout_s, label, granks, &g,
+                           &err);
+    if (st == CF_OK) {
+        st = cf_queue_create(cf_shm_run_queued, g, qlabel, &q, &err);
+        if (st != CF_OK)
+            cf_shm_group_close(g);
+    }
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK) {
+        Py_DECREF(work_type);
+        return cf_py_shm_raise(&err);
+    }
+    self = (cf_py_shm_group *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        cf_queue_free(q);
+        cf_shm_group_close(g);
+        Py_END_ALLOW_THREADS
+        Py_DECREF(work_type);
+        return NULL;
+    }
+    self->g = g;
+    self->q = q;
+    self->work_type = work_type;
+    return (PyObject *)self;
+}
+
+static void cf_py_shm_group_dealloc(PyObject *obj)
+{
+    cf_py_shm_group *self = (cf_py_shm_group *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    cf_py_shm_group_shutdown(self);
+    if (self->q != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        cf_queue_free(self->q);
+        Py_END_ALLOW_THREADS
+    }
+    Py_XDECREF(self->work_type);
+    tp->tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* The group, or NULL with RuntimeError if it was closed. */
+static cf_shm_group *cf_py_shm_open_group(cf_py_shm_group *self)
+{
+    if (self->g == NULL)
+        PyErr_SetString(PyExc_RuntimeError, "cfsdp shm: the group is closed");
+    return self->g;
+}
+
+PyDoc_STRVAR(cf_py_shm_group_wait_attached_doc,
+"wait_attached($self, /)\n"
+"--\n"
+"\n"
+"Block (GIL released) until every rank has attached, then unlink the\n"
+"segment's name.  RuntimeError after the timeout.");
+
+static PyObject *cf_py_shm_group_wait_attached(PyObject *obj, PyObject *unused)
+{
+    cf_shm_group *g = cf_py_shm_open_group((cf_py_shm_group *)obj);
+    cf_err err;
+    cf_status st;
+    (void)unused;
+    if (g == NULL)
+        return NULL;
+    cf_err_init(&err);
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_shm_group_wait_attached(g, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_shm_raise(&err);
+    Py_RETURN_NONE;
+}
+
+/* Validate and queue one collective; a new ShmWork. */
+static PyObject *cf_py_shm_enqueue(cf_py_shm_group *self, cf_shm_args *a, PyObject *keep)
+{
+    cf_shm_group *g = cf_py_shm_open_group(self);
+    PyTypeObject *wt = (PyTypeObject *)self->work_type;
+    cf_py_shm_work *w;
+    cf_queue_op *op;
+    cf_err err;
+    if (g == NULL)
+        return NULL;
+    cf_err_init(&err);
+    if (cf_shm_check(g, a, &err) != CF_OK)
+        return cf_py_shm_raise(&err);
+    w = (cf_py_shm_work *)wt->tp_alloc(wt, 0);
+    if (w == NULL)
+        return NULL;
+    if (cf_queue_submit(self->q, a, sizeof *a, &op, &err) != CF_OK) {
+        Py_DECREF(w);
+        return cf_py_shm_raise(&err);
+    }
+    Py_INCREF(self);
+    w->group = self;
+    w->op = op;
+    w->keep = Py_NewRef(keep);
+    w->error = NULL;
+    w->op_code = a->op;
+    return (PyObject *)w;
+}
+
+/* Parse (dst_addr, src_addr, numel, dtype_code) into a; 0 or -1. */
+static int cf_py_shm_parse_buffers(PyObject *const *args, cf_shm_args *a)
+{
+    void *dst, *src;
+    int64_t code;
+    if (cf_py_addr(args[0], "dst_addr", &dst) < 0 || cf_py_addr(args[1], "src_addr", &src) < 0 ||
+        cf_py_int64(args[2], "numel", &a->numel) < 0 ||
+        cf_py_int64(args[3], "dtype_code", &code) < 0)
+        return -1;
+    a->dst = dst;
+    a->src = src;
+    a->dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
+    a->root = 0;
+    a->scale = 1.0;
+    return 0;
+}
+
+PyDoc_STRVAR(cf_py_shm_group_all_gather_doc,
+"all_gather($self, dst_addr, src_addr, numel, dtype_code, max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue an all-gather: every rank's numel elements at src into dst\n"
+"(world_size * numel, rank-major).  src may be this rank's block of dst.\n"
+"Returns a ShmWork; `keep` is held until the op is done.  ValueError for\n"
+"bad arguments (nothing queued).");
+
+static PyObject *cf_py_shm_group_all_gather(PyObject *obj, PyObject *const *args,
+                                            Py_ssize_t nargs)
+{
+    cf_shm_args a;
+    if (cf_py_check_nargs("all_gather", nargs, 6) < 0 || cf_py_shm_parse_buffers(args, &a) < 0 ||
+        cf_py_int64(args[4], "max_threads", &a.max_threads) < 0)
+        return NULL;
+    a.op = CF_SHM_ALL_GATHER;
+    return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[5]);
+}
+
+PyDoc_STRVAR(cf_py_shm_group_reduce_scatter_doc,
+"reduce_scatter($self, dst_addr, src_addr, numel, dtype_code, scale, max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue a reduce-scatter: dst (numel) = scale * sum over ranks of block\n"
+"`rank` of src (world_size * numel), summed as shm_reduce in rank order.\n"
+"Returns a ShmWork.");
+
+/* reduce_scatter / all_reduce: (dst, src, numel, dtype, scale, max_threads, keep). */
+static PyObject *cf_py_shm_group_reduction(PyObject *obj, PyObject *const *args,
+                                           Py_ssize_t nargs, int op)
+{
+    cf_shm_args a;
+    if (cf_py_check_nargs(cf_shm_op_name(op), nargs, 7) < 0 ||
+        cf_py_shm_parse_buffers(args, &a) < 0 ||
+        cf_py_int64(args[5], "max_threads", &a.max_threads) < 0)
+        return NULL;
+    a.scale = PyFloat_AsDouble(args[4]);
+    if (a.scale == -1.0 && PyErr_Occurred())
+        return NULL;
+    a.op = op;
+    return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[6]);
+}
+
+static PyObject *cf_py_shm_group_reduce_scatter(PyObject *obj, PyObject *const *args,
+                                                Py_ssize_t nargs)
+{
+    return cf_py_shm_group_reduction(obj, args, nargs, CF_SHM_REDUCE_SCATTER);
+}
+
+PyDoc_STRVAR(cf_py_shm_group_all_reduce_doc,
+"all_reduce($self, dst_addr, src_addr, numel, dtype_code, scale, max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue an all-reduce: dst = scale * sum over ranks of src (numel each),\n"
+"the same bits on every rank; dst may be src (in place).  Returns a ShmWork.");
+
+static PyObject *cf_py_shm_group_all_reduce(PyObject *obj, PyObject *const *args,
+                                            Py_ssize_t nargs)
+{
+    return cf_py_shm_group_reduction(obj, args, nargs, CF_SHM_ALL_REDUCE);
+}
+
+PyDoc_STRVAR(cf_py_shm_group_broadcast_doc,
+"broadcast($self, addr, numel, dtype_code, root, max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue a broadcast of the buffer (numel) from group rank root.  Returns a\n"
+"ShmWork.");
+
+static PyObject *cf_py_shm_group_broadcast(PyObject *obj, PyObject *const *args,
+                                           Py_ssize_t nargs)
+{
+    cf_shm_args a;
+    int64_t code;
+    if (cf_py_check_nargs("broadcast", nargs, 6) < 0 ||
+        cf_py_addr(args[0], "addr", &a.dst) < 0 || cf_py_int64(args[1], "numel", &a.numel) < 0 ||
+        cf_py_int64(args[2], "dtype_code", &code) < 0 || cf_py_int64(args[3], "root", &a.root) < 0 ||
+        cf_py_int64(args[4], "max_threads", &a.max_threads) < 0)
+        return NULL;
+    a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
+    a.src = NULL;
+    a.scale = 1.0;
+    a.op = CF_SHM_BROADCAST;
+    return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[5]);
+}
+
+PyDoc_STRVAR(cf_py_shm_group_drain_doc,
+"drain($self, /)\n"
+"--\n"
+"\n"
+"Block (GIL released) until every op queued so far is done.");
+
+static PyObject *cf_py_shm_group_drain(PyObject *obj, PyObject *unused)
+{
+    cf_py_shm_group *self = (cf_py_shm_group *)obj;
+    (void)unused;
+    if (self->g != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        cf_queue_drain(self->q);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_shm_group_close_doc,
+"close($self, /)\n"
+"--\n"
+"\n"
+"Stop the worker thread and unmap the segment.  Ops not yet started fail\n"
+"with 'closed before the op ran', a running one with 'the group was closed'\n"
+"(and the other ranks' current collective fails naming this rank).  Wait\n"
+"on the handles first for a clean shutdown.  Idempotent; also done when\n"
+"the object is deallocated.");
+
+static PyObject *cf_py_shm_group_close(PyObject *obj, PyObject *unused)
+{
+    (void)unused;
+    cf_py_shm_group_shutdown((cf_py_shm_group *)obj);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cf_py_shm_group_get_closed(PyObject *obj, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(((cf_py_shm_group *)obj)->g == NULL);
+}
+
+static PyObject *cf_py_shm_group_get_rank(PyObject *obj, void *closure)
+{
+    cf_shm_group *g = cf_py_shm_open_group((cf_py_shm_group *)obj);
+    (void)closure;
+    return g ? PyLong_FromLongLong((long long)cf_shm_group_rank(g)) : NULL;
+}
+
+static PyObject *cf_py_shm_group_get_world_size(PyObject *obj, void *closure)
+{
+    cf_shm_group *g = cf_py_shm_open_group((cf_py_shm_group *)obj);
+    (void)closure;
+    return g ? PyLong_FromLongLong((long long)cf_shm_group_world_size(g)) : NULL;
+}
+
+static PyObject *cf_py_shm_group_get_nbytes(PyObject *obj, void *closure)
+{
+    cf_shm_group *g = cf_py_shm_open_group((cf_py_shm_group *)obj);
+    (void)closure;
+    return g ? PyLong_FromSize_t(cf_shm_group_bytes(g)) : NULL;
+}
+
+static PyMethodDef cf_py_shm_group_methods[] = {
+    {"wait_attached", cf_py_shm_group_wait_attached, METH_NOARGS,
+     cf_py_shm_group_wait_attached_doc},
+    {"all_gather", (PyCFunction)(void (*)(void))cf_py_shm_group_all_gather, METH_FASTCALL,
+     cf_py_shm_group_all_gather_doc},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))cf_py_shm_group_reduce_scatter,
+     METH_FASTCALL, cf_py_shm_group_reduce_scatter_doc},
+    {"all_reduce", (PyCFunction)(void (*)(void))cf_py_shm_group_all_reduce, METH_FASTCALL,
+     cf_py_shm_group_all_reduce_doc},
+    {"broadcast", (PyCFunction)(void (*)(void))cf_py_shm_group_broadcast, METH_FASTCALL,
+     cf_py_shm_group_broadcast_doc},
+    {"drain", cf_py_shm_group_drain, METH_NOARGS, cf_py_shm_group_drain_doc},
+    {"close", cf_py_shm_group_close, METH_NOARGS, cf_py_shm_group_close_doc},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef cf_py_shm_group_getset[] = {
+    {"closed", cf_py_shm_group_get_closed, NULL, "True once close() ran.", NULL},
+    {"rank", cf_py_shm_group_get_rank, NULL, "This view's rank in the group.", NULL},
+    {"world_size", cf_py_shm_group_get_world_size, NULL, "Ranks of the group.", NULL},
+    {"nbytes", cf_py_shm_group_get_nbytes, NULL, "Bytes of the mapped segment.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+PyDoc_STRVAR(cf_py_shm_group_doc,
+"ShmGroup(name, create, world_size, rank, slot_bytes, timeout_s, label, global_ranks)\n"
+"--\n"
+"\n"
+"One rank's view of a shared-memory segment and its ordered work queue\n"
+"(one worker thread).  create=True (rank 0) creates the POSIX shm segment\n"
+"`name` (O_EXCL); the others attach to it; then every rank calls\n"
+"wait_attached(), which unlinks the name.  Collectives (all_gather,\n"
+"reduce_scatter, all_reduce, broadcast) are queued and run in order on the\n"
+"worker with no GIL; each returns a ShmWork.  One process may open the\n"
+"same segment as several ranks.  After a failed op the group is poisoned.\n"
+"Every wait is bounded by timeout_s; errors name `label` and the ranks\n"
+"(global_ranks[group rank]).  See csrc/shm.h.");
+
+static PyType_Slot cf_py_shm_group_slots[] = {
+    {Py_tp_new, cf_py_shm_group_new},
+    {Py_tp_dealloc, cf_py_shm_group_dealloc},
+    {Py_tp_methods, cf_py_shm_group_methods},
+    {Py_tp_getset, cf_py_shm_group_getset},
+    {Py_tp_doc, (void *)cf_py_shm_group_doc},
+    {0, NULL}};
+
+static PyType_Spec cf_py_shm_group_spec = {
+    .name = "cfsdp._C.ShmGroup",
+    .basicsize = sizeof(cf_py_shm_group),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = cf_py_shm_group_slots,
+};
+
+/* Drop the op reference and the kept objects once the op is done. */
+static void cf_py_shm_work_release(cf_py_shm_work *self)
+{
+    if (self->op != NULL) {
+        cf_queue_op_release(self->group->q, self->op);
+        self->op = NULL;
+    }
+    Py_CLEAR(self->keep);
+}
+
+PyDoc_STRVAR(cf_py_shm_work_wait_doc,
+"wait($self, /)\n"
+"--\n"
+"\n"
+"Block (GIL released, sleeping, not spinning) until the collective is done.\n"
+"RuntimeError with the op's message if it failed (a timeout naming the\n"
+"ranks that did not arrive, a peer's failure, a poisoned or closed group);\n"
+"raised again by every later wait().  Returns None.");
+
+static PyObject *cf_py_shm_work_wait(PyObject *obj, PyObject *unused)
+{
+    cf_py_shm_work *self = (cf_py_shm_work *)obj;
+    cf_err err;
+    cf_status st = CF_OK;
+    (void)unused;
+    cf_err_init(&err);
+    if (self->op != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        st = cf_queue_wait(self->group->q, self->op, &err);
+        Py_END_ALLOW_THREADS
+        if (st != CF_OK) { /* kept for later waits */
+            self->error = PyUnicode_FromString(err.msg);
+            if (self->error == NULL)
+                return NULL;
+        }
+        cf_py_shm_work_release(self);
+    }
+    if (self->error != NULL) {
+        PyErr_SetObject(PyExc_RuntimeError, self->error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_shm_work_is_completed_doc,
+"is_completed($self, /)\n"
+"--\n"
+"\n"
+"True once the collective has finished (successfully or not); never blocks.");
+
+static PyObject *cf_py_shm_work_is_completed(PyObject *obj, PyObject *unused)
+{
+    cf_py_shm_work *self = (cf_py_shm_work *)obj;
+    (void)unused;
+    return PyBool_FromLong(self->op == NULL || cf_queue_op_done(self->op));
+}
+
+static PyObject *cf_py_shm_work_get_op(PyObject *obj, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(cf_shm_op_name(((cf_py_shm_work *)obj)->op_code));
+}
+
+static void cf_py_shm_work_dealloc(PyObject *obj)
+{
+    cf_py_shm_work *self = (cf_py_shm_work *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (self->op != NULL && !cf_queue_op_done(self->op)) {
+        /* the op still reads/writes the kept tensors: let it finish first */
+        cf_err err;
+        Py_BEGIN_ALLOW_THREADS
+        cf_queue_wait(self->group->q, self->op, &err);
+        Py_END_ALLOW_THREADS
+    }
+    cf_py_shm_work_release(self);
+    Py_XDECREF(self->error);
+    Py_XDECREF(self->group);
+    tp->tp_free(obj);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef cf_py_shm_work_methods[] = {
+    {"wait", cf_py_shm_work_wait, METH_NOARGS, cf_py_shm_work_wait_doc},
+    {"is_completed", cf_py_shm_work_is_completed, METH_NOARGS, cf_py_shm_work_is_completed_doc},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef cf_py_shm_work_getset[] = {
+    {"op", cf_py_shm_work_get_op, NULL, "The collective's name.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+PyDoc_STRVAR(cf_py_shm_work_doc,
+"A collective queued on a ShmGroup (from its all_gather, ... methods).\n"
+"Dropping it before completion blocks until the op is done (it uses the\n"
+"tensors it keeps alive).");
+
+static PyType_Slot cf_py_shm_work_slots[] = {
+    {Py_tp_dealloc, cf_py_shm_work_dealloc},
+    {Py_tp_methods, cf_py_shm_work_methods},
+    {Py_tp_getset, cf_py_shm_work_getset},
+    {Py_tp_doc, (void *)cf_py_shm_work_doc},
+    {0, NULL}};
+
+static PyType_Spec cf_py_shm_work_spec = {
+    .name = "cfsdp._C.ShmWork",
+    .basicsize = sizeof(cf_py_shm_work),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = cf_py_shm_work_slots,
+};
+
+/* Py_mod_exec part: the two types and the constants; 0 or -1. */
+static int cf_py_shm_exec(PyObject *m)
+{
+    PyObject *group_type, *work_type;
+    work_type = PyType_FromModuleAndSpec(m, &cf_py_shm_work_spec, NULL);
+    if (work_type == NULL)
+        return -1;
+    if (PyModule_AddObjectRef(m, "ShmWork", work_type) < 0) {
+        Py_DECREF(work_type);
+        return -1;
+    }
+    Py_DECREF(work_type);
+    group_type = PyType_FromModuleAndSpec(m, &cf_py_shm_group_spec, NULL);
+    if (group_type == NULL)
+        return -1;
+    if (PyModule_AddObjectRef(m, "ShmGroup", group_type) < 0) {
+        Py_DECREF(group_type);
+        return -1;
+    }
+    Py_DECREF(group_type);
+    if (PyModule_AddIntConstant(m, "SHM_OP_ALL_GATHER", CF_SHM_ALL_GATHER) < 0 ||
+        PyModule_AddIntConstant(m, "SHM_OP_REDUCE_SCATTER", CF_SHM_REDUCE_SCATTER) < 0 ||
+        PyModule_AddIntConstant(m, "SHM_OP_ALL_REDUCE", CF_SHM_ALL_REDUCE) < 0 ||
+        PyModule_AddIntConstant(m, "SHM_OP_BROADCAST", CF_SHM_BROADCAST) < 0 ||
+        PyModule_AddIntConstant(m, "SHM_MAX_WORLD", CF_SHM_MAX_WORLD) < 0 ||
+        PyModule_AddIntConstant(m, "SHM_MIN_SLOT_PER_RANK", CF_SHM_MIN_SLOT_PER_RANK) < 0 ||
+#if defined(__linux__) && defined(CF_HAVE_PTHREADS)
+        PyModule_AddIntConstant(m, "SHM_AVAILABLE", 1) < 0
+#else
+        PyModule_AddIntConstant(m, "SHM_AVAILABLE", 0) < 0
+#endif
+    )
+        return -1;
+    return 0;
+}
+
+/* ====================== end of the shared-memory block ==================== */
+
 static PyMethodDef cf_py_methods[] = {
     {"plan_layout", (PyCFunction)(void (*)(void))cf_py_plan_layout, METH_FASTCALL,
      cf_py_plan_layout_doc},
@@ -553,6 +1239,13 @@ static PyMethodDef cf_py_methods[] = {
      cf_py_scale_cast_add_doc},
     {"norm_partial", (PyCFunction)(void (*)(void))cf_py_norm_partial, METH_FASTCALL,
      cf_py_norm_partial_doc},
+    /* shared-memory collectives (the block above cf_py_methods) */
+    {"shm_reduce", (PyCFunction)(void (*)(void))cf_py_shm_reduce, METH_FASTCALL,
+     cf_py_shm_reduce_doc},
+    {"shm_memcpy", (PyCFunction)(void (*)(void))cf_py_shm_memcpy, METH_FASTCALL,
+     cf_py_shm_memcpy_doc},
+    {"shm_segment_bytes", (PyCFunction)(void (*)(void))cf_py_shm_segment_bytes, METH_FASTCALL,
+     cf_py_shm_segment_bytes_doc},
     {NULL, NULL, 0, NULL}};
 
 /* Py_mod_exec: add the dtype codes and the chunk copies' threading constants;
@@ -566,7 +1259,7 @@ static int cf_py_exec(PyObject *m)
         PyModule_AddIntConstant(m, "CHUNK_PARALLEL_BYTES", (long)CF_CHUNK_PARALLEL_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_THREADS", CF_MAX_THREADS) < 0)
         return -1;
-    return 0;
+    return cf_py_shm_exec(m);
 }
 
 static PyModuleDef_Slot cf_py_slots[] = {

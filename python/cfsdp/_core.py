@@ -245,3 +245,37 @@ def norm_partial(t: torch.Tensor, p: float) -> torch.Tensor:
             dtype=torch.float64,
         )
     return _ref.norm_partial(t, p)
+
+
+def shm_reduce(dst: torch.Tensor, srcs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+    """``dst = round(scale * sum(srcs))`` summed in float32 (float64 for float64) in
+    source order, rounded once: the sum kernel of the shared-memory collectives
+    (``cfsdp._runtime.comm``); see the twin ``cfsdp._ref.shm_reduce``."""
+    for s in srcs:
+        if s.dtype != dst.dtype or s.numel() != dst.numel():
+            raise AssertionError(
+                f"shm_reduce: source {s.dtype}[{s.numel()}] != dst {dst.dtype}[{dst.numel()}]"
+            )
+    if srcs and _c_ok(dst, *srcs):
+        _C.shm_reduce(
+            dst.data_ptr(),
+            [s.data_ptr() for s in srcs],
+            dst.numel(),
+            DTYPE_CODES[dst.dtype],
+            float(scale),
+            torch.get_num_threads(),
+        )
+    else:
+        _ref.shm_reduce(dst, srcs, scale)
+
+
+def shm_memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s bytes into ``dst`` (equal byte sizes, no overlap) as the
+    shared-memory collectives copy; see the twin ``cfsdp._ref.shm_memcpy``."""
+    nbytes = dst.numel() * dst.element_size()
+    if src.numel() * src.element_size() != nbytes:
+        raise AssertionError("shm_memcpy: byte sizes differ")
+    if _c_ok(dst, src):
+        _C.shm_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, torch.get_num_threads())
+    else:
+        _ref.shm_memcpy(dst, src)

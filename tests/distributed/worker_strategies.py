@@ -470,23 +470,44 @@ _COLLECTIVES = {"all_gather": "AG", "all_gather_into_tensor": "AG", "all_gather_
 @contextlib.contextmanager
 def record_collectives(events: list):
     """Record (kind, numel) of every all-gather / reduce-scatter issued, by patching
-    torch.distributed (both torch's FSDP1 and cfsdp's comm.py call through it)."""
+    torch.distributed (torch's FSDP1 calls through it) and cfsdp's comm.py (whose
+    shared-memory path does not call torch.distributed; a comm call that falls back to
+    the process group is recorded once)."""
+    from cfsdp._runtime import comm
+
     saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+    saved_comm = {"all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter}
+    inside_comm = [0]
 
     def make(name, orig):
         def fn(*args, **kwargs):
             out = args[0]
-            events.append((_COLLECTIVES[name], sum(t.numel() for t in out) if isinstance(out, list) else out.numel()))
+            if not inside_comm[0]:
+                events.append((_COLLECTIVES[name], sum(t.numel() for t in out) if isinstance(out, list) else out.numel()))
             return orig(*args, **kwargs)
+        return fn
+
+    def make_comm(kind, orig):
+        def fn(*args, **kwargs):
+            events.append((kind, args[0].numel()))
+            inside_comm[0] += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                inside_comm[0] -= 1
         return fn
 
     try:
         for name, orig in saved.items():
             setattr(dist, name, make(name, orig))
+        for name, orig in saved_comm.items():
+            setattr(comm, name, make_comm("AG" if name == "all_gather" else "RS", orig))
         yield
     finally:
         for name, orig in saved.items():
             setattr(dist, name, orig)
+        for name, orig in saved_comm.items():
+            setattr(comm, name, orig)
 
 
 @h.subtest(grid={"backward_prefetch": [BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST, None],

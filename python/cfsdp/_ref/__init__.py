@@ -11,6 +11,7 @@ from .copy import shard_fill
 from .chunk import chunk_pack, chunk_unpack
 from .reduce import scale_cast_add
 from .norm import norm_partial
+from .shm import shm_memcpy, shm_reduce
 
 __all__ = [
     "plan_layout_lists",
@@ -19,4 +20,6 @@ __all__ = [
     "chunk_pack",
     "scale_cast_add",
     "norm_partial",
+    "shm_reduce",
+    "shm_memcpy",
 ]

@@ -1,67 +1,399 @@
 """The collective engine: plain functions over a process group.
 
 Every rank issues a unit's collectives in the same order; each function
-returns a handle to wait on (``None`` when issued synchronously).  Gloo and
-NCCL both execute the collectives of one process group in issue order, so an
-asynchronous all-gather issued for prefetching is complete before a later
-collective's result is used.  This is the one seam where an intra-node C path
-(shared memory) slots in later.
+returns a :class:`Pending` to wait on.  Gloo and NCCL both execute the
+collectives of one process group in issue order, so an asynchronous
+all-gather issued for prefetching is complete before a later collective's
+result is used.
+
+Transports
+----------
+Two transports serve these functions, picked automatically per group and per
+call:
+
+* **shared memory** (``csrc/shm.c`` on the ordered work queue of
+  ``csrc/queue.c``): one POSIX shm segment per group and one C worker thread
+  per group (the CPU analogue of a CUDA stream).  Ops run in issue order on
+  the worker, without the GIL, so they overlap compute; ``Pending.wait()``
+  sleeps (GIL released) until the op is done and raises ``RuntimeError`` with
+  the op's message if it failed.  A wait inside a collective is bounded by the
+  group's timeout (``group``'s gloo timeout, else torch's default); a peer that
+  dies or stalls is an error on every rank naming the group, the op and the
+  rank, and after an error the group is poisoned (every later op on it fails
+  with the first error).
+* **the process group** (gloo), exactly as before, for everything else.
+
+Rule.  A call goes through shared memory when all of these hold, else through
+the process group:
+
+1. the C core is in use (``CFSDP_IMPL=c``) and ``CFSDP_SHM`` is not ``"0"``
+   (set both the same on every rank; torchrun passes one environment);
+2. the group has at least 2 ranks, all on this host: hostname and
+   ``/proc/sys/kernel/random/boot_id`` are exchanged once through the store
+   when the group's first collective is issued (``uses_shm`` does the same);
+3. every tensor of the call is a contiguous CPU tensor of one dtype among
+   float32, float64, bfloat16, float16;
+4. the reduction (``op``) is SUM or AVG (anything else: the process group).
+
+Set-up is lazy and collective-safe (all ranks of a group issue collectives in
+the same order): on the group's first collective, through the default store
+under the prefix ``cfsdp_shm/<group_name>/``, group rank 0 creates a segment
+named ``/cfsdp-<pid>-<random>`` (``O_EXCL``), publishes the name, the others
+attach, every rank checks in and rank 0 unlinks the name: nothing stays in
+``/dev/shm``, even if the job is killed later.  ``CFSDP_SHM_SLOT_BYTES``
+(default 1 MiB, a multiple of 64) sets the bytes per rank and half buffer;
+larger tensors are processed in pieces of that size, double-buffered.
+
+Ordering between the transports on one group: an op that takes the process
+group first drains the group's shared-memory queue, and a shared-memory op
+first waits for the group's last asynchronous process-group op, so the issue
+order holds across both.
+
+Numerics.  Shared-memory sums run over the ranks in rank order in float32
+(float64 for float64; bf16/fp16 widen exactly, so they are *not* rounded per
+addition as gloo's bf16 sums are) and round once; every rank of an all-reduce
+gets the same bits.  ``scale`` (and AVG, which is ``scale = 1/W``) multiplies
+the sum before that single rounding.  On the process group ``scale`` is a
+separate ``mul_`` after the collective.  All-gather and broadcast are byte
+copies, identical on both transports.
+
+Twin.  Under ``CFSDP_IMPL=python`` (the pure-Python twins) every call takes
+the process group: the process group is the shared-memory transport's twin,
+and tests/distributed/test_shm.py compares the two on the same data; the sum
+kernel's own twin is ``cfsdp._ref.shm_reduce``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import atexit
+import os
+import secrets
+import socket
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import _core
+
+SHM_ENV = "CFSDP_SHM"
+SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
+DEFAULT_SLOT_BYTES = 1 << 20
+_SHM_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
+_STORE_PREFIX = "cfsdp_shm"
+
 
 class Pending:
-    """A collective in flight and the tensors it must keep alive."""
+    """A collective in flight and the tensors it must keep alive.
 
-    __slots__ = ("work", "keep")
+    ``work`` is a ``dist.Work`` or a ``cfsdp._C.ShmWork`` (or ``None`` when the
+    collective already ran); ``post`` runs once after it completes (the
+    process group's post-multiply by ``scale``).
+    """
 
-    def __init__(self, work: Optional[dist.Work], *keep: torch.Tensor):
+    __slots__ = ("work", "keep", "post")
+
+    def __init__(self, work: Optional[Any], *keep: torch.Tensor,
+                 post: Optional[Callable[[], None]] = None):
         self.work = work
         self.keep = keep
+        self.post = post
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
-            self.work = None
+            work, self.work = self.work, None
+            work.wait()
+        if self.post is not None:
+            post, self.post = self.post, None
+            post()
         self.keep = ()
+
+    def is_completed(self) -> bool:
+        """True once the collective is done (``wait()`` then returns at once)."""
+        return self.work is None or bool(self.work.is_completed())
+
+
+# --------------------------------------------------------------------------------------
+# shared-memory groups
+# --------------------------------------------------------------------------------------
+
+
+class _GroupState:
+    """What this process knows of one group: its shared-memory view (or None:
+    the group uses the process group) and its last async process-group op."""
+
+    __slots__ = ("shm", "last_pg", "__weakref__")
+
+    def __init__(self, shm: Optional[Any]):
+        self.shm = shm
+        self.last_pg: Optional[Any] = None
+
+
+_states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
+_all_shm: "weakref.WeakSet[_GroupState]" = weakref.WeakSet()
+
+
+def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def group_timeout(group: dist.ProcessGroup) -> float:
+    """The group's timeout in seconds (its gloo backend's, else torch's default)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}|{boot}"
+
+
+def _slot_bytes() -> int:
+    raw = os.environ.get(SHM_SLOT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SLOT_BYTES
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{SHM_SLOT_ENV}={raw!r} is not an integer number of bytes") from None
+    if v <= 0 or v % 64:
+        raise ValueError(f"{SHM_SLOT_ENV}={v} must be a positive multiple of 64")
+    return v
+
+
+def _shm_enabled() -> bool:
+    C = _core._C
+    return (C is not None and bool(getattr(C, "SHM_AVAILABLE", 0))
+            and os.environ.get(SHM_ENV, "1").strip() != "0")
+
+
+def _setup(group: dist.ProcessGroup) -> Optional[Any]:
+    """The group's ShmGroup, or None when it must use the process group (see the
+    module doc).  Collective: every rank of the group calls it at the same point."""
+    if not _shm_enabled():
+        return None
+    world = dist.get_world_size(group)
+    if world < 2 or world > _core._C.SHM_MAX_WORLD:
+        return None
+    rank = dist.get_rank(group)
+    timeout = group_timeout(group)
+    wait_for = timedelta(seconds=timeout)
+    store = dist.PrefixStore(f"{_STORE_PREFIX}/{group.group_name}/",
+                             dist.distributed_c10d._get_default_store())
+    store.set(f"host/{rank}", _host_id())
+    keys = [f"host/{r}" for r in range(world)]
+    store.wait(keys, wait_for)
+    hosts = {store.get(k).decode() for k in keys}
+    if len(hosts) != 1:
+        return None
+    slot = _slot_bytes()
+    ranks = dist.get_process_group_ranks(group)
+    label = f"{group.group_name}"
+    if rank == 0:
+        name = f"/cfsdp-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            shm = _core._C.ShmGroup(name, True, world, 0, slot, timeout, label, ranks)
+        except (RuntimeError, ValueError) as e:
+            store.set("name", "error:" + str(e))
+            raise RuntimeError(
+                f"cfsdp: cannot set up shared memory for group {label!r}: {e} (set "
+                f"{SHM_ENV}=0 to use the process group, or a smaller {SHM_SLOT_ENV})"
+            ) from e
+        store.set("name", name)
+    else:
+        store.wait(["name"], wait_for)
+        name = store.get("name").decode()
+        if name.startswith("error:"):
+            raise RuntimeError(
+                f"cfsdp: group rank 0 could not set up shared memory for group {label!r}: "
+                f"{name[6:]}"
+            )
+        shm = _core._C.ShmGroup(name, False, world, rank, slot, timeout, label, ranks)
+    shm.wait_attached()
+    return shm
+
+
+def _state(group: dist.ProcessGroup) -> _GroupState:
+    st = _states.get(group)
+    if st is None:
+        st = _GroupState(_setup(group))
+        _states[group] = st
+        if st.shm is not None:
+            _all_shm.add(st)
+    return st
+
+
+def uses_shm(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``group``'s eligible collectives go through shared memory.  Sets the
+    group up on the first call, like its first collective: call it on every rank."""
+    st = _state(_resolve(group))
+    return st.shm is not None and not st.shm.closed
+
+
+def release(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Close ``group``'s shared-memory view (worker thread joined, segment unmapped)
+    and forget it; its next collective sets it up again.  Wait on its pending ops
+    first: ops still queued fail.  Call on every rank (e.g. before destroying the
+    process group).  A no-op for a group never set up."""
+    st = _states.pop(_resolve(group), None)
+    if st is not None and st.shm is not None:
+        st.shm.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for st in list(_all_shm):
+        if st.shm is not None:
+            st.shm.close()
+
+
+def _is_sum_or_avg(op) -> Optional[bool]:
+    """True for AVG, False for SUM, None for any other reduction."""
+    if op == dist.ReduceOp.SUM:
+        return False
+    if op == dist.ReduceOp.AVG:
+        return True
+    return None
+
+
+def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor) -> Optional[_GroupState]:
+    """The group's state if this call goes through shared memory, else None (after
+    draining the group's shared-memory queue, so the process-group op comes after
+    every earlier one)."""
+    st = _state(group)
+    shm = st.shm
+    if shm is None or shm.closed:
+        return None
+    dtype = tensors[0].dtype
+    if all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype
+           for t in tensors) and dtype in _SHM_DTYPES:
+        if st.last_pg is not None:
+            st.last_pg.wait()
+            st.last_pg = None
+        return st
+    shm.drain()
+    return None
+
+
+def _pg_issued(group: dist.ProcessGroup, work: Optional[Any]) -> None:
+    st = _states.get(group)
+    if st is not None and st.shm is not None:
+        st.last_pg = work
+
+
+def _shm_done(work: Any, async_op: bool, *keep: torch.Tensor) -> Pending:
+    if async_op:
+        return Pending(work, *keep)
+    work.wait()
+    return Pending(None)
+
+
+def _shm_scale(st: _GroupState, avg: bool, scale: Optional[float]) -> float:
+    """The one factor the shared-memory sum is multiplied by (AVG is 1/W)."""
+    return (1.0 if scale is None else float(scale)) / (st.shm.world_size if avg else 1)
+
+
+def _scaled(work: Optional[Any], out: torch.Tensor, scale: Optional[float], async_op: bool,
+            *keep: torch.Tensor) -> Pending:
+    post = None if scale is None or scale == 1 else (lambda: out.mul_(scale))
+    p = Pending(work, out, *keep, post=post)
+    if not async_op:
+        p.wait()
+    return p
+
+
+# --------------------------------------------------------------------------------------
+# the collectives
+# --------------------------------------------------------------------------------------
 
 
 def all_gather(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Pending:
     """Gather every rank's ``shard`` into ``out`` (``world_size * shard.numel()``)."""
+    group = _resolve(group)
+    st = _shm_for(group, out, shard)
+    if st is not None:
+        w = st.shm.world_size
+        if out.numel() != w * shard.numel():
+            raise ValueError(
+                f"all_gather: output has {out.numel()} elements, expected {w} x "
+                f"{shard.numel()}")
+        work = st.shm.all_gather(out.data_ptr(), shard.data_ptr(), shard.numel(),
+                                 _core.DTYPE_CODES[out.dtype], torch.get_num_threads(),
+                                 (out, shard))
+        return _shm_done(work, async_op, out, shard)
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old
     # name warns); look it up per call so torch>=2.9 works and tools that patch
     # torch.distributed (our collective-order test) see the call.
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = ag(out, shard, group=group, async_op=async_op)
+    _pg_issued(group, work)
     return Pending(work, out, shard)
 
 
 def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
-    op=dist.ReduceOp.SUM,
+    op=dist.ReduceOp.SUM, scale: Optional[float] = None,
 ) -> Pending:
-    """Reduce ``inp`` over ranks (sum, or ``op``) and keep this rank's chunk in ``out``."""
+    """Reduce ``inp`` over ranks (sum, or ``op``) and keep this rank's chunk in ``out``,
+    multiplied by ``scale`` if given (fused into the sum on shared memory)."""
+    group = _resolve(group)
+    avg = _is_sum_or_avg(op)
+    st = _shm_for(group, out, inp) if avg is not None else None
+    if st is not None:
+        w = st.shm.world_size
+        if inp.numel() != w * out.numel():
+            raise ValueError(
+                f"reduce_scatter: input has {inp.numel()} elements, expected {w} x "
+                f"{out.numel()}")
+        work = st.shm.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(),
+                                     _core.DTYPE_CODES[out.dtype], _shm_scale(st, avg, scale),
+                                     torch.get_num_threads(), (out, inp))
+        return _shm_done(work, async_op, out, inp)
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     work = rs(out, inp, op=op, group=group, async_op=async_op)
-    return Pending(work, out, inp)
+    _pg_issued(group, work)
+    return _scaled(work, out, scale, async_op, inp)
 
 
 def all_reduce(
-    t: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op=dist.ReduceOp.SUM
+    t: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op=dist.ReduceOp.SUM,
+    scale: Optional[float] = None,
 ) -> Pending:
-    """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place."""
+    """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place, multiplied
+    by ``scale`` if given (fused into the sum on shared memory)."""
+    group = _resolve(group)
+    avg = _is_sum_or_avg(op)
+    st = _shm_for(group, t) if avg is not None else None
+    if st is not None:
+        work = st.shm.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(),
+                                 _core.DTYPE_CODES[t.dtype], _shm_scale(st, avg, scale),
+                                 torch.get_num_threads(), (t,))
+        return _shm_done(work, async_op, t)
     work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
-    return Pending(work, t)
+    _pg_issued(group, work)
+    return _scaled(work, t, scale, async_op)
 
 
-def broadcast(t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup) -> None:
+def broadcast(
+    t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup, async_op: bool = False
+) -> Pending:
     """Broadcast ``t`` in place from the group's rank ``src_rank_in_group``."""
-    dist.broadcast(t, group=group, group_src=src_rank_in_group)
+    group = _resolve(group)
+    st = _shm_for(group, t)
+    if st is not None:
+        work = st.shm.broadcast(t.data_ptr(), t.numel(), _core.DTYPE_CODES[t.dtype],
+                                int(src_rank_in_group), torch.get_num_threads(), (t,))
+        return _shm_done(work, async_op, t)
+    work = dist.broadcast(t, group=group, group_src=src_rank_in_group, async_op=async_op)
+    _pg_issued(group, work)
+    return Pending(work, t)

@@ -1,0 +1,150 @@
+/*
+ * shm.h -- intra-node collectives over POSIX shared memory (kernel twins:
+ * cfsdp/_ref/shm.py; transport twin: the process group itself, see
+ * cfsdp/_runtime/comm.py).
+ *
+ * A *group* is one rank's view of a segment shared by the `world_size` ranks
+ * of a process group that live on one host.  Rank 0 creates the segment
+ * (cf_shm_group_open with create), the others attach to it by name, every
+ * rank waits until all are attached (cf_shm_group_wait_attached, which also
+ * unlinks the name so nothing is left in /dev/shm), and then every rank runs
+ * the same collectives in the same order (cf_shm_run).  One process may open
+ * the same segment several times as different ranks (each open is its own
+ * mapping and its own cf_shm_group); the unit tests drive a collective that
+ * way, one thread per rank.
+ *
+ * cf_shm_run is blocking and not re-entrant per group: one thread at a time
+ * per cf_shm_group (queue.c runs them on the group's worker thread).
+ */
+#ifndef CF_SHM_H
+#define CF_SHM_H
+
+#include <stdbool.h>
+
+#include "cfsdp.h"
+
+/* Collectives; must match cfsdp._runtime.comm's op codes (_C.SHM_OP_*). */
+typedef enum {
+    CF_SHM_ALL_GATHER = 0,
+    CF_SHM_REDUCE_SCATTER = 1,
+    CF_SHM_ALL_REDUCE = 2,
+    CF_SHM_BROADCAST = 3,
+    CF_SHM_OP_COUNT = 4
+} cf_shm_op;
+
+/* The most ranks one segment serves. */
+#define CF_SHM_MAX_WORLD 256
+/* The smallest data slot half (bytes per rank per buffer) per rank of the group. */
+#define CF_SHM_MIN_SLOT_PER_RANK 128
+
+/* Name of an op code ("all_gather", ...), "?" for an unknown one. */
+const char *cf_shm_op_name(int op);
+
+/*
+ * The reduction kernel: dst[i] = round(scale * (srcs[0][i] + srcs[1][i] + ...
+ * + srcs[nsrc-1][i])), summed left to right in float (double for fp64), the
+ * scale multiplied in that type ((float)scale for float; skipped when scale
+ * == 1), then rounded once to `dtype` (bf16/fp16: round to nearest even, as
+ * torch).  dst may be one of the sources exactly (in place); no other
+ * overlap.  Unchecked: valid dtype, nsrc >= 1, non-NULL addresses when n > 0.
+ * Needs no GIL; single-threaded.
+ */
+void cf_shm_reduce_run(void *dst, const void *const *srcs, int nsrc, size_t n, int dtype,
+                       double scale);
+
+/*
+ * Checked and threaded cf_shm_reduce_run: CF_EINVAL for an unknown dtype,
+ * nsrc outside [1, CF_SHM_MAX_WORLD], numel < 0 or a NULL address with numel
+ * > 0; CF_EOVERFLOW if the byte size does not fit.  Splits the loop over up
+ * to cf_num_threads(max_threads) threads above CF_CHUNK_PARALLEL_BYTES moved.
+ */
+cf_status cf_shm_reduce(void *dst, const void *const *srcs, int64_t nsrc, int64_t numel,
+                        int dtype, double scale, int64_t max_threads, cf_err *err);
+
+/*
+ * memcpy of nbytes (no overlap), split over up to cf_num_threads(max_threads)
+ * threads above CF_CHUNK_PARALLEL_BYTES.  CF_EINVAL for nbytes < 0 or a NULL
+ * address with nbytes > 0.  (Used by the collectives and, through the
+ * module, by the benchmark as this machine's memcpy bandwidth.)
+ */
+cf_status cf_shm_memcpy(void *dst, const void *src, int64_t nbytes, int64_t max_threads,
+                        cf_err *err);
+
+typedef struct cf_shm_group cf_shm_group;
+
+/* Bytes of a segment for `world_size` ranks with data slots of `slot_bytes`
+ * per half buffer (each rank has two halves); 0 if it overflows. */
+size_t cf_shm_segment_bytes(int64_t world_size, int64_t slot_bytes);
+
+/*
+ * Open one rank's view of a segment.  create: shm_open(name, O_CREAT|O_EXCL),
+ * size it and write its header (rank must then be 0); else attach to an
+ * existing segment and check its header (world size and slot size must
+ * match).  `name` is a POSIX shm name ("/cfsdp-..."); `label` names the
+ * group in every error message; `global_ranks` (world_size entries, may be
+ * NULL) names the ranks in messages.  Every wait of this group is bounded by
+ * timeout_s seconds.  Errors: CF_EINVAL for bad arguments or a header that
+ * does not match, CF_ERUNTIME for a failing system call (message with
+ * strerror), CF_ENOMEM.  On success *out is a new group (cf_shm_group_close).
+ * Needs no GIL.
+ */
+cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, int64_t rank,
+                            int64_t slot_bytes, double timeout_s, const char *label,
+                            const int64_t *global_ranks, cf_shm_group **out, cf_err *err);
+
+/*
+ * Wait until every rank has attached (bounded by the timeout), then unlink
+ * the name (the creator; any rank on failure, ENOENT ignored), so the
+ * segment disappears from /dev/shm and lives only in the mappings.
+ * CF_ERUNTIME on a timeout (naming how many ranks attached).  Needs no GIL.
+ */
+cf_status cf_shm_group_wait_attached(cf_shm_group *g, cf_err *err);
+
+/* Make the current and every later wait of this group fail at once with
+ * "group closed" (thread-safe; for shutting down a worker). */
+void cf_shm_group_abort(cf_shm_group *g);
+
+/* Unmap and free (unlinks the name first if still linked).  NULL is a no-op. */
+void cf_shm_group_close(cf_shm_group *g);
+
+int64_t cf_shm_group_rank(const cf_shm_group *g);
+int64_t cf_shm_group_world_size(const cf_shm_group *g);
+size_t cf_shm_group_bytes(const cf_shm_group *g);
+
+/* One collective's arguments (numel semantics per op; see cf_shm_check). */
+typedef struct {
+    int op;              /* cf_shm_op */
+    void *dst;           /* output (broadcast: the buffer, read on root) */
+    const void *src;     /* input (broadcast: unused, NULL) */
+    int64_t numel;       /* AG: per-rank input; RS: per-rank output; AR, BC: buffer */
+    int dtype;           /* cf_dtype */
+    double scale;        /* RS, AR: result multiplier (1.0: plain sum) */
+    int64_t root;        /* BC: source rank in the group */
+    int64_t max_threads; /* thread cap for copies and sums */
+} cf_shm_args;
+
+/*
+ * Validate a collective locally, before it is queued: known op and dtype,
+ * numel >= 0 and its byte sizes fit, non-NULL buffers when numel > 0, root
+ * in range, finite scale, and buffers that do not overlap -- except the
+ * overlaps FSDP uses: all_gather's src may be dst's own rank block exactly,
+ * all_reduce's src may be dst exactly.  CF_EINVAL / CF_EOVERFLOW.
+ */
+cf_status cf_shm_check(const cf_shm_group *g, const cf_shm_args *a, cf_err *err);
+
+/*
+ * Run one collective (validated by cf_shm_check) to completion, in pieces
+ * of at most one slot half, double-buffered.  Every rank must run the same
+ * sequence of collectives; a rank that sees a different op, dtype, numel or
+ * root fails with CF_ERUNTIME naming the rank.  A wait longer than the
+ * timeout fails with CF_ERUNTIME naming the op and the ranks that did not
+ * arrive; any failure is published in the segment, so every other rank's
+ * current or next wait fails at once naming this rank and its message.
+ * Needs no GIL; one thread at a time per group.
+ */
+cf_status cf_shm_run(cf_shm_group *g, const cf_shm_args *a, cf_err *err);
+
+/* cf_shm_run as a cf_queue_fn: ctx is the group, data a cf_shm_args. */
+cf_status cf_shm_run_queued(void *ctx, const void *data, cf_err *err);
+
+#endif /* CF_SHM_H */

@@ -1,0 +1,321 @@
+"""cfsdp's shared-memory collectives (comm.py over csrc/shm.c) against gloo, on one host.
+
+Run by tests/distributed/test_shm.py at W = 2, 3 and 4, with ``CFSDP_SHM_SLOT_BYTES`` small
+(4096) so that most sizes below run in many pieces through both halves of the double
+buffer (``big_default_slot`` sets the default slot back and moves 1.2 M elements).  Every rank
+draws its data from a generator seeded by (subtest seed, rank), so every rank can rebuild
+every other rank's input.  Each collective goes once through ``cfsdp._runtime.comm`` (shared
+memory when ``CFSDP_IMPL=c``; checked with ``comm.uses_shm``) and once straight through gloo
+on the same group and data.  Comparisons:
+
+* all-gather and broadcast: **bitwise** against gloo;
+* reduce-scatter and all-reduce: **bitwise** against the sum kernel's twin
+  ``cfsdp._ref.shm_reduce`` over the ranks' inputs in rank order (sum in float32, float64
+  for float64, times the scale, one rounding), and against gloo **within**
+  ``|shm - gloo| <= (W + 1) * u * scale * sum_r |x_r| + tiny`` elementwise, u the unit
+  roundoff of the dtype (2^-24 fp32, 2^-53 fp64, 2^-9 bf16, 2^-11 fp16): gloo adds in the
+  tensor's dtype in its own order (W - 1 roundings, each <= u times the partial sum), the
+  shared-memory path rounds once (plus W - 1 float32 roundings far below u for bf16/fp16),
+  and AVG/scale add one more rounding.  For bf16/fp16 the bound is doubled: gloo's
+  half-precision sums were observed up to 2 ulps from the exact result at W = 3 where this
+  first-order round-to-nearest bound allows about 1.6 (its bf16 path does not round each
+  step to nearest from the exact partial sum).  At W = 2 the sum is one addition, commutative, so
+  float32/float64 SUM results are bitwise equal to gloo's too (checked).
+
+Under ``CFSDP_IMPL=python`` (or ``CFSDP_SHM=0``) comm takes the process group: the same
+comparisons then check that path, and ``uses_shm`` must be False.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+import _harness as h
+import cfsdp
+from cfsdp._ref import shm_reduce as ref_reduce
+from cfsdp._runtime import comm
+
+EXPECT_SHM = cfsdp.backend == "c" and os.environ.get("CFSDP_SHM", "1").strip() != "0"
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-9,
+                 torch.float16: 2.0**-11}
+SIZES = [1, 7, 1001, 9973]  # 9973 x 8 B spans many 4 KiB slot halves
+SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+def data(seed: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dtype)
+
+
+def all_data(seed: int, world: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [data(seed, r, n, dtype) for r in range(world)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    a, b = a.contiguous(), b.contiguous()
+    if a.dtype != b.dtype or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+        bad = (a != b).nonzero()
+        raise AssertionError(f"{what}: not bitwise equal ({bad.numel()} differ, first at "
+                             f"{bad[:1].tolist()})")
+
+
+def close_to_gloo(got: torch.Tensor, gloo: torch.Tensor, inputs: list[torch.Tensor],
+                  scale: float, what: str) -> None:
+    w = len(inputs)
+    mag = sum(x.double().abs() for x in inputs) * abs(scale)
+    half = got.dtype in (torch.bfloat16, torch.float16)
+    tol = (2 if half else 1) * (w + 1) * UNIT_ROUNDOFF[got.dtype] * mag + 1e-300
+    err = (got.double() - gloo.double()).abs()
+    if not bool((err <= tol).all()):
+        i = int((err - tol).argmax())
+        raise AssertionError(f"{what}: |shm - gloo| = {err[i].item():.3g} > tol "
+                             f"{tol[i].item():.3g} at {i} (shm {got[i].item()}, gloo "
+                             f"{gloo[i].item()})")
+
+
+def expect_shm(group) -> None:
+    assert comm.uses_shm(group) == EXPECT_SHM, (comm.uses_shm(group), EXPECT_SHM)
+
+
+def check_all_ops(ctx, group, dtype, sizes, seed0=0) -> None:
+    """Every op on `group` through comm (async, waited at once) against gloo."""
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    for i, n in enumerate(sizes):
+        seed = seed0 + 10 * i
+        # all-gather, input separate and as this rank's block of the output
+        shard = data(seed, r, n, dtype)
+        out, ref = torch.empty(W * n, dtype=dtype), torch.empty(W * n, dtype=dtype)
+        comm.all_gather(out, shard, group, async_op=True).wait()
+        dist.all_gather_into_tensor(ref, shard, group=group)
+        same_bits(out, ref, f"all_gather {dtype} n={n}")
+        out2 = torch.empty(W * n, dtype=dtype)
+        out2[r * n:(r + 1) * n] = shard
+        comm.all_gather(out2, out2[r * n:(r + 1) * n], group, async_op=False)
+        same_bits(out2, ref, f"all_gather in place {dtype} n={n}")
+        # reduce-scatter: SUM, AVG, SUM with a fused scale
+        full = all_data(seed + 1, W, W * n, dtype)
+        chunks = [x[r * n:(r + 1) * n] for x in full]
+        for op, scale in ((SUM, None), (AVG, None), (SUM, 0.125)):
+            eff = (1.0 if scale is None else scale) / (W if op == AVG else 1)
+            out = torch.empty(n, dtype=dtype)
+            comm.reduce_scatter(out, full[r], group, True, op=op, scale=scale).wait()
+            ref = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(ref, full[r].clone(), op=op, group=group)
+            if scale is not None:
+                ref.mul_(scale)
+            what = f"reduce_scatter {dtype} n={n} op={op} scale={scale}"
+            close_to_gloo(out, ref, chunks, eff, what)
+            if EXPECT_SHM:
+                want = torch.empty(n, dtype=dtype)
+                ref_reduce(want, chunks, eff)
+                same_bits(out, want, what + " vs twin")
+                if W == 2 and op == SUM and scale is None and dtype in (torch.float32,
+                                                                         torch.float64):
+                    same_bits(out, ref, what + " vs gloo")
+        # all-reduce (in place), SUM and AVG
+        ins = all_data(seed + 2, W, n, dtype)
+        for op in (SUM, AVG):
+            eff = 1.0 / W if op == AVG else 1.0
+            t, ref = ins[r].clone(), ins[r].clone()
+            comm.all_reduce(t, group, True, op=op).wait()
+            dist.all_reduce(ref, op=op, group=group)
+            what = f"all_reduce {dtype} n={n} op={op}"
+            close_to_gloo(t, ref, ins, eff, what)
+            if EXPECT_SHM:
+                want = torch.empty(n, dtype=dtype)
+                ref_reduce(want, ins, eff)
+                same_bits(t, want, what + " vs twin")
+        # broadcast from every root
+        for root in range(W):
+            t = data(seed + 3, r, n, dtype)
+            ref = t.clone()
+            comm.broadcast(t, root, group, async_op=True).wait()
+            dist.broadcast(ref, group=group, group_src=root)
+            same_bits(t, ref, f"broadcast {dtype} n={n} root={root}")
+
+
+@h.subtest(grid={"dtype": DTYPES})
+def ops_vs_gloo(ctx, dtype):
+    expect_shm(ctx.pg)
+    check_all_ops(ctx, ctx.pg, dtype, SIZES)
+    comm.release(ctx.pg)
+
+
+def big_default_slot(ctx):
+    """1.2 M fp32 elements (4.8 MB) and 0.7 M bf16 ones (1.4 MB) with the default slot
+    halves (comm.DEFAULT_SLOT_BYTES, 1 MiB): several pieces for every op."""
+    saved = os.environ.pop(comm.SHM_SLOT_ENV, None)
+    try:
+        expect_shm(ctx.pg)
+        for dtype, n in ((torch.float32, 1_200_007), (torch.bfloat16, 700_001)):
+            check_all_ops(ctx, ctx.pg, dtype, [n], seed0=7)
+    finally:
+        if saved is not None:
+            os.environ[comm.SHM_SLOT_ENV] = saved
+        comm.release(ctx.pg)
+
+
+h.subtest(big_default_slot)
+
+
+@h.subtest
+def async_out_of_order(ctx):
+    """Several async ops of every kind issued before any wait, waited newest first; the
+    results are those of running them in issue order (an all-gather issued after an
+    all-reduce of the same buffer sees the reduced values)."""
+    expect_shm(ctx.pg)
+    W, r, n = ctx.world_size, ctx.rank, 2001
+    ins = [all_data(100 + k, W, n, torch.float32) for k in range(4)]
+    bufs = [x[r].clone() for x in ins]
+    pend = [comm.all_reduce(b, ctx.pg, True) for b in bufs]
+    gathered = torch.empty(W * n)
+    pend.append(comm.all_gather(gathered, bufs[3], ctx.pg, True))
+    rs_in = data(200, r, W * n, torch.bfloat16)
+    rs_out = torch.empty(n, dtype=torch.bfloat16)
+    pend.append(comm.reduce_scatter(rs_out, rs_in, ctx.pg, True, op=AVG))
+    bc = data(300, r, n, torch.float16)
+    pend.append(comm.broadcast(bc, W - 1, ctx.pg, async_op=True))
+    for p in reversed(pend):
+        p.wait()
+        assert p.is_completed()
+    for k, b in enumerate(bufs):
+        ref = ins[k][r].clone()
+        dist.all_reduce(ref, group=ctx.pg)
+        close_to_gloo(b, ref, ins[k], 1.0, f"all_reduce {k}")
+    ref = torch.empty(W * n)
+    dist.all_gather_into_tensor(ref, bufs[3], group=ctx.pg)
+    same_bits(gathered, ref, "all_gather after all_reduce")
+    ref = torch.empty(n, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(ref, rs_in.clone(), op=AVG, group=ctx.pg)
+    close_to_gloo(rs_out, ref, [data(200, q, W * n, torch.bfloat16)[r * n:(r + 1) * n]
+                                for q in range(W)], 1.0 / W, "reduce_scatter")
+    same_bits(bc, data(300, W - 1, n, torch.float16), "broadcast")
+    comm.release(ctx.pg)
+
+
+@h.subtest
+def overlaps_compute(ctx):
+    """A large async all-gather runs on the group's worker while this thread computes
+    (the GIL is released); the result is right when waited."""
+    expect_shm(ctx.pg)
+    W, r, n = ctx.world_size, ctx.rank, 1 << 20
+    shard = data(400, r, n, torch.float32)
+    out = torch.empty(W * n)
+    p = comm.all_gather(out, shard, ctx.pg, True)
+    x = torch.randn(256, 256)
+    for _ in range(20):
+        x = torch.tanh(x @ x.T / 256)
+    counter = [0]
+
+    def spin():  # a Python thread can run while the op is in flight
+        counter[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    t.join()
+    p.wait()
+    assert counter[0] == 1
+    same_bits(out, torch.cat(all_data(400, W, n, torch.float32)), "all_gather")
+    comm.release(ctx.pg)
+
+
+@h.subtest
+def subgroups(ctx):
+    """HSDP-style groups from dist.new_group: at W = 4 a 2 x 2 mesh (shard groups {0,1},
+    {2,3}, replicate groups {0,2}, {1,3}); at W = 2 two 1-rank groups (process group path);
+    at W = 3 {0,1} and {2}.  Each group gets its own segment through its group_name prefix
+    in the store; every op is checked against gloo on that group.  Ranks interleave the
+    two groups' ops as HSDP does (reduce-scatter in the shard group, all-reduce in the
+    replicate group)."""
+    W, r = ctx.world_size, ctx.rank
+    timeout = comm.group_timeout(ctx.pg)
+    from datetime import timedelta
+    if W % 2 == 0:
+        half = W // 2
+        shard_sets = [list(range(k * 2, k * 2 + 2)) for k in range(half)]
+        repl_sets = [list(range(k, W, 2)) for k in range(2)]
+    else:
+        shard_sets, repl_sets = [list(range(W - 1)), [W - 1]], [[q] for q in range(W)]
+    mine = {}
+    for name, sets in (("shard", shard_sets), ("replicate", repl_sets)):
+        for ranks in sets:
+            g = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+            if r in ranks:
+                mine[name] = (g, ranks)
+    for name, (g, ranks) in mine.items():
+        assert comm.uses_shm(g) == (EXPECT_SHM and len(ranks) >= 2), (name, ranks)
+    for name, (g, ranks) in mine.items():
+        if len(ranks) >= 2:
+            check_all_ops(ctx, g, torch.float32, [1, 1001, 5003], seed0=500)
+            check_all_ops(ctx, g, torch.bfloat16, [999], seed0=600)
+    # interleaved, async, across both groups
+    sg, sranks = mine["shard"]
+    rg, rranks = mine["replicate"]
+    n = 3001
+    inp = data(700, r, len(sranks) * n, torch.float32)
+    out = torch.empty(n)
+    p1 = comm.reduce_scatter(out, inp, sg, True, op=AVG)
+    p1.wait()
+    p2 = comm.all_reduce(out, rg, True, op=AVG)
+    p2.wait()
+    ref = torch.empty(n)
+    dist.reduce_scatter_tensor(ref, inp.clone(), op=AVG, group=sg)
+    dist.all_reduce(ref, op=AVG, group=rg)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), (out - ref).abs().max()
+    for g, _ in mine.values():
+        comm.release(g)
+    comm.release(ctx.pg)
+
+
+@h.subtest
+def fallback_and_ordering(ctx):
+    """Ineligible calls take the process group with the same results: int64, strided,
+    MAX; an ineligible op issued after async shared-memory ops on the same buffer sees
+    their results (the queue is drained first), and a shared-memory op issued after an
+    async process-group op sees its result."""
+    expect_shm(ctx.pg)
+    W, r, n = ctx.world_size, ctx.rank, 513
+    ints = torch.arange(n, dtype=torch.int64) * (r + 1)
+    comm.all_reduce(ints, ctx.pg, False)
+    assert torch.equal(ints, torch.arange(n, dtype=torch.int64) * (W * (W + 1) // 2))
+    strided = data(800, r, 2 * n, torch.float32)[::2]
+    ref = data(800, r, 2 * n, torch.float32)[::2]
+    comm.all_reduce(strided, ctx.pg, False)
+    dist.all_reduce(ref, group=ctx.pg)  # the same process-group call on the same strided view
+    same_bits(strided, ref, "strided all_reduce")
+    t = torch.full((n,), float(r + 1))
+    p1 = comm.all_reduce(t, ctx.pg, True)  # shared memory: t = W(W+1)/2
+    p2 = comm.all_reduce(t, ctx.pg, True, op=dist.ReduceOp.MAX)  # process group, after p1
+    p3 = comm.all_reduce(t, ctx.pg, True, scale=0.5)  # shared memory, after p2
+    for p in (p3, p2, p1):
+        p.wait()
+    assert torch.equal(t, torch.full((n,), W * (W + 1) / 2 * W * 0.5)), t[:3]
+    # the process group's scale is a post-multiply
+    small = torch.ones(n, dtype=torch.int64)
+    comm.all_reduce(small, ctx.pg, False, scale=3)
+    assert torch.equal(small, torch.full((n,), 3 * W, dtype=torch.int64))
+    # default group (None) works too
+    d = torch.full((5,), float(r))
+    comm.all_reduce(d, None, False)
+    assert torch.equal(d, torch.full((5,), float(sum(range(W)))))
+    comm.release(ctx.pg)
+
+
+@h.subtest
+def dev_shm_is_clean(ctx):
+    """After set-up nothing of cfsdp is left in /dev/shm (the name is unlinked at once)."""
+    expect_shm(ctx.pg)
+    t = torch.ones(3)
+    comm.all_reduce(t, ctx.pg, False)
+    left = [e for e in os.listdir("/dev/shm") if e.startswith(f"cfsdp-{os.getpid()}-")]
+    assert left == [], left
+    comm.release(ctx.pg)
+
+
+if __name__ == "__main__":
+    h.main()

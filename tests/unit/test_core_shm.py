@@ -1,0 +1,432 @@
+"""cfsdp._C's shared-memory collectives (csrc/shm.c on csrc/queue.c), in one process.
+
+The C API lets one process map a segment several times, as different ranks, each view
+with its own worker thread; so these tests run every collective at world sizes 2, 3 and
+4 inside the unit suite (and under ASan/UBSan in ``make sanitize``) and compare it with
+torch: all-gather and broadcast byte for byte, reduce-scatter and all-reduce bit for bit
+with the sum kernel's twin ``cfsdp._ref.shm_reduce`` over the ranks in rank order (the
+kernel itself is checked against the twin with hypothesis here too).  Small slots make
+every size above a few dozen elements run in several pieces, through both halves of the
+double buffer.  Failure paths: a stalled rank (timeout naming it on the waiting ranks,
+then the shared failure flag failing the others at once), a poisoned group, ranks that
+disagree about the collective, a closed group, bad arguments.
+
+The distributed twin (the process group) is compared in tests/distributed/test_shm.py.
+"""
+
+import itertools
+import os
+import secrets
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import cfsdp._C as C
+from cfsdp import _core
+from cfsdp._ref import shm_memcpy as ref_memcpy, shm_reduce as ref_reduce
+from _floats import assert_same, random_tensor
+
+pytestmark = pytest.mark.skipif(not C.SHM_AVAILABLE, reason="no POSIX shm in this build")
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+CODE = _core.DTYPE_CODES
+SCALES = [1.0, 0.5, 0.25, 1 / 3, 7.3, -2.0]
+
+
+def shm_entries():
+    return sorted(e for e in os.listdir("/dev/shm") if "cfsdp" in e)
+
+
+class Groups:
+    """`world` views of one fresh segment (rank 0 creates it), all attached."""
+
+    def __init__(self, world, slot_per_rank=256, timeout=20.0, attach=None):
+        self.name = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+        self.world = world
+        slot = slot_per_rank * world
+        attach = range(world) if attach is None else attach
+        self.views = [C.ShmGroup(self.name, r == 0, world, r, slot, timeout, "unit",
+                                 [10 + q for q in range(world)]) for r in attach]
+
+    def wait_attached(self):
+        for g in self.views:
+            g.wait_attached()
+
+    def close(self):
+        for g in self.views:
+            g.close()
+
+
+@pytest.fixture
+def groups():
+    made = []
+
+    def make(*args, **kwargs):
+        g = Groups(*args, **kwargs)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+    assert shm_entries() == []
+
+
+# ----------------------------------------------------------------------------------------
+# the sum kernel against its twin
+# ----------------------------------------------------------------------------------------
+
+
+@given(dtype=st.sampled_from(DTYPES), k=st.integers(1, 5), numel=st.integers(0, 1500),
+       scale=st.sampled_from(SCALES), inplace=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_reduce_matches_twin(dtype, k, numel, scale, inplace, seed):
+    gen = torch.Generator().manual_seed(seed)
+    srcs = [random_tensor(numel, dtype, gen) for _ in range(k)]
+    want = torch.empty(numel, dtype=dtype)
+    ref_reduce(want, srcs, scale)
+    got = srcs[0].clone() if inplace else random_tensor(numel, dtype, gen)
+    C.shm_reduce(got.data_ptr(), [got.data_ptr()] + [s.data_ptr() for s in srcs[1:]]
+                 if inplace else [s.data_ptr() for s in srcs], numel, CODE[dtype],
+                 scale, 1)
+    assert_same(got, want, f"C vs twin ({dtype}, k={k}, scale={scale})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_is_one_rounding_of_a_wide_sum(dtype):
+    """The oracle in torch terms: float32 (float64) sum in order, times scale, cast once."""
+    gen = torch.Generator().manual_seed(3)
+    srcs = [(torch.randn(999, generator=gen, dtype=torch.float64) * 100).to(dtype)
+            for _ in range(3)]
+    acc_t = torch.float64 if dtype == torch.float64 else torch.float32
+    want = ((srcs[0].to(acc_t) + srcs[1].to(acc_t) + srcs[2].to(acc_t)) * 0.3).to(dtype)
+    got = torch.empty(999, dtype=dtype)
+    _core.shm_reduce(got, srcs, 0.3)
+    assert_same(got, want)
+
+
+def test_reduce_and_memcpy_threaded_paths():
+    n = (C.CHUNK_PARALLEL_BYTES // 4) + 4097  # above the threading threshold
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        srcs = [random_tensor(n, dtype, gen) for _ in range(3)]
+        want = torch.empty(n, dtype=dtype)
+        ref_reduce(want, srcs, 0.5)
+        for threads in (1, 2, C.MAX_THREADS):
+            got = torch.empty(n, dtype=dtype)
+            C.shm_reduce(got.data_ptr(), [s.data_ptr() for s in srcs], n, CODE[dtype], 0.5,
+                         threads)
+            assert_same(got, want, f"{threads} threads")
+    src = torch.randint(0, 255, (3 * C.CHUNK_PARALLEL_BYTES + 5,), dtype=torch.uint8)
+    for threads in (1, 3):
+        dst = torch.zeros_like(src)
+        C.shm_memcpy(dst.data_ptr(), src.data_ptr(), src.numel(), threads)
+        assert torch.equal(dst, src)
+    dst, want = torch.zeros(77), torch.zeros(77)
+    src = torch.randn(77)
+    _core.shm_memcpy(dst, src)
+    ref_memcpy(want, src)
+    assert torch.equal(dst, want) and torch.equal(dst, src)
+
+
+def test_kernel_errors():
+    x = torch.zeros(4)
+    with pytest.raises(ValueError, match="dtype code"):
+        C.shm_reduce(x.data_ptr(), [x.data_ptr()], 4, 9, 1.0, 1)
+    with pytest.raises(ValueError, match="number of sources"):
+        C.shm_reduce(x.data_ptr(), [], 4, 0, 1.0, 1)
+    with pytest.raises(ValueError, match="NULL"):
+        C.shm_reduce(x.data_ptr(), [x.data_ptr(), 0], 4, 0, 1.0, 1)
+    with pytest.raises(ValueError, match="numel"):
+        C.shm_reduce(x.data_ptr(), [x.data_ptr()], -1, 0, 1.0, 1)
+    with pytest.raises(ValueError, match="nbytes"):
+        C.shm_memcpy(x.data_ptr(), x.data_ptr(), -1, 1)
+    with pytest.raises(ValueError, match="NULL"):
+        C.shm_memcpy(0, x.data_ptr(), 4, 1)
+    C.shm_reduce(0, [0], 0, 0, 1.0, 1)  # empty: nothing touched
+    C.shm_memcpy(0, 0, 0, 1)
+
+
+# ----------------------------------------------------------------------------------------
+# the collectives, W views of one segment in this process
+# ----------------------------------------------------------------------------------------
+
+SIZES = [0, 1, 13, 67, 1001]  # 1001 spans many pieces at every dtype with 256 B per rank
+
+
+def run_all(works):
+    for w in works:
+        w.wait()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_match_torch(groups, world):
+    gs = groups(world)
+    gs.wait_attached()
+    assert shm_entries() == []  # unlinked as soon as everyone attached
+    gen = torch.Generator().manual_seed(world)
+    views = gs.views
+    for dtype, n in itertools.product(DTYPES, SIZES):
+        code = CODE[dtype]
+        # all_gather: separate input, and input = own block of the output (FSDP's way)
+        ins = [random_tensor(n, dtype, gen) for _ in range(world)]
+        outs = [random_tensor(world * n, dtype, gen) for _ in range(world)]
+        run_all([g.all_gather(o.data_ptr(), i.data_ptr(), n, code, 1, (o, i))
+                 for g, o, i in zip(views, outs, ins)])
+        want = torch.cat(ins)
+        for o in outs:
+            assert torch.equal(o.view(torch.uint8), want.view(torch.uint8)), (dtype, n)
+        outs = [random_tensor(world * n, dtype, gen) for _ in range(world)]
+        for r, o in enumerate(outs):
+            o[r * n:(r + 1) * n] = ins[r]
+        run_all([g.all_gather(o.data_ptr(), o[r * n:].data_ptr(), n, code, 1, (o,))
+                 for r, (g, o) in enumerate(zip(views, outs))])
+        for o in outs:
+            assert torch.equal(o.view(torch.uint8), want.view(torch.uint8)), (dtype, n)
+        # reduce_scatter with a fused scale
+        for scale in (1.0, 1 / world):
+            ins = [random_tensor(world * n, dtype, gen) for _ in range(world)]
+            outs = [random_tensor(n, dtype, gen) for _ in range(world)]
+            run_all([g.reduce_scatter(o.data_ptr(), i.data_ptr(), n, code, scale, 1, (o, i))
+                     for g, o, i in zip(views, outs, ins)])
+            for r, o in enumerate(outs):
+                want = torch.empty(n, dtype=dtype)
+                ref_reduce(want, [i[r * n:(r + 1) * n] for i in ins], scale)
+                assert_same(o, want, f"reduce_scatter {dtype} n={n} rank {r}")
+        # all_reduce: in place and out of place; every rank gets the same bits
+        for inplace in (True, False):
+            ins = [random_tensor(n, dtype, gen) for _ in range(world)]
+            want = torch.empty(n, dtype=dtype)
+            ref_reduce(want, ins, 0.5)
+            outs = [i.clone() for i in ins] if inplace else [torch.empty(n, dtype=dtype)
+                                                             for _ in range(world)]
+            srcs = outs if inplace else ins
+            run_all([g.all_reduce(o.data_ptr(), s.data_ptr(), n, code, 0.5, 1, (o, s))
+                     for g, o, s in zip(views, outs, srcs)])
+            for o in outs:
+                assert_same(o, want, f"all_reduce {dtype} n={n} inplace={inplace}")
+        # broadcast from every root
+        for root in range(world):
+            bufs = [random_tensor(n, dtype, gen) for _ in range(world)]
+            want = bufs[root].clone()
+            run_all([g.broadcast(b.data_ptr(), n, code, root, 1, (b,))
+                     for g, b in zip(views, bufs)])
+            for b in bufs:
+                assert torch.equal(b.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_async_ops_overlap_and_wait_out_of_order(groups):
+    """Many ops queued before any wait; waited newest first; results as if run in order."""
+    world, n = 3, 517
+    gs = groups(world)
+    gs.wait_attached()
+    gen = torch.Generator().manual_seed(9)
+    bufs = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(6)]
+    works = []
+    for k in range(6):  # all_reduce op k on buffers k, then an all_gather of buffers k
+        works.append([g.all_reduce(b.data_ptr(), b.data_ptr(), n, 0, 1.0, 1, (b,))
+                      for g, b in zip(gs.views, bufs[k])])
+    outs = [torch.empty(world * n) for _ in range(world)]
+    # gathers the already reduced buffers 5, because ops run in issue order
+    works.append([g.all_gather(o.data_ptr(), bufs[5][r].data_ptr(), n, 0, 1, (o,))
+                  for r, (g, o) in enumerate(zip(gs.views, outs))])
+    for ws in reversed(works):
+        for w in reversed(ws):
+            w.wait()
+            assert w.is_completed()
+    for o in outs:
+        assert torch.equal(o, torch.cat(bufs[5]))
+    assert all(torch.equal(b, bufs[0][0]) for b in bufs[0])
+
+
+def test_ranks_driven_from_python_threads(groups):
+    """Each rank issues and waits its ops from its own Python thread (GIL released)."""
+    world, n, rounds = 4, 333, 20
+    gs = groups(world)
+    gs.wait_attached()
+    results, errors = [None] * world, []
+
+    def rank_main(r):
+        try:
+            t = torch.full((n,), float(r + 1))
+            for _ in range(rounds):
+                gs.views[r].all_reduce(t.data_ptr(), t.data_ptr(), n, 0, 1.0 / world, 1,
+                                       (t,)).wait()
+            results[r] = t
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    want = torch.full((n,), 2.5)  # the mean of 1..4 is a fixed point of the average
+    for t in results:
+        assert torch.equal(t, want)
+
+
+def test_stalled_rank_times_out_everywhere_and_poisons(groups):
+    """Rank 2 never issues: ranks 0 and 1 fail, the first by its deadline naming rank 2,
+    the other at once through the shared flag; rank 2's late op fails at once naming the
+    failure; later ops fail fast with the first error."""
+    world, timeout = 3, 0.5
+    gs = groups(world, timeout=timeout)
+    gs.wait_attached()
+    bufs = [torch.zeros(8) for _ in range(world)]
+    t0 = time.monotonic()
+    works = [g.all_reduce(b.data_ptr(), b.data_ptr(), 8, 0, 1.0, 1, (b,))
+             for g, b in zip(gs.views[:2], bufs)]
+    msgs = []
+    for w in works:
+        with pytest.raises(RuntimeError) as e:
+            w.wait()
+        msgs.append(str(e.value))
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout + 5, elapsed
+    assert any("timed out after 0.5 s" in m and "rank(s) 2 (global 12) did not arrive" in m
+               and "all_reduce #1" in m and "'unit'" in m for m in msgs), msgs
+    assert all("rank(s) 2 (global 12)" in m for m in msgs), msgs
+    late = gs.views[2].all_reduce(bufs[2].data_ptr(), bufs[2].data_ptr(), 8, 0, 1.0, 1, None)
+    with pytest.raises(RuntimeError, match=r"aborted because rank \d \(global rank 1\d\) failed"):
+        late.wait()
+    with pytest.raises(RuntimeError, match="aborted because"):  # raised again
+        late.wait()
+    again = gs.views[0].all_gather(bufs[0].data_ptr(), bufs[0].data_ptr(), 0, 0, 1, None)
+    with pytest.raises(RuntimeError, match="poisoned by an earlier failure: .*did not arrive"):
+        again.wait()
+
+
+def test_failure_flag_beats_long_timeouts(groups):
+    """One rank with a short timeout fails; a rank with a long one fails right after."""
+    name = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+    world = 3
+    v0 = C.ShmGroup(name, True, world, 0, 256 * world, 0.3, "flag", [0, 1, 2])
+    v1 = C.ShmGroup(name, False, world, 1, 256 * world, 60.0, "flag", [0, 1, 2])
+    v2 = C.ShmGroup(name, False, world, 2, 256 * world, 60.0, "flag", [0, 1, 2])
+    try:
+        for v in (v0, v1, v2):
+            v.wait_attached()
+        x = torch.zeros(4)
+        t0 = time.monotonic()
+        w1 = v1.broadcast(x.data_ptr(), 4, 0, 2, 1, (x,))
+        w0 = v0.broadcast(x.data_ptr(), 4, 0, 2, 1, (x,))
+        with pytest.raises(RuntimeError, match="timed out after 0.3 s"):
+            w0.wait()
+        with pytest.raises(RuntimeError, match=r"aborted because rank 0 \(global rank 0\)"):
+            w1.wait()
+        assert time.monotonic() - t0 < 10
+    finally:
+        for v in (v0, v1, v2):
+            v.close()
+
+
+def test_ranks_that_disagree_fail_with_a_message(groups):
+    gs = groups(2)
+    gs.wait_attached()
+    a, b = torch.zeros(6), torch.zeros(8)
+    w0 = gs.views[0].all_reduce(a.data_ptr(), a.data_ptr(), 6, 0, 1.0, 1, (a,))
+    w1 = gs.views[1].all_reduce(b.data_ptr(), b.data_ptr(), 8, 0, 1.0, 1, (b,))
+    for w in (w0, w1):
+        with pytest.raises(RuntimeError, match="collectives differ between ranks"):
+            w.wait()
+
+
+def test_attach_timeout_unlinks(groups):
+    """A rank that never attaches: set-up times out naming the count, and the name is
+    gone from /dev/shm."""
+    gs = groups(3, timeout=0.3, attach=[0, 1])
+    assert len(shm_entries()) == 1
+    for g in gs.views:
+        with pytest.raises(RuntimeError, match="set-up timed out after 0.3 s: 2 of 3 ranks"):
+            g.wait_attached()
+    assert shm_entries() == []
+
+
+def test_close_fails_queued_and_running_ops(groups):
+    gs = groups(2, timeout=30.0)
+    gs.wait_attached()
+    x = torch.zeros(16)
+    running = gs.views[0].all_reduce(x.data_ptr(), x.data_ptr(), 16, 0, 1.0, 1, (x,))
+    queued = gs.views[0].all_reduce(x.data_ptr(), x.data_ptr(), 16, 0, 1.0, 1, (x,))
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    gs.views[0].close()
+    assert time.monotonic() - t0 < 5
+    assert gs.views[0].closed and running.is_completed() and queued.is_completed()
+    with pytest.raises(RuntimeError, match="closed"):
+        running.wait()
+    with pytest.raises(RuntimeError, match="closed"):
+        queued.wait()
+    with pytest.raises(RuntimeError, match="group is closed"):
+        gs.views[0].all_reduce(x.data_ptr(), x.data_ptr(), 16, 0, 1.0, 1, None)
+    # the peer learns about it through the failure flag
+    w = gs.views[1].all_reduce(x.data_ptr(), x.data_ptr(), 16, 0, 1.0, 1, None)
+    with pytest.raises(RuntimeError, match="group was closed"):
+        w.wait()
+
+
+def test_dropping_a_handle_waits_for_its_op(groups):
+    gs = groups(2)
+    gs.wait_attached()
+    n = 5000
+    ts = [torch.full((n,), float(r)) for r in range(2)]
+    w0 = gs.views[0].all_reduce(ts[0].data_ptr(), ts[0].data_ptr(), n, 0, 1.0, 1, (ts[0],))
+    gs.views[1].all_reduce(ts[1].data_ptr(), ts[1].data_ptr(), n, 0, 1.0, 1, (ts[1],))
+    # the second handle was dropped at once: its dealloc waited for the op
+    assert torch.equal(ts[1], torch.ones(n))
+    w0.wait()
+    assert torch.equal(ts[0], torch.ones(n))
+
+
+def test_bad_arguments_raise_before_queuing(groups):
+    gs = groups(2)
+    gs.wait_attached()
+    g, x = gs.views[0], torch.zeros(8)
+    p = x.data_ptr()
+    cases = [
+        (lambda: g.all_gather(p, p + 4, 2, 0, 1, None), ValueError, "overlap"),
+        (lambda: g.reduce_scatter(p, p, 4, 0, 1.0, 1, None), ValueError, "overlap"),
+        (lambda: g.all_reduce(p, p + 4, 4, 0, 1.0, 1, None), ValueError, "overlap"),
+        (lambda: g.all_gather(p, 0, 2, 0, 1, None), ValueError, "NULL"),
+        (lambda: g.all_gather(p, p, 2, 7, 1, None), ValueError, "dtype code"),
+        (lambda: g.all_gather(p, p, -1, 0, 1, None), ValueError, "numel"),
+        (lambda: g.all_reduce(p, p, 8, 0, float("nan"), 1, None), ValueError, "scale"),
+        (lambda: g.broadcast(p, 8, 0, 2, 1, None), ValueError, "root 2"),
+        (lambda: g.all_gather(p, p, 2**62, 0, 1, None), OverflowError, "too large"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    # nothing was queued: the group still works
+    y = [torch.ones(8), torch.ones(8)]
+    run_all([v.all_reduce(t.data_ptr(), t.data_ptr(), 8, 0, 1.0, 1, (t,))
+             for v, t in zip(gs.views, y)])
+    assert torch.equal(y[0], torch.full((8,), 2.0))
+
+
+def test_open_errors():
+    name = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+    with pytest.raises(RuntimeError, match="shm_open.*No such file"):
+        C.ShmGroup(name, False, 2, 1, 512, 1.0, "x", [0, 1])
+    with pytest.raises(ValueError, match="slot_bytes"):
+        C.ShmGroup(name, True, 2, 0, 100, 1.0, "x", [0, 1])
+    with pytest.raises(ValueError, match="creator is rank 0"):
+        C.ShmGroup(name, True, 2, 1, 512, 1.0, "x", [0, 1])
+    with pytest.raises(ValueError, match="timeout"):
+        C.ShmGroup(name, True, 2, 0, 512, 0.0, "x", [0, 1])
+    with pytest.raises(ValueError, match="global_ranks has 1"):
+        C.ShmGroup(name, True, 2, 0, 512, 1.0, "x", [0])
+    g = C.ShmGroup(name, True, 2, 0, 512, 1.0, "x", [0, 1])
+    try:
+        with pytest.raises(RuntimeError, match="File exists"):  # O_EXCL
+            C.ShmGroup(name, True, 2, 0, 512, 1.0, "x", [0, 1])
+        with pytest.raises(ValueError, match="has .* bytes, expected"):
+            C.ShmGroup(name, False, 2, 1, 1024, 1.0, "x", [0, 1])
+        assert g.nbytes == C.shm_segment_bytes(2, 512) and g.rank == 0 and g.world_size == 2
+    finally:
+        g.close()
+    assert shm_entries() == []
