@@ -15,7 +15,8 @@ share 2 cores), so a worker script registers many subtests and runs them all in 
 Contract
 --------
 * ``main()`` initialises the default gloo process group (``timeout=60 s``) from torchrun's
-  env, runs every subtest (optionally filtered by ``--only SUBSTR``), destroys the process
+  env, runs every subtest (optionally filtered by ``--only SUBSTR``, or ``--only A|B`` for
+  either), destroys the process
   group and exits 0 only if every subtest passed on every rank.
 * Each subtest gets a fresh gloo group ``ctx.pg`` over all ranks (created by all ranks at the
   same point, between subtests). Subtests pass it as ``process_group`` to the code under test,
@@ -135,7 +136,11 @@ def run_subtests(only: str | None = None) -> tuple[int, bool]:
     store = _store()
     # all ranks share the run id (torchrun's run id is the same on all ranks of one launch)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    selected = [st for st in _REGISTRY if only is None or only in st.name]
+    wanted = None if only is None else [w for w in only.split("|") if w]
+    # only the launched script's own subtests: a worker that imports another worker's
+    # helpers must not run that worker's subtests again
+    selected = [st for st in _REGISTRY if st.fn.__module__ == "__main__"
+                and (wanted is None or any(w in st.name for w in wanted))]
     if not selected:
         print(f"[rank {rank}] no subtest matches --only {only!r}", flush=True)
         return 1, False
@@ -184,7 +189,8 @@ def run_subtests(only: str | None = None) -> tuple[int, bool]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default=None, help="run only subtests whose name contains this")
+    parser.add_argument("--only", default=None,
+                        help="run only subtests whose name contains this (A|B: either)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo", timeout=PG_TIMEOUT)

@@ -10,12 +10,14 @@ import pytest
 from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 240
+# at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
+AT_4 = "dcp_roundtrip|dcp_cross_load"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dcp_state_dict(tmp_path, world_size):
-    run_worker("worker_dcp.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
+    run_worker("worker_dcp.py", world_size, args=subtest_filter(world_size, AT_4), timeout=LAUNCH_TIMEOUT_S,
                env={"CFSDP_CKPT_DIR": str(tmp_path)})
 
 

@@ -16,7 +16,10 @@ import pytest
 from launcher import failure_message, launch, run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 120
-SLOT_ENV = {"CFSDP_SHM_SLOT_BYTES": "4096"}
+# always the C core with shared memory on, whatever the suite's CFSDP_IMPL / CFSDP_SHM:
+# these launches test that path (the twin pass's CFSDP_IMPL=python would turn it off)
+SHM_ON = {"CFSDP_IMPL": "c", "CFSDP_SHM": "1"}
+SLOT_ENV = {**SHM_ON, "CFSDP_SHM_SLOT_BYTES": "4096"}
 
 
 def cfsdp_segments_of(pids):
@@ -32,16 +35,12 @@ def test_shm_collectives_vs_gloo(world_size):
     assert "subtests:" in res.output
 
 
-@pytest.mark.skipif(os.environ.get("CFSDP_IMPL", "c") != "c"
-                    or os.environ.get("CFSDP_SHM", "1") == "0",
-                    reason="the shared-memory path is off (CFSDP_IMPL=python or CFSDP_SHM=0): "
-                           "a dead peer is then gloo's business")
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dead_peer_fails_every_survivor(world_size):
     timeout_s = 3
     res = launch("worker_shm_dead_peer.py", world_size, timeout=90,
-                 env={"CFSDP_TEST_PG_TIMEOUT_S": str(timeout_s)})
+                 env={**SHM_ON, "CFSDP_TEST_PG_TIMEOUT_S": str(timeout_s)})
     out = res.output
     assert not res.timed_out, failure_message(res)
     assert res.returncode != 0, "the dead rank's exit status must fail the run:\n" + out
