@@ -11,6 +11,7 @@ from .copy import shard_fill
 from .chunk import chunk_pack, chunk_unpack
 from .reduce import scale_cast_add
 from .norm import norm_partial
+from .optim import adam_step, sgd_step
 
 __all__ = [
     "plan_layout_lists",
@@ -19,4 +20,6 @@ __all__ = [
     "chunk_pack",
     "scale_cast_add",
     "norm_partial",
+    "adam_step",
+    "sgd_step",
 ]
