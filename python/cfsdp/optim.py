@@ -130,7 +130,10 @@ def _reject_tensor(name: str, **values) -> None:
             )
 
 
-@dataclass
+_TORCH = "torch"  # a plan's kind for a parameter on the torch-ops path
+
+
+@dataclass(eq=False)
 class _Entry:
     """A C-path parameter of a plan (see [Note: flat-shard fusion])."""
 
@@ -141,11 +144,12 @@ class _Entry:
     numel: int
     placements: Optional[tuple]  # a DTensor parameter's placements, else None
     grad_delta: int  # at build: grad address - param address (bytes)
+    cur_delta: int = 0  # this step's
     states: dict = field(default_factory=dict)  # kind -> local state tensor
     first: bool = False  # SGD: no momentum buffer yet
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
     """Parameters one C call steps: the same address offsets to grad and states."""
 
@@ -157,7 +161,7 @@ class _Bucket:
     first: bool = False  # SGD: momentum buffers are set, not updated
 
 
-@dataclass
+@dataclass(eq=False)
 class _Plan:
     params: list  # the group's params list object it was built for
     param_ids: tuple
@@ -241,13 +245,12 @@ class _FusedStep:
     def _cf_refresh(plan: _Plan, grads: list) -> bool:
         """Check this step's gradients against the plan (cheaply: one pass over
         the parameters) and record each bucket's gradient offset."""
-        deltas = {}
         for kind, g in zip(plan.kind, grads):
             if kind is None:
                 if g is not None:
                     return False  # a parameter got its first gradient
                 continue
-            if kind == "torch":
+            if kind is _TORCH:
                 continue
             if g is None:
                 return False
@@ -257,13 +260,16 @@ class _FusedStep:
                 g = g._local_tensor
             elif isinstance(g, DTensor):
                 return False
-            if not (_fusible(g) and g.numel() == kind.numel):
+            if not (
+                g.dtype is _F32 and g.layout is _STRIDED and g.is_cpu and g.is_contiguous()
+                and g.numel() == kind.numel
+            ):
                 return False
-            deltas[id(kind)] = g.data_ptr() - kind.ptr
+            kind.cur_delta = g.data_ptr() - kind.ptr
         for b in plan.buckets:
-            d = deltas[id(b.entries[0])]
+            d = b.entries[0].cur_delta
             for e in b.entries:
-                if deltas[id(e)] != d:
+                if e.cur_delta != d:
                     return False
             b.grad_delta = d
             if not _spans_disjoint(b, d):
@@ -288,7 +294,7 @@ class _FusedStep:
                     f"complex ({p.dtype}), which is not supported; use torch.optim."
                 )
             e = self._cf_entry(i, p, g)
-            kinds.append(e if e is not None else "torch")
+            kinds.append(e if e is not None else _TORCH)
             if e is not None:
                 entries.append(e)
         if self._cf_kinds_of(group):  # torch's state order: parameter order
@@ -555,7 +561,7 @@ class Adam(_FusedStep, torch.optim.Adam):
                         self._cf_adam_bucket(part, s, hp)
         kinds = self._cf_kinds_of(group)
         for i, kind in enumerate(plan.kind):
-            if kind == "torch":
+            if kind is _TORCH:
                 self._cf_adam_torch(params[i], grads[i], kinds, hp)
 
     def _cf_adam_bucket(self, b: _Bucket, step: float, hp: dict) -> None:
@@ -677,7 +683,7 @@ class SGD(_FusedStep, torch.optim.SGD):
         if any_first:  # the buffers are set now: rebuild, one bucket per layout
             self._cf_plans.pop(gi, None)
         for i, kind in enumerate(plan.kind):
-            if kind == "torch":
+            if kind is _TORCH:
                 self._cf_sgd_torch(params[i], grads[i], momentum, hp)
 
     def _cf_sgd_torch(self, p: Tensor, g: Tensor, momentum: bool, hp: dict) -> None:
