@@ -18,6 +18,7 @@
 
 #include <stdbool.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cfsdp.h"
 #include "chunk.h"
@@ -25,6 +26,7 @@
 #include "layout.h"
 #include "norm.h"
 #include "queue.h"
+#include "optim.h"
 #include "reduce.h"
 #include "shm.h"
 #include "thread.h"
@@ -1225,6 +1227,256 @@ static int cf_py_shm_exec(PyObject *m)
 }
 
 /* ====================== end of the shared-memory block ==================== */
+/* ==================================================================
+ * Fused optimizer steps (csrc/optim.c).  Everything of the optimizer
+ * bindings is in this block; their method-table entries are the last ones.
+ * ================================================================== */
+
+/*
+ * The ranges argument: an object exposing a C-contiguous buffer of int64
+ * (format 'q' or 'l' with 8-byte items; e.g. array.array('q')) holding
+ * start, len pairs, read in place, or a sequence of (start, len) pairs,
+ * copied into a malloc'd array.  On success *ranges points at the pairs,
+ * *n is their count and the caller calls cf_py_optim_ranges_release; -1
+ * with an exception set otherwise.
+ */
+typedef struct {
+    Py_buffer view;
+    int have_view;
+    cf_optim_range *owned;
+} cf_py_optim_ranges_hold;
+
+static void cf_py_optim_ranges_release(cf_py_optim_ranges_hold *h)
+{
+    if (h->have_view)
+        PyBuffer_Release(&h->view);
+    h->have_view = 0;
+    free(h->owned);
+    h->owned = NULL;
+}
+
+static int cf_py_optim_ranges(PyObject *obj, cf_py_optim_ranges_hold *h,
+                              const cf_optim_range **ranges, size_t *n)
+{
+    PyObject *seq;
+    size_t count;
+
+    h->have_view = 0;
+    h->owned = NULL;
+    if (PyObject_CheckBuffer(obj)) {
+        const char *f;
+        if (PyObject_GetBuffer(obj, &h->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        h->have_view = 1;
+        f = h->view.format ? h->view.format : "B";
+        if (f[0] == '@' || f[0] == '=' || f[0] == '<')
+            f++;
+        if (h->view.itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0) ||
+            h->view.len % (Py_ssize_t)sizeof(cf_optim_range) != 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "ranges buffer must hold int64 (start, len) pairs, got format '%s' "
+                         "with %zd-byte items and %zd bytes",
+                         h->view.format ? h->view.format : "B", h->view.itemsize,
+                         h->view.len);
+            cf_py_optim_ranges_release(h);
+            return -1;
+        }
+        *ranges = h->view.buf;
+        *n = (size_t)(h->view.len / (Py_ssize_t)sizeof(cf_optim_range));
+        return 0;
+    }
+    seq = PySequence_Fast(obj, "ranges must be an int64 buffer or a sequence of "
+                               "(start, len) pairs");
+    if (seq == NULL)
+        return -1;
+    count = (size_t)PySequence_Fast_GET_SIZE(seq);
+    h->owned = malloc((count ? count : 1) * sizeof *h->owned);
+    if (h->owned == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i),
+                                         "each range must be a (start, len) pair");
+        int ok;
+        if (item == NULL)
+            goto fail;
+        if (PySequence_Fast_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_ValueError, "range %zu must be (start, len), got %zd items", i,
+                         PySequence_Fast_GET_SIZE(item));
+            Py_DECREF(item);
+            goto fail;
+        }
+        ok = cf_py_int64(PySequence_Fast_GET_ITEM(item, 0), "range start",
+                         &h->owned[i].start) == 0 &&
+             cf_py_int64(PySequence_Fast_GET_ITEM(item, 1), "range len", &h->owned[i].len) == 0;
+        Py_DECREF(item);
+        if (!ok)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    *ranges = h->owned;
+    *n = count;
+    return 0;
+
+fail:
+    Py_DECREF(seq);
+    cf_py_optim_ranges_release(h);
+    return -1;
+}
+
+/* A float argument; 0 on success, -1 with an exception set. */
+static int cf_py_double(PyObject *obj, double *out)
+{
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* A bool argument (any object's truth value); 0 on success, -1 on error. */
+static int cf_py_bool(PyObject *obj, bool *out)
+{
+    int v = PyObject_IsTrue(obj);
+    if (v < 0)
+        return -1;
+    *out = v != 0;
+    return 0;
+}
+
+/* An optional address: 0 or None is NULL. */
+static int cf_py_opt_addr(PyObject *obj, const char *what, void **out)
+{
+    if (obj == Py_None) {
+        *out = NULL;
+        return 0;
+    }
+    return cf_py_addr(obj, what, out);
+}
+
+PyDoc_STRVAR(cf_py_adam_step_doc,
+"adam_step($module, param_addr, grad_addr, exp_avg_addr, exp_avg_sq_addr,\n"
+"          max_exp_avg_sq_addr, ranges, dtype_code, lr, beta1, beta2, eps,\n"
+"          weight_decay, step, decoupled, amsgrad, maximize, max_threads, /)\n"
+"--\n"
+"\n"
+"One Adam (decoupled=True: AdamW) step over many element ranges, in place.\n"
+"\n"
+"ranges are (start, len) element pairs, the same for every buffer, counted\n"
+"from each buffer's address (an int64 buffer of pairs, e.g. array('q'), or a\n"
+"sequence of pairs), in increasing order without overlap; memory outside\n"
+"them is not touched.  max_exp_avg_sq_addr is used only when amsgrad (0 or\n"
+"None otherwise); step is state['step'] after its increment.  The results\n"
+"are torch 2.13's single-tensor Adam on CPU bit for bit where torch's\n"
+"kernels use FMA (AVX2/AVX-512), as cfsdp._ref.adam_step.  fp32 only\n"
+"(dtype code 0).  Runs with the GIL released, on up to min(max_threads, 4,\n"
+"online CPUs) threads above OPTIM_PARALLEL_BYTES.  ValueError for another\n"
+"dtype, a NULL buffer, bad or unordered ranges, overlapping buffers or\n"
+"step < 1; OverflowError if an offset overflows.");
+
+static PyObject *cf_py_adam_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    cf_py_optim_ranges_hold hold;
+    const cf_optim_range *ranges;
+    size_t n;
+    void *p, *g, *m, *v, *vmax;
+    int64_t code, max_threads;
+    cf_adam_args a;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("adam_step", nargs, 17) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "param_addr", &p) < 0 ||
+        cf_py_addr(args[1], "grad_addr", &g) < 0 ||
+        cf_py_addr(args[2], "exp_avg_addr", &m) < 0 ||
+        cf_py_addr(args[3], "exp_avg_sq_addr", &v) < 0 ||
+        cf_py_opt_addr(args[4], "max_exp_avg_sq_addr", &vmax) < 0 ||
+        cf_py_int64(args[6], "dtype_code", &code) < 0 || cf_py_double(args[7], &a.lr) < 0 ||
+        cf_py_double(args[8], &a.beta1) < 0 || cf_py_double(args[9], &a.beta2) < 0 ||
+        cf_py_double(args[10], &a.eps) < 0 || cf_py_double(args[11], &a.weight_decay) < 0 ||
+        cf_py_double(args[12], &a.step) < 0 || cf_py_bool(args[13], &a.decoupled) < 0 ||
+        cf_py_bool(args[14], &a.amsgrad) < 0 || cf_py_bool(args[15], &a.maximize) < 0 ||
+        cf_py_int64(args[16], "max_threads", &max_threads) < 0)
+        return NULL;
+    if (cf_py_optim_ranges(args[5], &hold, &ranges, &n) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_optim_adam_step(p, g, m, v, vmax, ranges, n, (int)code, &a, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    cf_py_optim_ranges_release(&hold);
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_sgd_step_doc,
+"sgd_step($module, param_addr, grad_addr, momentum_buffer_addr, ranges,\n"
+"         dtype_code, lr, momentum, dampening, weight_decay, nesterov,\n"
+"         maximize, first_step, max_threads, /)\n"
+"--\n"
+"\n"
+"One SGD step over many element ranges, in place.\n"
+"\n"
+"Ranges as adam_step.  momentum_buffer_addr is used only when momentum != 0\n"
+"(0 or None otherwise); first_step sets the buffer to the (decayed,\n"
+"maximize-negated) gradient as torch's first step clones it.  torch 2.13's\n"
+"single-tensor SGD, with adam_step's rounding contract, threads and errors.");
+
+static PyObject *cf_py_sgd_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    cf_py_optim_ranges_hold hold;
+    const cf_optim_range *ranges;
+    size_t n;
+    void *p, *g, *b;
+    int64_t code, max_threads;
+    cf_sgd_args a;
+    cf_err err;
+    cf_status st;
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_check_nargs("sgd_step", nargs, 13) < 0)
+        return NULL;
+    if (cf_py_addr(args[0], "param_addr", &p) < 0 ||
+        cf_py_addr(args[1], "grad_addr", &g) < 0 ||
+        cf_py_opt_addr(args[2], "momentum_buffer_addr", &b) < 0 ||
+        cf_py_int64(args[4], "dtype_code", &code) < 0 || cf_py_double(args[5], &a.lr) < 0 ||
+        cf_py_double(args[6], &a.momentum) < 0 || cf_py_double(args[7], &a.dampening) < 0 ||
+        cf_py_double(args[8], &a.weight_decay) < 0 || cf_py_bool(args[9], &a.nesterov) < 0 ||
+        cf_py_bool(args[10], &a.maximize) < 0 || cf_py_bool(args[11], &a.first_step) < 0 ||
+        cf_py_int64(args[12], "max_threads", &max_threads) < 0)
+        return NULL;
+    if (cf_py_optim_ranges(args[3], &hold, &ranges, &n) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_optim_sgd_step(p, g, b, ranges, n, (int)code, &a, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    cf_py_optim_ranges_release(&hold);
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cf_py_optim_uses_avx2_doc,
+"optim_uses_avx2($module, /)\n"
+"--\n"
+"\n"
+"Whether adam_step / sgd_step run their AVX2+FMA loops on this CPU (the\n"
+"portable loops give the same bits).");
+
+static PyObject *cf_py_optim_uses_avx2(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyBool_FromLong(cf_optim_uses_avx2());
+}
+
+/* ============================ end of the optimizer block ============================ */
 
 static PyMethodDef cf_py_methods[] = {
     {"plan_layout", (PyCFunction)(void (*)(void))cf_py_plan_layout, METH_FASTCALL,
@@ -1246,6 +1498,12 @@ static PyMethodDef cf_py_methods[] = {
      cf_py_shm_memcpy_doc},
     {"shm_segment_bytes", (PyCFunction)(void (*)(void))cf_py_shm_segment_bytes, METH_FASTCALL,
      cf_py_shm_segment_bytes_doc},
+    /* fused optimizer steps (optimizer block above) */
+    {"adam_step", (PyCFunction)(void (*)(void))cf_py_adam_step, METH_FASTCALL,
+     cf_py_adam_step_doc},
+    {"sgd_step", (PyCFunction)(void (*)(void))cf_py_sgd_step, METH_FASTCALL,
+     cf_py_sgd_step_doc},
+    {"optim_uses_avx2", cf_py_optim_uses_avx2, METH_NOARGS, cf_py_optim_uses_avx2_doc},
     {NULL, NULL, 0, NULL}};
 
 /* Py_mod_exec: add the dtype codes and the chunk copies' threading constants;
@@ -1257,7 +1515,8 @@ static int cf_py_exec(PyObject *m)
         PyModule_AddIntConstant(m, "DTYPE_BF16", CF_DTYPE_BF16) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_FP16", CF_DTYPE_FP16) < 0 ||
         PyModule_AddIntConstant(m, "CHUNK_PARALLEL_BYTES", (long)CF_CHUNK_PARALLEL_BYTES) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_THREADS", CF_MAX_THREADS) < 0)
+        PyModule_AddIntConstant(m, "MAX_THREADS", CF_MAX_THREADS) < 0 ||
+        PyModule_AddIntConstant(m, "OPTIM_PARALLEL_BYTES", (long)CF_OPTIM_PARALLEL_BYTES) < 0)
         return -1;
     return cf_py_shm_exec(m);
 }

@@ -40,6 +40,7 @@ from ._fully_shard import (
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from . import wrap  # noqa: E402  (as torch.distributed.fsdp.wrap after importing the package)
+from . import optim  # noqa: E402  (cfsdp.optim: fused Adam/AdamW/SGD over flat shards)
 
 __version__ = "0.1.0"
 

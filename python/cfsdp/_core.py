@@ -16,6 +16,7 @@ bound torch (the core's own cap is ``_C.MAX_THREADS`` and the online CPUs).
 
 from __future__ import annotations
 
+import array
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -279,3 +280,87 @@ def shm_memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
         _C.shm_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, torch.get_num_threads())
     else:
         _ref.shm_memcpy(dst, src)
+
+
+# ---------------------------------------------------------------------------
+# Fused optimizer steps (cfsdp.optim; C: csrc/optim.c, twin: cfsdp._ref.optim).
+# Ranges are (start, len) element pairs, the same for every buffer, counted
+# from each buffer's address: an int64 ``array.array('q')`` of flat pairs (read
+# in place by C) or a sequence of pairs.
+
+
+def optim_c_available() -> bool:
+    """Whether cfsdp.optim steps fp32 CPU tensors in C (``CFSDP_IMPL=c``)."""
+    return _C is not None
+
+
+def adam_step_addrs(
+    param: int, grad: int, exp_avg: int, exp_avg_sq: int, max_exp_avg_sq: Optional[int],
+    ranges, *, step: float, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
+) -> None:
+    """One Adam/AdamW step of fp32 CPU memory given by addresses, in C (the
+    caller owns every range of every buffer); see ``_C.adam_step``."""
+    if _C is None:
+        raise AssertionError("adam_step_addrs: the C core is off (CFSDP_IMPL=python)")
+    _C.adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, ranges, DTYPE_CODES[torch.float32],
+                 float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                 float(step), decoupled, amsgrad, maximize, torch.get_num_threads())
+
+
+def sgd_step_addrs(
+    param: int, grad: int, momentum_buffer: Optional[int], ranges, *, lr: float,
+    momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+    first_step: bool,
+) -> None:
+    """One SGD step of fp32 CPU memory given by addresses, in C; see ``_C.sgd_step``."""
+    if _C is None:
+        raise AssertionError("sgd_step_addrs: the C core is off (CFSDP_IMPL=python)")
+    _C.sgd_step(param, grad, momentum_buffer, ranges, DTYPE_CODES[torch.float32], float(lr),
+                float(momentum), float(dampening), float(weight_decay), nesterov, maximize,
+                first_step, torch.get_num_threads())
+
+
+def _optim_c_ok(*tensors: Optional[torch.Tensor]) -> bool:
+    return _c_ok(*(t for t in tensors if t is not None)) and all(
+        t.dtype == torch.float32 and t.dim() == 1 for t in tensors if t is not None
+    )
+
+
+def adam_step(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: Optional[torch.Tensor], ranges, **hp,
+) -> None:
+    """One Adam step over ``ranges`` of flat 1-D buffers: C for fp32 CPU buffers,
+    else the twin (same contract: ``cfsdp._ref.optim.adam_step``).  The ranges
+    must lie inside every buffer (checked here)."""
+    ams = max_exp_avg_sq if hp.get("amsgrad") else None
+    _check_optim_ranges(ranges, param, grad, exp_avg, exp_avg_sq, ams)
+    if _optim_c_ok(param, grad, exp_avg, exp_avg_sq, ams):
+        adam_step_addrs(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                        exp_avg_sq.data_ptr(), ams.data_ptr() if ams is not None else None,
+                        ranges, **hp)
+    else:
+        _ref.adam_step(param, grad, exp_avg, exp_avg_sq, ams, ranges, **hp)
+
+
+def sgd_step(
+    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor], ranges,
+    **hp,
+) -> None:
+    """One SGD step over ``ranges`` of flat 1-D buffers (see ``adam_step``)."""
+    buf = momentum_buffer if hp.get("momentum") else None
+    _check_optim_ranges(ranges, param, grad, buf)
+    if _optim_c_ok(param, grad, buf):
+        sgd_step_addrs(param.data_ptr(), grad.data_ptr(),
+                       buf.data_ptr() if buf is not None else None, ranges, **hp)
+    else:
+        _ref.sgd_step(param, grad, buf, ranges, **hp)
+
+
+def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> None:
+    pairs = list(zip(ranges[0::2], ranges[1::2])) if isinstance(ranges, array.array) else ranges
+    end = max((int(s) + int(n) for s, n in pairs if int(n) > 0), default=0)
+    for t in bufs:
+        if t is not None and end > t.numel():
+            raise ValueError(f"ranges end at element {end}, past a buffer of {t.numel()} elements")

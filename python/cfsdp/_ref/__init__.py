@@ -12,6 +12,7 @@ from .chunk import chunk_pack, chunk_unpack
 from .reduce import scale_cast_add
 from .norm import norm_partial
 from .shm import shm_memcpy, shm_reduce
+from .optim import adam_step, sgd_step
 
 __all__ = [
     "plan_layout_lists",
@@ -22,4 +23,6 @@ __all__ = [
     "norm_partial",
     "shm_reduce",
     "shm_memcpy",
+    "adam_step",
+    "sgd_step",
 ]

@@ -1,0 +1,18 @@
+"""cfsdp.optim on both faces (FSDP1 wrapper with use_orig_params False/True, fully_shard)
+against torch.optim on the same face: bitwise losses, parameters and optimizer state dicts,
+and resume from saved state dicts (see worker_optim.py).
+
+One torchrun launch per world size. ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
+"""
+
+import pytest
+
+from launcher import run_worker, subtest_filter
+
+LAUNCH_TIMEOUT_S = 120
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_optim(world_size):
+    run_worker("worker_optim.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S)

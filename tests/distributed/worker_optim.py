@@ -1,0 +1,250 @@
+"""cfsdp.optim on both faces against torch.optim on the same face.
+
+Run by tests/distributed/test_optim.py under torchrun (gloo, CPU) at W=2 and W=4; every
+subtest runs inside the one spawn (see _harness.py).
+
+For each face (``cfsdp.FullyShardedDataParallel`` with use_orig_params False and True, and
+``cfsdp.fully_shard``) and each optimizer (AdamW in two param groups, Adam with amsgrad and
+L2 decay, SGD with nesterov momentum), two copies of the same sharded model train 8 steps
+on the same data, one with ``cfsdp.optim.X`` and one with ``torch.optim.X`` (its default on
+CPU: the single-tensor path).
+
+Oracle and tolerance: **bitwise**.  The C step is torch's single-tensor math with torch's
+roundings except the square root (torch's CPU ``Tensor.sqrt`` is MKL's, within 1 ulp but not
+correctly rounded; cfsdp's is IEEE, see cfsdp/_ref/optim.py), so the torch run uses an IEEE
+``Tensor.sqrt`` (patched for the whole worker: nothing else in these models calls it).  Then
+per-step losses, final local parameters and the optimizer state dicts from the face's API
+(``FSDP.optim_state_dict``; ``cfsdp.checkpoint.state_dict.get_optimizer_state_dict`` for
+fully_shard) are equal bit for bit.  Resume: a fresh model and optimizer load the cfsdp run's
+model and optimizer state dicts after 4 steps and train 4 more: losses equal the
+uninterrupted run's.  The step is also checked to be fused: every parameter takes the C
+path, in at most one bucket (one C call) per unit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
+
+import _harness as h
+import cfsdp
+from cfsdp import FullyShardedDataParallel as CFSDP
+from cfsdp import optim as co
+from cfsdp.checkpoint import state_dict as dsd
+
+CPU = torch.device("cpu")
+STEPS, SAVE_AT = 8, 4
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning)
+
+_real_sqrt = torch.Tensor.sqrt
+
+
+def _ieee_sqrt(self):
+    return self.double().sqrt().to(self.dtype) if self.dtype == torch.float32 else _real_sqrt(self)
+
+
+torch.Tensor.sqrt = _ieee_sqrt  # see the module docstring
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 3 * d + 1)
+        self.down = nn.Linear(3 * d + 1, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+class Frozen(nn.Linear):
+    """A frozen layer: its own unit (FSDP1 with use_orig_params=False needs uniform
+    requires_grad within a unit)."""
+
+    def __init__(self, d: int):
+        super().__init__(d, d)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+
+class Net(nn.Module):
+    """Sizes that need padding at W=2 and W=4, a frozen layer, two blocks (units)."""
+
+    def __init__(self, d: int = 13):
+        super().__init__()
+        self.emb = nn.Linear(5, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.frozen = Frozen(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x + self.frozen(x))
+
+
+OPTIMS = {
+    "adamw": lambda mod, ps: mod.AdamW(
+        [{"params": ps[: len(ps) // 2]}, {"params": ps[len(ps) // 2 :], "lr": 5e-3}],
+        lr=1e-2, weight_decay=0.05),
+    "adam": lambda mod, ps: mod.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.01),
+    "sgd": lambda mod, ps: mod.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
+
+def make_optim(name: str, model: nn.Module, fused: bool):
+    ps = [p for p in model.parameters() if p.requires_grad]
+    if fused:
+        return OPTIMS[name](co, ps)
+    return OPTIMS[name](torch.optim, ps)  # on CPU torch's default is its single-tensor path
+
+
+def build(face: str, ctx) -> tuple[nn.Module, int]:
+    """The sharded model and its number of units."""
+    torch.manual_seed(0)
+    m = Net()
+    if face == "fully_shard":
+        mesh = DeviceMesh.from_group(ctx.pg, "cpu")
+        for b in m.blocks:
+            cfsdp.fully_shard(b, mesh=mesh)
+        cfsdp.fully_shard(m, mesh=mesh)
+        return m, 3
+    uop = face == "fsdp1_orig"
+    return CFSDP(m, process_group=ctx.pg, use_orig_params=uop, device_id=CPU,
+                 auto_wrap_policy=ModuleWrapPolicy({Block, Frozen})), 3
+
+
+def data(ctx, steps: int):
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+        out.append((torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)))
+    return out
+
+
+def train(model, opt, batches) -> list[torch.Tensor]:
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def same(what: str, a, b) -> None:
+    """Bitwise equality of nested state dicts / tensors (DTensors by their local shards)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{what}: keys {list(a)} != {list(b)}"
+        for k in a:
+            same(f"{what}.{k}", a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(f"{what}[{i}]", x, y)
+    elif isinstance(a, torch.Tensor):
+        assert type(a) is type(b), f"{what}: {type(a).__name__} vs {type(b).__name__}"
+        if isinstance(a, DTensor):
+            assert a.placements == b.placements and a.shape == b.shape, f"{what}: spec differs"
+        la, lb = local(a), local(b)
+        assert la.dtype == lb.dtype and la.shape == lb.shape, f"{what}: {la.shape} vs {lb.shape}"
+        assert torch.equal(la, lb), f"{what}: values differ (max {float((la - lb).abs().max())})"
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+def optim_sd(face: str, model, opt):
+    if face == "fully_shard":
+        return dsd.get_optimizer_state_dict(model, opt)
+    return CFSDP.optim_state_dict(model, opt)
+
+
+def load_optim_sd(face: str, model, opt, osd) -> None:
+    if face == "fully_shard":
+        dsd.set_optimizer_state_dict(model, opt, osd)
+    else:
+        opt.load_state_dict(CFSDP.optim_state_dict_to_load(model, opt, osd))
+
+
+def model_sd(face: str, model):
+    if face == "fully_shard":
+        return dsd.get_model_state_dict(model)
+    return model.state_dict()
+
+
+def load_model_sd(face: str, model, sd) -> None:
+    if face == "fully_shard":
+        dsd.set_model_state_dict(model, sd)
+    else:
+        model.load_state_dict(sd)
+
+
+def assert_fused(opt, n_units: int) -> None:
+    """Every parameter with a gradient steps in C (with use_orig_params=True a parameter
+    whose shard on this rank is empty has none), at most one C call per unit and group."""
+    for gi, plan in opt._cf_plans.items():
+        assert not any(isinstance(k, str) for k in plan.kind), f"group {gi}: {plan.kind}"
+        assert plan.entries, f"group {gi}: no parameter on the C path"
+        assert len(plan.buckets) <= n_units, f"group {gi}: {len(plan.buckets)} C calls"
+
+
+# every face with AdamW (two groups); the other optimizers on a face each too
+@h.subtest(grid={"case": [("fsdp1_flat", "adamw"), ("fsdp1_flat", "sgd"), ("fsdp1_orig", "adamw"),
+                          ("fsdp1_orig", "adam"), ("fully_shard", "adamw"), ("fully_shard", "adam"),
+                          ("fully_shard", "sgd")]})
+def parity_and_resume(ctx, case):
+    face, optim = case
+    batches = data(ctx, STEPS)
+    runs = {}
+    for fused in (True, False):
+        model, n_units = build(face, ctx)
+        opt = make_optim(optim, model, fused)
+        losses = train(model, opt, batches[:SAVE_AT])
+        if fused:
+            saved = (model_sd(face, model), optim_sd(face, model, opt))
+            saved = tuple(_clone(s) for s in saved)
+        losses += train(model, opt, batches[SAVE_AT:])
+        runs[fused] = (model, opt, losses)
+        if fused:
+            assert_fused(opt, n_units)
+    (cm, copt, closs), (tm, topt, tloss) = runs[True], runs[False]
+    same("losses", closs, tloss)
+    same("params", dict(cm.named_parameters()), dict(tm.named_parameters()))
+    same("optim state dict", optim_sd(face, cm, copt), optim_sd(face, tm, topt))
+    # resume from the state dicts saved at SAVE_AT
+    model, _ = build(face, ctx)
+    opt = make_optim(optim, model, True)
+    load_model_sd(face, model, saved[0])
+    load_optim_sd(face, model, opt, saved[1])
+    same("resumed losses", train(model, opt, batches[SAVE_AT:]), closs[SAVE_AT:])
+    same("resumed params", dict(model.named_parameters()), dict(cm.named_parameters()))
+
+
+def _clone(x):
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    if isinstance(x, DTensor):
+        return DTensor.from_local(x.to_local().clone(), x.device_mesh, x.placements,
+                                  shape=x.shape, stride=x.stride(), run_check=False)
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    return x
+
+
+if __name__ == "__main__":
+    h.main()
