@@ -40,11 +40,13 @@ build: $(STAMP)
 # training-parity launches again on the pure-Python twins, at world size 2
 # only (the unit tests already compare every twin with C for every world
 # size; TWIN_DIST are the launches that call every C entry point in training:
-# layout, shard fill, cast/reduce, norm, chunk copy-in/out; the checkpoint
-# launches call the same ones and would add minutes, not coverage).
+# layout, shard fill, cast/reduce, norm, chunk copy-in/out, the fused optimizer
+# steps; the checkpoint launches call the same ones and would add minutes, not
+# coverage).  Under the twins the collectives take the process group (its
+# twin): test_shm.py forces the C core and shared memory in its own launches.
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
-	tests/distributed/test_fully_shard.py
+	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
 test: build
 	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
 	$(MAKE) --no-print-directory sanitize
@@ -61,13 +63,29 @@ test-dist: build
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 demo/train_demo.py
 
+# Every benchmark of benchmarks/RESULTS.md, in one go (about an hour on 2 cores):
+# step time and memory (fp32, bf16, 4 ranks, a size sweep and its plot), collectives,
+# optimizer step, wrap time, state dicts.
+TORCHRUN2 = $(VENV)/bin/torchrun --standalone --nproc_per_node 2
+BENCH_GPT2_BF16 = --set n_layer=2 --set d_model=256 --set n_head=4 --set vocab_size=2048
 bench: build
 	mkdir -p benchmarks/out
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp.py \
-		--model all --out benchmarks/out/bench.json
+	$(TORCHRUN2) benchmarks/bench_fsdp.py --model all --out benchmarks/out/bench.json
 	$(PY) benchmarks/plot.py benchmarks/out/bench.json --out benchmarks/results.png
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/bench_state_dict.py \
-		--repeats 7 --out benchmarks/out/state_dict.json
+	$(TORCHRUN2) benchmarks/bench_fsdp.py --model small --mp bf16 \
+		--out benchmarks/out/bench_bf16_small.json
+	$(TORCHRUN2) benchmarks/bench_fsdp.py --model gpt2 --mp bf16 $(BENCH_GPT2_BF16) \
+		--warmup 2 --iters 6 --out benchmarks/out/bench_bf16_gpt2s.json
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 4 benchmarks/bench_fsdp.py --model all \
+		--set n_layer=4 --warmup 2 --iters 6 --out benchmarks/out/bench_ws4.json
+	for d in 128 256 384 512 768; do \
+		$(TORCHRUN2) benchmarks/bench_fsdp.py --model gpt2 --set d_model=$$d --set n_layer=4 \
+			--warmup 2 --iters 5 --out benchmarks/out/sweep_d$$d.json || exit 1; done
+	$(PY) benchmarks/plot.py benchmarks/out/sweep_d*.json --vs-size --out benchmarks/results_sweep.png
+	$(TORCHRUN2) benchmarks/bench_collectives.py --out benchmarks/out/collectives.json
+	$(TORCHRUN2) benchmarks/bench_optim.py --out benchmarks/out/optim.json
+	$(TORCHRUN2) benchmarks/bench_wrap.py --repeats 3 --out benchmarks/out/wrap.json
+	$(TORCHRUN2) benchmarks/bench_state_dict.py --repeats 7 --out benchmarks/out/state_dict.json
 
 sanitize: $(STAMP)
 	rm -rf $(SAN_DIR)

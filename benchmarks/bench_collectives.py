@@ -84,7 +84,7 @@ def main() -> None:
         ts = timed(fn, args.warmup, args.iters)
         results["memcpy"][name] = {"median_s": statistics.median(ts), "times_s": ts,
                                    "GBps": nbytes / statistics.median(ts) / 1e9}
-    del src, dst
+    src = dst = None  # free them before the collectives
     memcpy_gbps = max(v["GBps"] for v in results["memcpy"].values())
 
     g = torch.Generator().manual_seed(rank)

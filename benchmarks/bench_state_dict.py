@@ -30,7 +30,6 @@ writes JSON to ``--out``. A contender/type that raises is reported with its erro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import os

@@ -23,11 +23,17 @@ from cfsdp._runtime import comm
 TIMEOUT_S = float(os.environ.get("CFSDP_TEST_PG_TIMEOUT_S", "3"))
 
 
+def say(line: str) -> None:
+    """One line in one write(2): the ranks share torchrun's pipe, and print() writes the text
+    and its newline separately, so two ranks' lines could interleave."""
+    os.write(1, (line.replace("\n", " ") + "\n").encode())
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
-    print(f"RANK rank={rank} pid={os.getpid()}", flush=True)
+    say(f"RANK rank={rank} pid={os.getpid()}")
     t = torch.ones(1000)
     comm.all_reduce(t, None, False)  # set-up + one collective
     assert comm.uses_shm(None)
@@ -43,8 +49,7 @@ def main() -> None:
         msg = "NO ERROR"
     except RuntimeError as e:
         msg = "error=" + str(e).replace("\n", " ")
-    print(f"SURVIVOR rank={rank} pid={os.getpid()} elapsed={time.monotonic() - t0:.2f} {msg}",
-          flush=True)
+    say(f"SURVIVOR rank={rank} pid={os.getpid()} elapsed={time.monotonic() - t0:.2f} {msg}")
     os._exit(0)
 
 
