@@ -105,6 +105,29 @@ static cf_status cf_chunk_check_params(const cf_chunk_plan *plan, int64_t natura
     return CF_OK;
 }
 
+/* The plan's world size and shard numel. */
+static cf_status cf_chunk_check_dims(const cf_chunk_plan *plan, cf_err *err)
+{
+    if (plan->world_size < 1)
+        return cf_err_set(err, CF_EINVAL, "world_size must be >= 1, got %lld",
+                          (long long)plan->world_size);
+    if (plan->shard_numel < 0)
+        return cf_err_set(err, CF_EINVAL, "shard_numel must be >= 0, got %lld",
+                          (long long)plan->shard_numel);
+    return CF_OK;
+}
+
+cf_status cf_chunk_plan_check(const cf_chunk_plan *plan, int64_t natural_numel, cf_err *err)
+{
+    CF_CHECK(cf_chunk_check_dims(plan, err));
+    return cf_chunk_check_params(plan, natural_numel, err);
+}
+
+int64_t cf_chunk_rank_len(const cf_chunk_param *p, int64_t k)
+{
+    return cf_chunk_len(p, k);
+}
+
 /* Check a buffer: numel >= 0, non-NULL if non-empty, bytes fit size_t. */
 static cf_status cf_chunk_check_buffer(const char *what, const void *addr, int64_t numel,
                                        size_t esz, cf_err *err)
@@ -130,12 +153,7 @@ static cf_status cf_chunk_check(const cf_chunk_plan *plan, const void *natural,
                                 int64_t rank_hi, cf_err *err)
 {
     int64_t expected;
-    if (plan->world_size < 1)
-        return cf_err_set(err, CF_EINVAL, "world_size must be >= 1, got %lld",
-                          (long long)plan->world_size);
-    if (plan->shard_numel < 0)
-        return cf_err_set(err, CF_EINVAL, "shard_numel must be >= 0, got %lld",
-                          (long long)plan->shard_numel);
+    CF_CHECK(cf_chunk_check_dims(plan, err));
     if (rank_lo < 0 || rank_lo > rank_hi || rank_hi > plan->world_size)
         return cf_err_set(err, CF_EINVAL,
                           "ranks (%lld, %lld) must satisfy 0 <= lo <= hi <= world_size %lld",

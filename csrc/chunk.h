@@ -68,4 +68,16 @@ cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dty
                         const cf_chunk_plan *plan, int64_t rank_lo, int64_t rank_hi,
                         double divisor, int64_t max_threads, cf_err *err);
 
+/*
+ * Validate a plan on its own (world_size >= 1, shard_numel >= 0, every
+ * parameter as cf_chunk_unpack checks it against a natural buffer of
+ * natural_numel elements).  For callers that copy pieces of a plan's
+ * gathered buffer themselves (the shared-memory all-gather's copy-out).
+ */
+cf_status cf_chunk_plan_check(const cf_chunk_plan *plan, int64_t natural_numel, cf_err *err);
+
+/* Elements of parameter p held by rank k (0 <= k < world_size): chunk_numel,
+ * the remainder, or 0. */
+int64_t cf_chunk_rank_len(const cf_chunk_param *p, int64_t k);
+
 #endif /* CF_CHUNK_H */

@@ -878,6 +878,8 @@ static int cf_py_shm_parse_buffers(PyObject *const *args, cf_shm_args *a)
     a->dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
     a->root = 0;
     a->scale = 1.0;
+    a->unpack = NULL;
+    a->n_unpack = a->dst_numel = 0;
     return 0;
 }
 
@@ -899,6 +901,56 @@ static PyObject *cf_py_shm_group_all_gather(PyObject *obj, PyObject *const *args
         return NULL;
     a.op = CF_SHM_ALL_GATHER;
     return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[5]);
+}
+
+PyDoc_STRVAR(cf_py_shm_group_all_gather_unpack_doc,
+"all_gather_unpack($self, natural_addr, natural_numel, src_addr, numel, dtype_code, plan,\n"
+"                  max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue an all-gather whose copy-out is chunk_unpack's: every rank's numel\n"
+"elements at src land in the natural buffer (natural_numel) by the plan, a\n"
+"bytes object of int64 (nat_off, numel, chunk_numel, shard_off) quadruples\n"
+"(world_size: the group's, shard_numel: numel).  The rank-major buffer is\n"
+"never built.  `keep` (which must hold `plan`) is held until the op is done.");
+
+static PyObject *cf_py_shm_group_all_gather_unpack(PyObject *obj, PyObject *const *args,
+                                                   Py_ssize_t nargs)
+{
+    cf_shm_args a;
+    void *src;
+    int64_t code;
+    Py_buffer view;
+    if (cf_py_check_nargs("all_gather_unpack", nargs, 8) < 0 ||
+        cf_py_addr(args[0], "natural_addr", &a.dst) < 0 ||
+        cf_py_int64(args[1], "natural_numel", &a.dst_numel) < 0 ||
+        cf_py_addr(args[2], "src_addr", &src) < 0 || cf_py_int64(args[3], "numel", &a.numel) < 0 ||
+        cf_py_int64(args[4], "dtype_code", &code) < 0 ||
+        cf_py_int64(args[6], "max_threads", &a.max_threads) < 0)
+        return NULL;
+    if (!PyBytes_Check(args[5])) {
+        PyErr_Format(PyExc_TypeError, "plan must be bytes of int64 quadruples, not %.100s",
+                     Py_TYPE(args[5])->tp_name);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[5], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (view.len % (Py_ssize_t)sizeof(cf_chunk_param) != 0) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "plan has %zd bytes, not a multiple of %zu", view.len,
+                     sizeof(cf_chunk_param));
+        return NULL;
+    }
+    /* bytes are immutable and `keep` holds them: the pointer stays valid */
+    a.unpack = (const cf_chunk_param *)view.buf;
+    a.n_unpack = (int64_t)(view.len / (Py_ssize_t)sizeof(cf_chunk_param));
+    PyBuffer_Release(&view);
+    a.src = src;
+    a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
+    a.root = 0;
+    a.scale = 1.0;
+    a.op = CF_SHM_ALL_GATHER;
+    return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[7]);
 }
 
 PyDoc_STRVAR(cf_py_shm_group_reduce_scatter_doc,
@@ -964,6 +1016,8 @@ static PyObject *cf_py_shm_group_broadcast(PyObject *obj, PyObject *const *args,
     a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
     a.src = NULL;
     a.scale = 1.0;
+    a.unpack = NULL;
+    a.n_unpack = a.dst_numel = 0;
     a.op = CF_SHM_BROADCAST;
     return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[5]);
 }
@@ -1035,6 +1089,8 @@ static PyMethodDef cf_py_shm_group_methods[] = {
      cf_py_shm_group_wait_attached_doc},
     {"all_gather", (PyCFunction)(void (*)(void))cf_py_shm_group_all_gather, METH_FASTCALL,
      cf_py_shm_group_all_gather_doc},
+    {"all_gather_unpack", (PyCFunction)(void (*)(void))cf_py_shm_group_all_gather_unpack,
+     METH_FASTCALL, cf_py_shm_group_all_gather_unpack_doc},
     {"reduce_scatter", (PyCFunction)(void (*)(void))cf_py_shm_group_reduce_scatter,
      METH_FASTCALL, cf_py_shm_group_reduce_scatter_doc},
     {"all_reduce", (PyCFunction)(void (*)(void))cf_py_shm_group_all_reduce, METH_FASTCALL,

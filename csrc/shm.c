@@ -846,6 +846,31 @@ static int64_t cf_shm_block_numel(const cf_shm_group *g, size_t esz)
     return (int64_t)(block / esz);
 }
 
+/*
+ * The fused copy-out of one piece [off, off + len) of rank q's block (at
+ * `from`) into the natural buffer: for each parameter of the plan, the part
+ * of its chunk in the piece that rank q holds (chunk padding is skipped) goes
+ * to nat_off + q * chunk_numel + (position in the chunk), as cf_chunk_unpack
+ * places it.  Appends the copies to segs; returns their new count.
+ */
+static int cf_shm_unpack_segs(const cf_shm_args *a, int64_t q, int64_t off, int64_t len,
+                              const unsigned char *from, size_t esz, cf_shm_seg *segs, int ns)
+{
+    unsigned char *nat = a->dst;
+    for (int64_t i = 0; i < a->n_unpack; i++) {
+        const cf_chunk_param *p = &a->unpack[i];
+        int64_t held = cf_chunk_rank_len(p, q); /* elements of the chunk rank q holds */
+        int64_t lo = p->shard_off > off ? p->shard_off : off;
+        int64_t hi = p->shard_off + held < off + len ? p->shard_off + held : off + len;
+        if (hi <= lo)
+            continue;
+        segs[ns++] = (cf_shm_seg){
+            nat + (size_t)(p->nat_off + q * p->chunk_numel + (lo - p->shard_off)) * esz,
+            from + (size_t)(lo - off) * esz, (size_t)(hi - lo) * esz};
+    }
+    return ns;
+}
+
 static cf_status cf_shm_all_gather(cf_shm_group *g, const cf_shm_args *a, cf_err *err)
 {
     const size_t esz = cf_dtype_size(a->dtype);
@@ -853,26 +878,41 @@ static cf_status cf_shm_all_gather(cf_shm_group *g, const cf_shm_args *a, cf_err
     const int W = g->world, me = g->rank;
     unsigned char *dst = a->dst;
     const unsigned char *src = a->src;
-    cf_shm_seg segs[CF_SHM_MAX_WORLD];
+    cf_shm_seg fixed[CF_SHM_MAX_WORLD];
+    cf_shm_seg *segs = fixed;
+    cf_status st = CF_OK;
 
+    if (a->unpack != NULL && a->n_unpack > 0) {
+        /* at most one copy per parameter and rank per piece */
+        size_t cap;
+        if (cf_mul_size_overflows((size_t)a->n_unpack, (size_t)W, &cap) ||
+            (segs = malloc(cap * sizeof *segs)) == NULL)
+            return cf_err_set(err, CF_ENOMEM, "all_gather: no memory for %lld x %d copies",
+                              (long long)a->n_unpack, W);
+    }
     for (int64_t k = 0, np = cf_shm_pieces(n, per); k < np; k++) {
         int64_t off = k * per, len = cf_shm_clip(n, off, per);
         size_t bytes = (size_t)len * esz;
         int ns = 0;
-        CF_CHECK(cf_shm_piece_begin(g, k, a, err));
+        CF_CHECK_GOTO(cf_shm_piece_begin(g, k, a, err), st, done);
         segs[0] = (cf_shm_seg){cf_shm_slot(g, me), src + (size_t)off * esz, bytes};
         cf_shm_copies(segs, 1, a->max_threads);
-        CF_CHECK(cf_shm_piece_exchange(g, k, a, err));
+        CF_CHECK_GOTO(cf_shm_piece_exchange(g, k, a, err), st, done);
         for (int q = 0; q < W; q++) {
-            unsigned char *to = dst + ((size_t)q * (size_t)n + (size_t)off) * esz;
             const unsigned char *from = q == me ? src + (size_t)off * esz : cf_shm_slot(g, q);
-            if (to != from)
+            unsigned char *to = dst + ((size_t)q * (size_t)n + (size_t)off) * esz;
+            if (a->unpack != NULL)
+                ns = cf_shm_unpack_segs(a, q, off, len, from, esz, segs, ns);
+            else if (to != from)
                 segs[ns++] = (cf_shm_seg){to, from, bytes};
         }
         cf_shm_copies(segs, ns, a->max_threads);
         cf_shm_piece_end(g);
     }
-    return CF_OK;
+done:
+    if (segs != fixed)
+        free(segs);
+    return st;
 }
 
 static cf_status cf_shm_reduce_scatter(cf_shm_group *g, const cf_shm_args *a, cf_err *err)
@@ -1016,6 +1056,33 @@ cf_status cf_shm_check(const cf_shm_group *g, const cf_shm_args *a, cf_err *err)
         cf_mul_size_overflows(unit, (size_t)g->world, &in_bytes) || in_bytes > (size_t)INT64_MAX)
         return cf_err_set(err, CF_EOVERFLOW, "%s: numel %lld is too large", name,
                           (long long)a->numel);
+    if (a->unpack != NULL) {
+        cf_chunk_plan plan = {a->unpack, (size_t)(a->n_unpack > 0 ? a->n_unpack : 0), g->world,
+                              a->numel};
+        size_t nat_bytes;
+        if (a->op != CF_SHM_ALL_GATHER)
+            return cf_err_set(err, CF_EINVAL, "%s: a copy-out plan is for all_gather only",
+                              name);
+        if (a->n_unpack < 0 || a->dst_numel < 0)
+            return cf_err_set(err, CF_EINVAL,
+                              "all_gather: plan length and natural numel must be >= 0");
+        if ((uint64_t)a->dst_numel > (uint64_t)SIZE_MAX ||
+            cf_mul_size_overflows((size_t)a->dst_numel, esz, &nat_bytes))
+            return cf_err_set(err, CF_EOVERFLOW, "all_gather: natural numel %lld is too large",
+                              (long long)a->dst_numel);
+        if (a->dst_numel > 0 && a->dst == NULL)
+            return cf_err_set(err, CF_EINVAL, "all_gather: NULL natural buffer");
+        CF_CHECK(cf_chunk_plan_check(&plan, a->dst_numel, err));
+        if (a->numel > 0 && a->src == NULL)
+            return cf_err_set(err, CF_EINVAL, "all_gather: NULL address with numel %lld",
+                              (long long)a->numel);
+        if (a->root != 0 || a->scale != 1.0)
+            return cf_err_set(err, CF_EINVAL, "all_gather takes no root and a scale of 1");
+        if (cf_shm_overlap(a->dst, nat_bytes, a->src, unit))
+            return cf_err_set(err, CF_EINVAL,
+                              "all_gather: the shard and the natural buffer overlap");
+        return CF_OK;
+    }
     switch (a->op) {
     case CF_SHM_ALL_GATHER: in_bytes = unit; out_bytes = unit * (size_t)g->world; break;
     case CF_SHM_REDUCE_SCATTER: in_bytes = unit * (size_t)g->world; out_bytes = unit; break;

@@ -22,6 +22,7 @@
 #include <stdbool.h>
 
 #include "cfsdp.h"
+#include "chunk.h"
 
 /* Collectives; must match cfsdp._runtime.comm's op codes (_C.SHM_OP_*). */
 typedef enum {
@@ -121,6 +122,15 @@ typedef struct {
     double scale;        /* RS, AR: result multiplier (1.0: plain sum) */
     int64_t root;        /* BC: source rank in the group */
     int64_t max_threads; /* thread cap for copies and sums */
+    /* AG only, optional (NULL: plain all-gather).  Fused copy-out: dst is a
+     * unit's natural buffer of dst_numel elements and each rank's block is
+     * copied into it as cf_chunk_unpack would copy the gathered buffer (the
+     * plan's world_size is the group's, its shard_numel is numel); the rank-
+     * major buffer is never built.  The caller keeps the array alive until
+     * the op is done. */
+    const cf_chunk_param *unpack;
+    int64_t n_unpack;
+    int64_t dst_numel;
 } cf_shm_args;
 
 /*

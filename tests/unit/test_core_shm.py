@@ -217,6 +217,67 @@ def test_collectives_match_torch(groups, world):
                 assert torch.equal(b.view(torch.uint8), want.view(torch.uint8))
 
 
+def chunk_plan(shapes, world):
+    """fully_shard's plan for parameters of these shapes: (nat_off, numel, chunk_numel,
+    shard_off) each, and the per-rank shard numel."""
+    plan, nat, shard = [], 0, 0
+    for rows, row_numel in shapes:
+        c = -(-rows // world)
+        plan.append((nat, rows * row_numel, c * row_numel, shard))
+        nat += rows * row_numel
+        shard += c * row_numel
+    return plan, nat, shard
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_gather_unpack_is_all_gather_then_chunk_unpack(groups, world):
+    """The fused copy-out writes the natural buffer exactly as chunk_unpack of the
+    rank-major all-gather would (padding dropped, ranks holding nothing included),
+    through many pieces of the small slots, for every dtype."""
+    from cfsdp._ref import chunk_unpack as ref_unpack
+    from cfsdp._runtime.comm import pack_plan
+
+    gs = groups(world)
+    gs.wait_attached()
+    gen = torch.Generator().manual_seed(100 + world)
+    shape_sets = [[(1, 1)], [(5, 3), (1, 7), (world + 1, 1), (2, 64)], [(37, 11), (3, 129), (8, 8)],
+                  [(world - 1, 5), (1, 1000)]]
+    for dtype, shapes in itertools.product(DTYPES, shape_sets):
+        plan, nat_numel, shard_numel = chunk_plan(shapes, world)
+        shards = [random_tensor(shard_numel, dtype, gen) for _ in range(world)]
+        start = random_tensor(nat_numel + 3, dtype, gen)  # 3 trailing elements no plan covers
+        want = start.clone()
+        ref_unpack(want[:nat_numel], torch.cat(shards), plan, world, shard_numel)
+        want[nat_numel:] = start[nat_numel:]
+        nats = [start.clone() for _ in range(world)]
+        blob = pack_plan(plan)
+        run_all([g.all_gather_unpack(n.data_ptr(), n.numel(), sh.data_ptr(), shard_numel,
+                                     CODE[dtype], blob, 1, (n, sh, blob))
+                 for g, n, sh in zip(gs.views, nats, shards)])
+        for n in nats:
+            assert torch.equal(n.view(torch.uint8), want.view(torch.uint8)), (dtype, shapes)
+
+
+def test_all_gather_unpack_bad_plans_raise_before_queuing(groups):
+    from cfsdp._runtime.comm import pack_plan
+
+    gs = groups(2)
+    gs.wait_attached()
+    g, nat, sh = gs.views[0], torch.zeros(10), torch.zeros(5)
+    args = (nat.data_ptr(), 10, sh.data_ptr(), 5, CODE[torch.float32])
+    with pytest.raises(TypeError, match="plan must be bytes"):
+        g.all_gather_unpack(*args, [(0, 10, 5, 0)], 1, ())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        g.all_gather_unpack(*args, b"123", 1, ())
+    with pytest.raises(ValueError, match="does not fit in 2 chunks"):  # chunks too small
+        g.all_gather_unpack(*args, pack_plan([(0, 10, 4, 0)]), 1, ())
+    with pytest.raises(ValueError, match="passes the end 10"):  # natural too small
+        g.all_gather_unpack(*args, pack_plan([(1, 10, 5, 0)]), 1, ())
+    with pytest.raises(ValueError, match="overlap"):
+        g.all_gather_unpack(nat.data_ptr(), 10, nat.data_ptr(), 5, CODE[torch.float32],
+                            pack_plan([(0, 10, 5, 0)]), 1, ())
+
+
 def test_async_ops_overlap_and_wait_out_of_order(groups):
     """Many ops queued before any wait; waited newest first; results as if run in order."""
     world, n = 3, 517

@@ -147,6 +147,7 @@ class ChunkUnit:
         self.natural_numel = nat
         self.shard_numel = shard
         self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off) for q in self.params]
+        self._plan_bytes = comm.pack_plan(self._plan)
         self._split_sizes = [q.numel for q in self.params]
 
         # This rank's shard, straight from the original parameters (on the meta
@@ -327,9 +328,13 @@ class ChunkUnit:
         if self.uses_mp:  # the all-gather input: the shard cast in one C pass
             src = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
             _core.scale_cast_add(src, self.shard, 1.0, False)
-        out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
-        self._pending_gathered = out
-        self._pending_unshard = comm.all_gather(out, src, self.group, async_op=True)
+        # straight into the natural buffer: on shared memory the copy-out from the
+        # peers' slots is the chunk copy-out (no rank-major buffer); nothing reads
+        # ``natural`` before wait_unshard
+        _alloc(self.natural)
+        self._pending_gathered = None
+        self._pending_unshard = comm.all_gather_unpack(
+            self.natural.data, src, self._plan, self._plan_bytes, self.group, async_op=True)
         if not async_op:
             self.wait_unshard()
 
@@ -367,10 +372,12 @@ class ChunkUnit:
         self._pending_unshard.wait()
         self._pending_unshard = None
         gathered, self._pending_gathered = self._pending_gathered, None
-        _alloc(self.natural)
-        # through ``.data``: refilling the buffer must not bump the version counter
-        # of the views autograd saved in forward (they see the same values again)
-        _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size, self.shard_numel)
+        if gathered is not None:  # gathered over the post-forward group: copy it out
+            _alloc(self.natural)
+            # through ``.data``: refilling the buffer must not bump the version counter
+            # of the views autograd saved in forward (they see the same values again)
+            _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size,
+                               self.shard_numel)
         self._buf = self.natural
         self._register_unsharded()
 

@@ -65,6 +65,7 @@ kernel's own twin is ``cfsdp._ref.shm_reduce``.
 
 from __future__ import annotations
 
+import array
 import atexit
 import os
 import secrets
@@ -338,6 +339,42 @@ def all_gather(
     work = ag(out, shard, group=group, async_op=async_op)
     _pg_issued(group, work)
     return Pending(work, out, shard)
+
+
+def pack_plan(plan) -> bytes:
+    """A chunk plan ``[(nat_off, numel, chunk_numel, shard_off), ...]`` as the bytes
+    :func:`all_gather_unpack` takes (int64 quadruples, csrc/chunk.h's cf_chunk_param)."""
+    return array.array("q", [int(v) for entry in plan for v in entry]).tobytes()
+
+
+def all_gather_unpack(
+    natural: torch.Tensor, shard: torch.Tensor, plan, plan_bytes: bytes,
+    group: dist.ProcessGroup, async_op: bool,
+) -> Pending:
+    """All-gather every rank's ``shard`` straight into a unit's ``natural`` buffer by
+    its chunk ``plan`` (``plan_bytes = pack_plan(plan)``): the result of an all-gather
+    into the rank-major buffer followed by ``_core.chunk_unpack``, which is what the
+    process group path does.  On shared memory the copy-out from the peers' slots
+    writes the natural buffer directly, so the rank-major buffer is never built."""
+    group = _resolve(group)
+    st = _shm_for(group, natural, shard)
+    if st is not None:
+        work = st.shm.all_gather_unpack(
+            natural.data_ptr(), natural.numel(), shard.data_ptr(), shard.numel(),
+            _core.DTYPE_CODES[natural.dtype], plan_bytes, torch.get_num_threads(),
+            (natural, shard, plan_bytes))
+        return _shm_done(work, async_op, natural, shard)
+    W = dist.get_world_size(group)
+    gathered = torch.empty(W * shard.numel(), dtype=shard.dtype, device=shard.device)
+    pending = all_gather(gathered, shard, group, async_op=True)
+
+    def unpack() -> None:
+        _core.chunk_unpack(natural, gathered, plan, W, shard.numel())
+
+    p = Pending(pending.work, natural, shard, gathered, post=unpack)
+    if not async_op:
+        p.wait()
+    return p
 
 
 def reduce_scatter(
