@@ -247,6 +247,7 @@ typedef struct {
     int64_t rank_lo, n_ranks;
     double divisor;
     bool bytes_only; /* same dtype, no divide: memcpy */
+    int64_t origin;  /* the element index `gathered` points at (0: the whole buffer) */
 } cf_chunk_pack_ctx;
 
 /* Zero gathered elements [s, e) clipped to [a, b). */
@@ -256,7 +257,8 @@ static void cf_chunk_pack_zero(const cf_chunk_pack_ctx *c, int64_t s, int64_t e,
     s = s > a ? s : a;
     e = e < b ? e : b;
     if (e > s)
-        memset(c->gathered + (size_t)s * c->gathered_esz, 0, (size_t)(e - s) * c->gathered_esz);
+        memset(c->gathered + (size_t)(s - c->origin) * c->gathered_esz, 0,
+               (size_t)(e - s) * c->gathered_esz);
 }
 
 /* Gathered elements [start, start + len) <- natural [nat, nat + len),
@@ -269,7 +271,7 @@ static void cf_chunk_pack_copy(const cf_chunk_pack_ctx *c, int64_t start, int64_
     const unsigned char *src;
     if (e <= s)
         return;
-    dst = c->gathered + (size_t)s * c->gathered_esz;
+    dst = c->gathered + (size_t)(s - c->origin) * c->gathered_esz;
     src = c->natural + (size_t)(nat + (s - start)) * c->natural_esz;
     if (c->bytes_only)
         memcpy(dst, src, (size_t)(e - s) * c->gathered_esz);
@@ -327,7 +329,27 @@ cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dty
     ctx.n_ranks = rank_hi - rank_lo;
     ctx.divisor = divisor;
     ctx.bytes_only = gathered_dtype == natural_dtype && divisor == 1.0;
+    ctx.origin = 0;
     cf_parallel_for(gathered_numel, cf_chunk_threads(gathered_numel, gesz + nesz, max_threads),
                     cf_chunk_pack_range, &ctx);
     return CF_OK;
+}
+
+void cf_chunk_pack_piece(void *out, int out_dtype, const void *natural, int natural_dtype,
+                         const cf_chunk_plan *plan, int64_t a, int64_t b, double divisor)
+{
+    cf_chunk_pack_ctx ctx;
+    ctx.plan = plan;
+    ctx.gathered = out;
+    ctx.natural = natural;
+    ctx.gathered_dtype = out_dtype;
+    ctx.natural_dtype = natural_dtype;
+    ctx.gathered_esz = cf_dtype_size(out_dtype);
+    ctx.natural_esz = cf_dtype_size(natural_dtype);
+    ctx.rank_lo = 0;
+    ctx.n_ranks = plan->world_size;
+    ctx.divisor = divisor;
+    ctx.bytes_only = out_dtype == natural_dtype && divisor == 1.0;
+    ctx.origin = a;
+    cf_chunk_pack_range(&ctx, a, b);
 }

@@ -76,6 +76,17 @@ cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dty
  */
 cf_status cf_chunk_plan_check(const cf_chunk_plan *plan, int64_t natural_numel, cf_err *err);
 
+/*
+ * Copy-in of one piece, without checks (the caller validated the plan with
+ * cf_chunk_plan_check against the natural buffer, and the dtype codes):
+ * elements [a, b) of the whole rank-major buffer (all world_size ranks,
+ * rank k at k * shard_numel) go to `out` (b - a elements), each as
+ * cf_chunk_pack writes it (cast(src / divisor), padding and gaps zero).
+ * Single-threaded.  Needs no GIL.
+ */
+void cf_chunk_pack_piece(void *out, int out_dtype, const void *natural, int natural_dtype,
+                         const cf_chunk_plan *plan, int64_t a, int64_t b, double divisor);
+
 /* Elements of parameter p held by rank k (0 <= k < world_size): chunk_numel,
  * the remainder, or 0. */
 int64_t cf_chunk_rank_len(const cf_chunk_param *p, int64_t k);

@@ -878,8 +878,10 @@ static int cf_py_shm_parse_buffers(PyObject *const *args, cf_shm_args *a)
     a->dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
     a->root = 0;
     a->scale = 1.0;
-    a->unpack = NULL;
-    a->n_unpack = a->dst_numel = 0;
+    a->plan = NULL;
+    a->n_plan = a->natural_numel = 0;
+    a->natural_dtype = a->dtype;
+    a->divisor = 1.0;
     return 0;
 }
 
@@ -914,43 +916,92 @@ PyDoc_STRVAR(cf_py_shm_group_all_gather_unpack_doc,
 "(world_size: the group's, shard_numel: numel).  The rank-major buffer is\n"
 "never built.  `keep` (which must hold `plan`) is held until the op is done.");
 
+/* A plan argument (bytes of int64 quadruples) into a->plan / a->n_plan; 0 or -1.
+ * Bytes are immutable and the op's `keep` holds them, so the pointer stays
+ * valid after the buffer view is released. */
+static int cf_py_shm_plan(PyObject *obj, cf_shm_args *a)
+{
+    Py_buffer view;
+    if (!PyBytes_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "plan must be bytes of int64 quadruples, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (view.len % (Py_ssize_t)sizeof(cf_chunk_param) != 0) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "plan has %zd bytes, not a multiple of %zu", view.len,
+                     sizeof(cf_chunk_param));
+        return -1;
+    }
+    a->plan = (const cf_chunk_param *)view.buf;
+    a->n_plan = (int64_t)(view.len / (Py_ssize_t)sizeof(cf_chunk_param));
+    PyBuffer_Release(&view);
+    return 0;
+}
+
 static PyObject *cf_py_shm_group_all_gather_unpack(PyObject *obj, PyObject *const *args,
                                                    Py_ssize_t nargs)
 {
     cf_shm_args a;
     void *src;
     int64_t code;
-    Py_buffer view;
     if (cf_py_check_nargs("all_gather_unpack", nargs, 8) < 0 ||
         cf_py_addr(args[0], "natural_addr", &a.dst) < 0 ||
-        cf_py_int64(args[1], "natural_numel", &a.dst_numel) < 0 ||
+        cf_py_int64(args[1], "natural_numel", &a.natural_numel) < 0 ||
         cf_py_addr(args[2], "src_addr", &src) < 0 || cf_py_int64(args[3], "numel", &a.numel) < 0 ||
         cf_py_int64(args[4], "dtype_code", &code) < 0 ||
         cf_py_int64(args[6], "max_threads", &a.max_threads) < 0)
         return NULL;
-    if (!PyBytes_Check(args[5])) {
-        PyErr_Format(PyExc_TypeError, "plan must be bytes of int64 quadruples, not %.100s",
-                     Py_TYPE(args[5])->tp_name);
+    if (cf_py_shm_plan(args[5], &a) < 0)
         return NULL;
-    }
-    if (PyObject_GetBuffer(args[5], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (view.len % (Py_ssize_t)sizeof(cf_chunk_param) != 0) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "plan has %zd bytes, not a multiple of %zu", view.len,
-                     sizeof(cf_chunk_param));
-        return NULL;
-    }
-    /* bytes are immutable and `keep` holds them: the pointer stays valid */
-    a.unpack = (const cf_chunk_param *)view.buf;
-    a.n_unpack = (int64_t)(view.len / (Py_ssize_t)sizeof(cf_chunk_param));
-    PyBuffer_Release(&view);
     a.src = src;
     a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
+    a.natural_dtype = a.dtype;
+    a.divisor = 1.0;
     a.root = 0;
     a.scale = 1.0;
     a.op = CF_SHM_ALL_GATHER;
     return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[7]);
+}
+
+PyDoc_STRVAR(cf_py_shm_group_reduce_scatter_pack_doc,
+"reduce_scatter_pack($self, dst_addr, numel, dtype_code, natural_addr, natural_numel,\n"
+"                    natural_dtype_code, divisor, scale, plan, max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue a reduce-scatter whose input is chunk_pack's: the natural gradient\n"
+"(natural_numel elements) is packed rank-major by the plan (bytes of int64\n"
+"quadruples, as all_gather_unpack's), cast to dtype after dividing by divisor,\n"
+"piece by piece straight into the shared slots; dst (numel) = scale * sum\n"
+"over ranks of this rank's block.  The rank-major buffer is never built.\n"
+"`keep` (which must hold `plan`) is held until the op is done.");
+
+static PyObject *cf_py_shm_group_reduce_scatter_pack(PyObject *obj, PyObject *const *args,
+                                                     Py_ssize_t nargs)
+{
+    cf_shm_args a;
+    void *nat;
+    int64_t code, ncode;
+    if (cf_py_check_nargs("reduce_scatter_pack", nargs, 11) < 0 ||
+        cf_py_addr(args[0], "dst_addr", &a.dst) < 0 || cf_py_int64(args[1], "numel", &a.numel) < 0 ||
+        cf_py_int64(args[2], "dtype_code", &code) < 0 ||
+        cf_py_addr(args[3], "natural_addr", &nat) < 0 ||
+        cf_py_int64(args[4], "natural_numel", &a.natural_numel) < 0 ||
+        cf_py_int64(args[5], "natural_dtype_code", &ncode) < 0 ||
+        cf_py_int64(args[9], "max_threads", &a.max_threads) < 0 || cf_py_shm_plan(args[8], &a) < 0)
+        return NULL;
+    a.divisor = PyFloat_AsDouble(args[6]);
+    a.scale = PyFloat_AsDouble(args[7]);
+    if ((a.divisor == -1.0 || a.scale == -1.0) && PyErr_Occurred())
+        return NULL;
+    a.src = nat;
+    a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
+    a.natural_dtype = ncode >= 0 && ncode < CF_DTYPE_COUNT ? (int)ncode : -1;
+    a.root = 0;
+    a.op = CF_SHM_REDUCE_SCATTER;
+    return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[10]);
 }
 
 PyDoc_STRVAR(cf_py_shm_group_reduce_scatter_doc,
@@ -1016,8 +1067,10 @@ static PyObject *cf_py_shm_group_broadcast(PyObject *obj, PyObject *const *args,
     a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
     a.src = NULL;
     a.scale = 1.0;
-    a.unpack = NULL;
-    a.n_unpack = a.dst_numel = 0;
+    a.plan = NULL;
+    a.n_plan = a.natural_numel = 0;
+    a.natural_dtype = a.dtype;
+    a.divisor = 1.0;
     a.op = CF_SHM_BROADCAST;
     return cf_py_shm_enqueue((cf_py_shm_group *)obj, &a, args[5]);
 }
@@ -1091,6 +1144,8 @@ static PyMethodDef cf_py_shm_group_methods[] = {
      cf_py_shm_group_all_gather_doc},
     {"all_gather_unpack", (PyCFunction)(void (*)(void))cf_py_shm_group_all_gather_unpack,
      METH_FASTCALL, cf_py_shm_group_all_gather_unpack_doc},
+    {"reduce_scatter_pack", (PyCFunction)(void (*)(void))cf_py_shm_group_reduce_scatter_pack,
+     METH_FASTCALL, cf_py_shm_group_reduce_scatter_pack_doc},
     {"reduce_scatter", (PyCFunction)(void (*)(void))cf_py_shm_group_reduce_scatter,
      METH_FASTCALL, cf_py_shm_group_reduce_scatter_doc},
     {"all_reduce", (PyCFunction)(void (*)(void))cf_py_shm_group_all_reduce, METH_FASTCALL,

@@ -857,8 +857,8 @@ static int cf_shm_unpack_segs(const cf_shm_args *a, int64_t q, int64_t off, int6
                               const unsigned char *from, size_t esz, cf_shm_seg *segs, int ns)
 {
     unsigned char *nat = a->dst;
-    for (int64_t i = 0; i < a->n_unpack; i++) {
-        const cf_chunk_param *p = &a->unpack[i];
+    for (int64_t i = 0; i < a->n_plan; i++) {
+        const cf_chunk_param *p = &a->plan[i];
         int64_t held = cf_chunk_rank_len(p, q); /* elements of the chunk rank q holds */
         int64_t lo = p->shard_off > off ? p->shard_off : off;
         int64_t hi = p->shard_off + held < off + len ? p->shard_off + held : off + len;
@@ -882,13 +882,13 @@ static cf_status cf_shm_all_gather(cf_shm_group *g, const cf_shm_args *a, cf_err
     cf_shm_seg *segs = fixed;
     cf_status st = CF_OK;
 
-    if (a->unpack != NULL && a->n_unpack > 0) {
+    if (a->plan != NULL && a->n_plan > 0) {
         /* at most one copy per parameter and rank per piece */
         size_t cap;
-        if (cf_mul_size_overflows((size_t)a->n_unpack, (size_t)W, &cap) ||
+        if (cf_mul_size_overflows((size_t)a->n_plan, (size_t)W, &cap) ||
             (segs = malloc(cap * sizeof *segs)) == NULL)
             return cf_err_set(err, CF_ENOMEM, "all_gather: no memory for %lld x %d copies",
-                              (long long)a->n_unpack, W);
+                              (long long)a->n_plan, W);
     }
     for (int64_t k = 0, np = cf_shm_pieces(n, per); k < np; k++) {
         int64_t off = k * per, len = cf_shm_clip(n, off, per);
@@ -901,7 +901,7 @@ static cf_status cf_shm_all_gather(cf_shm_group *g, const cf_shm_args *a, cf_err
         for (int q = 0; q < W; q++) {
             const unsigned char *from = q == me ? src + (size_t)off * esz : cf_shm_slot(g, q);
             unsigned char *to = dst + ((size_t)q * (size_t)n + (size_t)off) * esz;
-            if (a->unpack != NULL)
+            if (a->plan != NULL)
                 ns = cf_shm_unpack_segs(a, q, off, len, from, esz, segs, ns);
             else if (to != from)
                 segs[ns++] = (cf_shm_seg){to, from, bytes};
@@ -926,21 +926,33 @@ static cf_status cf_shm_reduce_scatter(cf_shm_group *g, const cf_shm_args *a, cf
     cf_shm_seg segs[CF_SHM_MAX_WORLD];
     const void *srcs[CF_SHM_MAX_WORLD];
 
+    const cf_chunk_plan plan = {a->plan, (size_t)(a->n_plan > 0 ? a->n_plan : 0), W, n};
+
     for (int64_t k = 0, np = cf_shm_pieces(n, per); k < np; k++) {
         int64_t off = k * per, len = cf_shm_clip(n, off, per);
         size_t bytes = (size_t)len * esz;
         int ns = 0;
         CF_CHECK(cf_shm_piece_begin(g, k, a, err));
-        for (int q = 0; q < W; q++)
-            if (q != me)
-                segs[ns++] = (cf_shm_seg){cf_shm_slot(g, me) + (size_t)q * block,
-                                          src + ((size_t)q * (size_t)n + (size_t)off) * esz,
-                                          bytes};
-        cf_shm_copies(segs, ns, a->max_threads);
+        if (a->plan != NULL) {
+            /* fused copy-in: every rank block's piece packed from the natural
+             * gradient into this rank's slot (its own block too, read back below) */
+            for (int q = 0; q < W; q++)
+                cf_chunk_pack_piece(cf_shm_slot(g, me) + (size_t)q * block, a->dtype, a->src,
+                                    a->natural_dtype, &plan, (int64_t)q * n + off,
+                                    (int64_t)q * n + off + len, a->divisor);
+        } else {
+            for (int q = 0; q < W; q++)
+                if (q != me)
+                    segs[ns++] = (cf_shm_seg){cf_shm_slot(g, me) + (size_t)q * block,
+                                              src + ((size_t)q * (size_t)n + (size_t)off) * esz,
+                                              bytes};
+            cf_shm_copies(segs, ns, a->max_threads);
+        }
         CF_CHECK(cf_shm_piece_exchange(g, k, a, err));
         for (int q = 0; q < W; q++)
-            srcs[q] = q == me ? src + ((size_t)me * (size_t)n + (size_t)off) * esz
-                              : cf_shm_slot(g, q) + (size_t)me * block;
+            srcs[q] = q == me && a->plan == NULL
+                          ? src + ((size_t)me * (size_t)n + (size_t)off) * esz
+                          : cf_shm_slot(g, q) + (size_t)me * block;
         cf_shm_reduce_par(dst + (size_t)off * esz, srcs, W, (size_t)len, a->dtype, a->scale,
                           a->max_threads);
         cf_shm_piece_end(g);
@@ -1056,31 +1068,40 @@ cf_status cf_shm_check(const cf_shm_group *g, const cf_shm_args *a, cf_err *err)
         cf_mul_size_overflows(unit, (size_t)g->world, &in_bytes) || in_bytes > (size_t)INT64_MAX)
         return cf_err_set(err, CF_EOVERFLOW, "%s: numel %lld is too large", name,
                           (long long)a->numel);
-    if (a->unpack != NULL) {
-        cf_chunk_plan plan = {a->unpack, (size_t)(a->n_unpack > 0 ? a->n_unpack : 0), g->world,
+    if (a->plan != NULL) {
+        cf_chunk_plan plan = {a->plan, (size_t)(a->n_plan > 0 ? a->n_plan : 0), g->world,
                               a->numel};
-        size_t nat_bytes;
-        if (a->op != CF_SHM_ALL_GATHER)
-            return cf_err_set(err, CF_EINVAL, "%s: a copy-out plan is for all_gather only",
-                              name);
-        if (a->n_unpack < 0 || a->dst_numel < 0)
+        size_t nat_esz = a->op == CF_SHM_REDUCE_SCATTER ? cf_dtype_size(a->natural_dtype) : esz;
+        size_t nat_bytes, other_bytes;
+        const void *nat = a->op == CF_SHM_REDUCE_SCATTER ? a->src : a->dst;
+        const void *other = a->op == CF_SHM_REDUCE_SCATTER ? a->dst : a->src;
+        if (a->op != CF_SHM_ALL_GATHER && a->op != CF_SHM_REDUCE_SCATTER)
             return cf_err_set(err, CF_EINVAL,
-                              "all_gather: plan length and natural numel must be >= 0");
-        if ((uint64_t)a->dst_numel > (uint64_t)SIZE_MAX ||
-            cf_mul_size_overflows((size_t)a->dst_numel, esz, &nat_bytes))
-            return cf_err_set(err, CF_EOVERFLOW, "all_gather: natural numel %lld is too large",
-                              (long long)a->dst_numel);
-        if (a->dst_numel > 0 && a->dst == NULL)
-            return cf_err_set(err, CF_EINVAL, "all_gather: NULL natural buffer");
-        CF_CHECK(cf_chunk_plan_check(&plan, a->dst_numel, err));
-        if (a->numel > 0 && a->src == NULL)
-            return cf_err_set(err, CF_EINVAL, "all_gather: NULL address with numel %lld",
-                              (long long)a->numel);
-        if (a->root != 0 || a->scale != 1.0)
-            return cf_err_set(err, CF_EINVAL, "all_gather takes no root and a scale of 1");
-        if (cf_shm_overlap(a->dst, nat_bytes, a->src, unit))
+                              "%s: a chunk plan is for all_gather and reduce_scatter only", name);
+        if (nat_esz == 0)
+            return cf_err_set(err, CF_EINVAL, "%s: unknown natural dtype code %d", name,
+                              a->natural_dtype);
+        if (a->n_plan < 0 || a->natural_numel < 0)
             return cf_err_set(err, CF_EINVAL,
-                              "all_gather: the shard and the natural buffer overlap");
+                              "%s: plan length and natural numel must be >= 0", name);
+        if ((uint64_t)a->natural_numel > (uint64_t)SIZE_MAX ||
+            cf_mul_size_overflows((size_t)a->natural_numel, nat_esz, &nat_bytes))
+            return cf_err_set(err, CF_EOVERFLOW, "%s: natural numel %lld is too large", name,
+                              (long long)a->natural_numel);
+        if ((a->natural_numel > 0 && nat == NULL) || (a->numel > 0 && other == NULL))
+            return cf_err_set(err, CF_EINVAL, "%s: NULL address", name);
+        CF_CHECK(cf_chunk_plan_check(&plan, a->natural_numel, err));
+        if (a->root != 0 || !isfinite(a->scale) ||
+            (a->op == CF_SHM_ALL_GATHER && a->scale != 1.0))
+            return cf_err_set(err, CF_EINVAL, "%s takes no root and a finite scale (1 for "
+                              "all_gather)", name);
+        if (a->op == CF_SHM_REDUCE_SCATTER && !(isfinite(a->divisor) && a->divisor != 0.0))
+            return cf_err_set(err, CF_EINVAL, "reduce_scatter: divisor must be finite and "
+                              "non-zero, got %g", a->divisor);
+        other_bytes = unit; /* AG: the shard; RS: the reduced chunk */
+        if (cf_shm_overlap(nat, nat_bytes, other, other_bytes))
+            return cf_err_set(err, CF_EINVAL, "%s: the natural buffer and the %s overlap",
+                              name, a->op == CF_SHM_ALL_GATHER ? "shard" : "output");
         return CF_OK;
     }
     switch (a->op) {

@@ -122,15 +122,20 @@ typedef struct {
     double scale;        /* RS, AR: result multiplier (1.0: plain sum) */
     int64_t root;        /* BC: source rank in the group */
     int64_t max_threads; /* thread cap for copies and sums */
-    /* AG only, optional (NULL: plain all-gather).  Fused copy-out: dst is a
-     * unit's natural buffer of dst_numel elements and each rank's block is
-     * copied into it as cf_chunk_unpack would copy the gathered buffer (the
-     * plan's world_size is the group's, its shard_numel is numel); the rank-
-     * major buffer is never built.  The caller keeps the array alive until
-     * the op is done. */
-    const cf_chunk_param *unpack;
-    int64_t n_unpack;
-    int64_t dst_numel;
+    /* Optional (NULL: a plain collective): a unit's chunk plan (csrc/chunk.h;
+     * its world_size is the group's, its shard_numel is numel) that fuses
+     * FSDP2's copies into the collective, so the rank-major buffer is never
+     * built.  AG: dst is the unit's natural buffer (natural_numel elements) and
+     * each rank's block is copied into it as cf_chunk_unpack would copy it.
+     * RS: src is the natural gradient (natural_numel elements of
+     * natural_dtype), packed piece by piece straight into the slots as
+     * cf_chunk_pack would pack it (cast to dtype after dividing by divisor).
+     * The caller keeps the array alive until the op is done. */
+    const cf_chunk_param *plan;
+    int64_t n_plan;
+    int64_t natural_numel;
+    int natural_dtype; /* RS with a plan */
+    double divisor;    /* RS with a plan: the pre-divide (1: none) */
 } cf_shm_args;
 
 /*

@@ -258,6 +258,45 @@ def test_all_gather_unpack_is_all_gather_then_chunk_unpack(groups, world):
             assert torch.equal(n.view(torch.uint8), want.view(torch.uint8)), (dtype, shapes)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reduce_scatter_pack_is_chunk_pack_then_reduce_scatter(groups, world):
+    """The fused copy-in packs each piece of the natural gradient into the slots
+    exactly as chunk_pack (cast after the pre-divide, padding zero) would build the
+    rank-major input; the result equals chunk_pack + the plain reduce-scatter bit for
+    bit, for every reduce dtype, a gradient in another dtype, divisors and scales."""
+    from cfsdp._ref import chunk_pack as ref_pack
+    from cfsdp._runtime.comm import pack_plan
+
+    gs = groups(world)
+    gs.wait_attached()
+    gen = torch.Generator().manual_seed(200 + world)
+    shape_sets = [[(1, 1)], [(5, 3), (1, 7), (world + 1, 1), (2, 64)], [(37, 11), (3, 129)],
+                  [(world - 1, 5), (1, 1000)]]
+    cases = [(d, d) for d in DTYPES] + [(torch.bfloat16, torch.float32),
+                                        (torch.float16, torch.float32)]
+    for (rdt, gdt), shapes, (divisor, scale) in itertools.product(
+            cases, shape_sets, [(1.0, 1.0), (2.0, 0.5), (3.0, 1 / world)]):
+        plan, nat_numel, shard_numel = chunk_plan(shapes, world)
+        grads = [random_tensor(nat_numel, gdt, gen) for _ in range(world)]
+        blob = pack_plan(plan)
+        # reference: chunk_pack on each rank, then the plain shared-memory reduce-scatter
+        inps = []
+        for gr in grads:
+            inp = torch.empty(world * shard_numel, dtype=rdt)
+            ref_pack(inp, gr, plan, world, shard_numel, divisor, (0, world))
+            inps.append(inp)
+        want = [torch.empty(shard_numel, dtype=rdt) for _ in range(world)]
+        run_all([g.reduce_scatter(o.data_ptr(), i.data_ptr(), shard_numel, CODE[rdt], scale, 1,
+                                  (o, i)) for g, o, i in zip(gs.views, want, inps)])
+        outs = [random_tensor(shard_numel, rdt, gen) for _ in range(world)]
+        run_all([g.reduce_scatter_pack(o.data_ptr(), shard_numel, CODE[rdt], gr.data_ptr(),
+                                       nat_numel, CODE[gdt], divisor, scale, blob, 1,
+                                       (o, gr, blob))
+                 for g, o, gr in zip(gs.views, outs, grads)])
+        for r, (o, w) in enumerate(zip(outs, want)):
+            assert_same(o, w, f"reduce_scatter_pack {rdt}<-{gdt} {shapes} /{divisor} rank {r}")
+
+
 def test_all_gather_unpack_bad_plans_raise_before_queuing(groups):
     from cfsdp._runtime.comm import pack_plan
 
@@ -276,6 +315,16 @@ def test_all_gather_unpack_bad_plans_raise_before_queuing(groups):
     with pytest.raises(ValueError, match="overlap"):
         g.all_gather_unpack(nat.data_ptr(), 10, nat.data_ptr(), 5, CODE[torch.float32],
                             pack_plan([(0, 10, 5, 0)]), 1, ())
+    f32 = CODE[torch.float32]
+    with pytest.raises(ValueError, match="divisor must be finite and non-zero"):
+        g.reduce_scatter_pack(sh.data_ptr(), 5, f32, nat.data_ptr(), 10, f32, 0.0, 1.0,
+                              pack_plan([(0, 10, 5, 0)]), 1, ())
+    with pytest.raises(ValueError, match="passes the end 10"):
+        g.reduce_scatter_pack(sh.data_ptr(), 5, f32, nat.data_ptr(), 10, f32, 1.0, 1.0,
+                              pack_plan([(1, 10, 5, 0)]), 1, ())
+    with pytest.raises(ValueError, match="overlap"):
+        g.reduce_scatter_pack(nat.data_ptr(), 5, f32, nat.data_ptr(), 10, f32, 1.0, 1.0,
+                              pack_plan([(0, 10, 5, 0)]), 1, ())
 
 
 def test_async_ops_overlap_and_wait_out_of_order(groups):

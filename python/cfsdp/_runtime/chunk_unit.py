@@ -458,12 +458,13 @@ class ChunkUnit:
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pack the natural gradient into the rank-major reduce-scatter input (cast
         to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
-        W, S = self.world_size, self.shard_numel
-        inp = torch.empty(W * S, dtype=self.reduce_dtype, device=self.device)
-        _core.chunk_pack(inp, grad.contiguous(), self._plan, W, S, divisor=self.pre_divide)
-        out = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.grad_unsharded = False
-        return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True, op=self.reduce_op), out)
+        # on shared memory the pack runs piece by piece into the shared slots (no
+        # rank-major buffer); on the process group it is chunk_pack, then the collective
+        pending = comm.reduce_scatter_pack(out, grad.contiguous(), self._plan, self._plan_bytes,
+                                           self.pre_divide, self.group, True, op=self.reduce_op)
+        return PendingReduce(self, pending, out)
 
     def publish_grad(self) -> None:
         """Expose the reduced gradient: each parameter's ``.grad`` is a DTensor

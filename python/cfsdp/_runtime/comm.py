@@ -377,6 +377,32 @@ def all_gather_unpack(
     return p
 
 
+def reduce_scatter_pack(
+    out: torch.Tensor, natural: torch.Tensor, plan, plan_bytes: bytes, divisor: float,
+    group: dist.ProcessGroup, async_op: bool, op=dist.ReduceOp.SUM,
+) -> Pending:
+    """Reduce-scatter a unit's natural gradient by its chunk ``plan``: the result of
+    ``_core.chunk_pack`` into the rank-major buffer (``out``'s dtype, divided by
+    ``divisor``) followed by :func:`reduce_scatter`, which is what the process group
+    path does.  On shared memory each piece is packed straight into the shared slot,
+    so the rank-major buffer is never built."""
+    group = _resolve(group)
+    avg = _is_sum_or_avg(op)
+    st = _shm_for(group, out, out) if avg is not None and natural.dtype in _SHM_DTYPES \
+        and natural.device.type == "cpu" and natural.is_contiguous() else None
+    if st is not None:
+        work = st.shm.reduce_scatter_pack(
+            out.data_ptr(), out.numel(), _core.DTYPE_CODES[out.dtype], natural.data_ptr(),
+            natural.numel(), _core.DTYPE_CODES[natural.dtype], float(divisor),
+            _shm_scale(st, avg, None), plan_bytes, torch.get_num_threads(),
+            (out, natural, plan_bytes))
+        return _shm_done(work, async_op, out, natural)
+    W = dist.get_world_size(group)
+    inp = torch.empty(W * out.numel(), dtype=out.dtype, device=out.device)
+    _core.chunk_pack(inp, natural.contiguous(), plan, W, out.numel(), divisor=divisor)
+    return reduce_scatter(out, inp, group, async_op, op=op)
+
+
 def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
     op=dist.ReduceOp.SUM, scale: Optional[float] = None,
