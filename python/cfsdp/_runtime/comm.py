@@ -290,6 +290,13 @@ def _pg_issued(group: dist.ProcessGroup, work: Optional[Any]) -> None:
         st.last_pg = work
 
 
+def _check_blocks(op: str, what: str, whole: torch.Tensor, block: torch.Tensor, w: int) -> None:
+    """``whole`` must hold one ``block`` per rank of the group."""
+    if whole.numel() != w * block.numel():
+        raise ValueError(f"{op}: {what} has {whole.numel()} elements, expected {w} x "
+                         f"{block.numel()}")
+
+
 def _shm_done(work: Any, async_op: bool, *keep: torch.Tensor) -> Pending:
     if async_op:
         return Pending(work, *keep)
@@ -323,11 +330,7 @@ def all_gather(
     group = _resolve(group)
     st = _shm_for(group, out, shard)
     if st is not None:
-        w = st.shm.world_size
-        if out.numel() != w * shard.numel():
-            raise ValueError(
-                f"all_gather: output has {out.numel()} elements, expected {w} x "
-                f"{shard.numel()}")
+        _check_blocks("all_gather", "output", out, shard, st.shm.world_size)
         work = st.shm.all_gather(out.data_ptr(), shard.data_ptr(), shard.numel(),
                                  _core.DTYPE_CODES[out.dtype], torch.get_num_threads(),
                                  (out, shard))
@@ -413,11 +416,7 @@ def reduce_scatter(
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, out, inp) if avg is not None else None
     if st is not None:
-        w = st.shm.world_size
-        if inp.numel() != w * out.numel():
-            raise ValueError(
-                f"reduce_scatter: input has {inp.numel()} elements, expected {w} x "
-                f"{out.numel()}")
+        _check_blocks("reduce_scatter", "input", inp, out, st.shm.world_size)
         work = st.shm.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(),
                                      _core.DTYPE_CODES[out.dtype], _shm_scale(st, avg, scale),
                                      torch.get_num_threads(), (out, inp))
