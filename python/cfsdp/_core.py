@@ -364,3 +364,16 @@ def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> None:
     for t in bufs:
         if t is not None and end > t.numel():
             raise ValueError(f"ranges end at element {end}, past a buffer of {t.numel()} elements")
+
+
+# Bulk binding (C: csrc/module.c's bulk-binding block, twin: cfsdp._ref.bind): one
+# pass over tuples a unit builds once, instead of a Python loop per parameter in
+# the hooks.  No tensor data is touched, so the C versions serve every device.
+_B = _C if _C is not None else _ref
+dict_set = _B.dict_set
+dict_pop = _B.dict_pop
+attr_flags = _B.attr_flags
+attr_set = _B.attr_set
+attr_get = _B.attr_get
+sole_owner = _B.sole_owner
+shape_views = _B.shape_views

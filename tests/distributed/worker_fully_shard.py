@@ -108,6 +108,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -754,6 +755,68 @@ def grad_accum(ctx, kind: str):
             notes.append((f"after no-sync micro-batch {m} of step {s}", reg_state(model)))
 
     run_scenario(ctx, Scenario(kind=kind, steps=2, micro=3, before_micro=before, after_micro=after))
+
+
+def _grad_step(s: int, params: list, opt) -> list | None:
+    """What the user does with the gradients before step ``s`` of ``grad_lifetimes``; returns
+    the gradients the user keeps (step 2)."""
+    if s == 1:
+        opt.zero_grad(set_to_none=False)  # zeroed in place: the same tensors accumulate
+    elif s == 2:
+        kept = [p.grad for p in params]
+        opt.zero_grad(set_to_none=True)
+        return kept
+    elif s == 3:
+        params[0].grad = None  # one cleared, the others accumulate
+    elif s != 4:  # step 4: no zero_grad, everything accumulates
+        opt.zero_grad(set_to_none=True)
+    return None
+
+
+@h.subtest
+def grad_lifetimes(ctx):
+    """Sharded gradients across steps as users handle them: zeroed in place, kept by the user
+    and cleared, cleared for one parameter, accumulated, cleared: losses and gradients bit for
+    bit as torch's.  cfsdp reuses a unit's gradient buffer and DTensors only when nothing else
+    can see them ([Note: gradient reuse]): gradients the user kept keep their values, and
+    after a plain ``zero_grad()`` the next backward's gradients are the same objects, whose
+    memory is freed from the next forward until the reduction refills it."""
+    mesh = mesh_1d(ctx)
+    mm = wp.Mismatches(ctx)
+    data = batches("mlp", 6, ctx.world_size)
+    runs = {}
+    for impl in (TORCH, CFSDP):
+        model = make_model(impl, Scenario(kind="mlp"), mesh)
+        opt = wp.make_optim("sgd", model.parameters())
+        names, params = zip(*model.named_parameters())
+        rec, kept, kept_vals = [], None, None
+        for s, step_data in enumerate(data):
+            k = _grad_step(s, list(params), opt)
+            if k is not None:
+                kept, kept_vals = k, [local(g).clone() for g in k]
+            x, y = step_data[0][ctx.rank]
+            loss = loss_fn("mlp", model(x), y)
+            loss.backward()
+            rec.append((loss.detach().clone(), [local(p.grad).clone() for p in params]))
+            opt.step()
+        for n, g, v in zip(names, kept, kept_vals):
+            mm.tensors(f"{impl.name}: gradient of {n} the user kept at step 2", local(g), v)
+        if impl is CFSDP:
+            refs = [weakref.ref(p.grad) for p in params]
+            opt.zero_grad()
+            x, y = data[0][0][ctx.rank]
+            out = model(x)
+            freed = [r() is not None and local(r()).untyped_storage().nbytes() == 0 for r in refs]
+            mm.check(all(freed), f"gradient memory not freed by the forward after zero_grad(): {freed}")
+            loss_fn("mlp", out, y).backward()
+            same = [r() is p.grad for r, p in zip(refs, params)]
+            mm.check(all(same), f"gradients not reused after zero_grad(): {same}")
+        runs[impl.name] = rec
+    for s, ((lc, gc), (lt, gt)) in enumerate(zip(runs["cfsdp"], runs["torch"])):
+        mm.tensors(f"loss at step {s}", lc, lt)
+        for n, a, b in zip(names, gc, gt):
+            mm.tensors(f"gradient of {n} at step {s}", a, b)
+    mm.raise_if_any()
 
 
 # --------------------------------------------------------------------------------------------

@@ -578,3 +578,36 @@ def test_complex_and_sparse_raise():
     e(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(NotImplementedError, match="sparse gradient"):
         co.SGD(e.parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize("name, kw", [("AdamW", dict()), ("SGD", dict(momentum=0.9))])
+def test_coincident_grad_offsets_overlapping_when_merged(name, kw):
+    """Two parameters whose gradients sit at the same offset from them (as the
+    allocator often arranges for the shards and gradients of different units),
+    interleaved so that the merged spans would overlap (param A, grad A, param B,
+    grad B in one buffer): each gets a bucket of its own and steps as torch's."""
+    n = 64
+    gen = torch.Generator().manual_seed(3)
+
+    def make():
+        buf = torch.randn(4 * n, generator=gen)
+        return buf, [torch.nn.Parameter(buf[0:n]), torch.nn.Parameter(buf[2 * n : 3 * n])]
+
+    buf, params = make()
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = getattr(co, name)(params, lr=1e-2, **kw)
+    ref = getattr(torch.optim, name)(ref_params, lr=1e-2, foreach=False, **kw)
+    for _ in range(3):
+        grads = torch.randn(2, n, generator=gen)
+        with torch.no_grad():
+            buf[n : 2 * n].copy_(grads[0])
+            buf[3 * n :].copy_(grads[1])
+        params[0].grad, params[1].grad = buf[n : 2 * n], buf[3 * n :]
+        for q, g in zip(ref_params, grads):
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+    if _core.backend == "c":
+        assert [len(b.entries) for b in opt._cf_plans[0].buckets] == [1, 1]
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)

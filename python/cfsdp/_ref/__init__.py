@@ -13,6 +13,7 @@ from .reduce import scale_cast_add
 from .norm import norm_partial
 from .shm import shm_memcpy, shm_reduce
 from .optim import adam_step, sgd_step
+from .bind import attr_flags, attr_get, attr_set, dict_pop, dict_set, shape_views, sole_owner
 
 __all__ = [
     "plan_layout_lists",
@@ -25,4 +26,11 @@ __all__ = [
     "shm_memcpy",
     "adam_step",
     "sgd_step",
+    "dict_set",
+    "dict_pop",
+    "attr_flags",
+    "attr_set",
+    "attr_get",
+    "sole_owner",
+    "shape_views",
 ]

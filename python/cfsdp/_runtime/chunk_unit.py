@@ -27,7 +27,7 @@ exactly, so local shards and gradients match torch's bit for bit.
 
 from __future__ import annotations
 
-import weakref
+import operator
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -41,7 +41,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import _core
 from . import comm
 from .reduce import divide_factors
-from .unit import PendingReduce, _alloc, _free, hook_grad_ready
+from .unit import (PendingReduce, _alloc, _free, all_none, hook_grad_ready,
+                   storage_owners)
 
 
 @dataclass
@@ -167,11 +168,10 @@ class ChunkUnit:
         self._pending_unshard: Optional[comm.Pending] = None
         self._pending_gathered: Optional[torch.Tensor] = None
         self.saved_grad: Optional[torch.Tensor] = None
-        # the gradient buffer and the DTensor gradients last published (weakly:
-        # zero_grad frees them)
-        self._grad_buf: Optional[weakref.ref] = None
-        self._published: list[Optional[weakref.ref]] = []
+        # the sharded gradient last published and its DTensors (see [Note: gradient reuse])
+        self._pub: Optional[_Published] = None
         self.grad_unsharded = False
+        self._init_binding()
         self._unsharded_grads = False  # publish_unsharded_grad gave the full-size params grads
         self.post_backward_fn = None
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced shard
@@ -190,6 +190,27 @@ class ChunkUnit:
         self.pre_divide, self.post_divide, self.reduce_op, self.replicate_op = gradient_divide(
             dp, self.world_size, self.reduce_dtype, self.gradient_divide_factor, self.force_sum_reduction
         )
+
+    def _init_binding(self) -> None:
+        """The tuples the per-step passes work on (see [Note: bulk binding] in unit.py):
+        every occurrence of every parameter (shared parameters have several), its
+        module's ``__dict__`` and ``_parameters`` and its name."""
+        occ = [(qi, mod, name) for qi, q in enumerate(self.params)
+               for mod, name in ((q.module, q.name), *q.aliases)]
+        self._occ_index = tuple(qi for qi, _, _ in occ)
+        self._occ_attrs = tuple(mod.__dict__ for _, mod, _ in occ)
+        self._occ_params = tuple(mod._parameters for _, mod, _ in occ)
+        self._occ_keys = tuple(name for _, _, name in occ)
+        self._sharded_t: tuple = ()  # per parameter: the DTensor parameters
+        self._sharded_occ: tuple = ()  # per occurrence
+        self._unsharded_t: Optional[tuple] = None  # per parameter, built on first unshard
+        self._unsharded_occ: tuple = ()
+        self._param_index = tuple(range(len(self.params)))
+        self._shapes = tuple(None if len(q.shape) == 1 else q.shape for q in self.params)
+        self._rg_mask: Optional[bytes] = None
+
+    def _per_occurrence(self, per_param) -> tuple:
+        return tuple(per_param[i] for i in self._occ_index)
 
     def _local_view(self, buf: torch.Tensor, q: ChunkParam) -> torch.Tensor:
         return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_rows, *q.shape[1:])
@@ -213,6 +234,7 @@ class ChunkUnit:
         self._hooked = False
         for q in self.params:
             q.unsharded = None
+        self._unsharded_t = None
 
     def _install_sharded_params(self) -> None:
         for q in self.params:
@@ -223,7 +245,11 @@ class ChunkUnit:
                 # offset through its storage and fails (copy.deepcopy(state_dict)).
                 local = torch.from_dlpack(local)
             q.sharded = self._dtensor_param(local, q)
-            self._register(q, q.sharded)
+        self._sharded_t = tuple(q.sharded for q in self.params)
+        self._sharded_occ = self._per_occurrence(self._sharded_t)
+        _core.dict_set(self._occ_params, self._occ_keys, self._sharded_occ)
+        self._pub = None
+        self._rg_mask = None  # read the new parameters' requires_grad
 
     def _dtensor_param(self, local: torch.Tensor, q: ChunkParam) -> nn.Parameter:
         """The sharded parameter: a leaf DTensor marked as a parameter, exactly what
@@ -235,21 +261,21 @@ class ChunkUnit:
         dt._is_param = True
         return dt
 
-    @staticmethod
-    def _register(q: "ChunkParam", param: nn.Parameter) -> None:
-        for mod, name in ((q.module, q.name), *q.aliases):
-            mod._parameters[name] = param
-
     def _register_unsharded(self) -> None:
         """While unsharded, the modules hold full-size parameters (views of the
-        unsharded buffer), as torch's FSDP2 registers its unsharded parameters."""
-        for q in self.params:
-            if q.unsharded is None:
-                v = self.natural[q.nat_off : q.nat_off + q.numel].view(q.shape)
-                q.unsharded = nn.Parameter(v, requires_grad=q.requires_grad)
-            elif q.unsharded.requires_grad != q.requires_grad:
-                q.unsharded.requires_grad_(q.requires_grad)
-            self._register(q, q.unsharded)
+        unsharded buffer), as torch's FSDP2 registers its unsharded parameters.
+        They are built once per unsharded buffer and kept (with the requires_grad
+        of their sharded parameters, refreshed when that changes)."""
+        if self._unsharded_t is None:
+            for q in self.params:
+                if q.unsharded is None:
+                    v = self.natural[q.nat_off : q.nat_off + q.numel].view(q.shape)
+                    q.unsharded = nn.Parameter(v, requires_grad=q.requires_grad)
+                elif q.unsharded.requires_grad != q.requires_grad:
+                    q.unsharded.requires_grad_(q.requires_grad)
+            self._unsharded_t = tuple(q.unsharded for q in self.params)
+            self._unsharded_occ = self._per_occurrence(self._unsharded_t)
+        _core.dict_set(self._occ_params, self._occ_keys, self._unsharded_occ)
 
     def reset_sharded_params(self) -> None:
         """Take over parameters that replaced ours (``to_empty`` after meta-device
@@ -389,24 +415,21 @@ class ChunkUnit:
             return
         _free(self.natural)
         self._buf = None
-        for q in self.params:
-            for mod, name in ((q.module, q.name), *q.aliases):
-                mod.__dict__.pop(name, None)
-            if self._unsharded_grads:
-                q.unsharded.grad = None
-            self._register(q, q.sharded)
+        _core.dict_pop(self._occ_attrs, self._occ_keys)
+        if self._unsharded_grads:
+            _core.attr_set(self._unsharded_t, "grad", None)
+        _core.dict_set(self._occ_params, self._occ_keys, self._sharded_occ)
         self._unsharded_grads = False
 
     def use_forward_views(self) -> None:
-        """Bind each parameter name to a view of ``flat_param`` (through autograd;
-        frozen parameters get detached views)."""
-        chunks = torch.split(self.flat_param, self._split_sizes)
-        for q, ch in zip(self.params, chunks):
-            v = ch.view(q.shape)
-            if not q.requires_grad:
-                v = v.detach()
-            for mod, name in ((q.module, q.name), *q.aliases):
-                mod.__dict__[name] = v
+        """Bind each parameter name to its view of ``flat_param`` (through autograd;
+        frozen parameters get detached views), made in one C pass (see
+        [Note: forward views] in unit.py)."""
+        if self._rg_mask is None:  # parameters replaced since the last forward
+            self.refresh_requires_grad()
+        views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._param_index,
+                                  self._shapes, self._rg_mask, self._occ_index)
+        _core.dict_set(self._occ_attrs, self._occ_keys, views)
 
     def full_values(self) -> list[torch.Tensor]:
         """Views with the original shapes of the unsharded buffer."""
@@ -415,9 +438,20 @@ class ChunkUnit:
         return [self._buf[q.nat_off : q.nat_off + q.numel].view(q.shape) for q in self.params]
 
     def refresh_requires_grad(self) -> None:
-        for q in self.params:
-            q.requires_grad = q.sharded.requires_grad
+        """Follow the sharded parameters' requires_grad (the user may freeze or
+        unfreeze them between steps): one C read per step, the per-parameter
+        work only when it changed."""
+        mask = _core.attr_flags(self._sharded_t, "requires_grad")
+        if mask == self._rg_mask:
+            return
+        self._rg_mask = mask
+        for q, rg in zip(self.params, mask):
+            q.requires_grad = bool(rg)
+        self._unsharded_t = None  # their requires_grad follows on the next unshard
+        self._pub = None
         self.refresh_requires_grad_flat()
+        if self._buf is not None:
+            self._register_unsharded()
 
     def refresh_requires_grad_flat(self) -> None:
         rg = any(q.requires_grad for q in self.params)
@@ -428,26 +462,66 @@ class ChunkUnit:
 
     def before_forward(self) -> None:
         self.refresh_requires_grad()
+        self._release_dropped_grads()
 
     # --------------------------------------------------------------- grads
+    # [Note: gradient reuse]
+    # Publishing a gradient means one DTensor per parameter, viewing this rank's rows
+    # of the unit's sharded gradient buffer.  Building them every step is most of a
+    # small unit's host-side time, so the unit keeps the last ones (``_pub``) and
+    # reuses buffer and DTensors when nothing outside cfsdp can see them any more:
+    # after ``zero_grad()`` (set_to_none) no parameter holds them, and
+    # ``_Published.unseen`` checks that no other Python or C++ reference to the
+    # DTensors, their local tensors or the buffer's storage exists.  The buffer's
+    # storage is then freed at the next forward (as torch frees dropped gradients) and
+    # the next reduction writes into it again; a user who kept a gradient keeps it
+    # intact, and the unit builds new ones.  Gradients the user left in place
+    # (``zero_grad(set_to_none=False)``, accumulation) are the published buffer,
+    # which the reduction adds to; anything else is copied into a new buffer.
+
+    def _release_dropped_grads(self) -> None:
+        """Free the published gradient's storage once nothing can see it any more;
+        forget it if the parameters dropped it but the user kept some of it."""
+        pub = self._pub
+        if pub is None or pub.released or self.saved_grad is pub.buf:
+            return
+        if pub.unseen():
+            _free(pub.buf)
+            pub.released = True
+        elif all_none(_core.attr_get(self._sharded_t, "grad")):
+            self._pub = None  # the user kept some of them: theirs now
+
+    def new_grad_buffer(self) -> torch.Tensor:
+        """A shard-sized buffer of the parameters' dtype for a new sharded gradient:
+        the released published one if there is one (see [Note: gradient reuse])."""
+        pub = self._pub
+        if pub is not None and pub.released:
+            _alloc(pub.buf)
+            pub.released = False
+            return pub.buf
+        return torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+
     def take_grad_for_backward(self) -> None:
         """Before backward: collect the sharded gradients the user's parameters hold
         (they may have been cleared or replaced since they were published) into one
         shard-sized buffer that the reduced gradient is added to."""
         if self.saved_grad is not None:
             return
-        grads = [q.sharded.grad for q in self.params]
-        if all(g is None for g in grads):
+        grads = _core.attr_get(self._sharded_t, "grad")
+        if all_none(grads):
+            self._release_dropped_grads()
             return
-        buf = self._grad_buf() if self._grad_buf is not None else None
-        published = [r() if r is not None else None for r in self._published]
-        if buf is None or any(g is not p for g, p in zip(grads, published)):
-            # a gradient was cleared or replaced since it was published
-            buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-            with torch.no_grad():
-                for g, q in zip(grads, self.params):
-                    if g is not None and q.local_numel:
-                        self._local_view(buf, q).copy_(g.to_local())
+        pub = self._pub
+        if pub is not None and not pub.released and all(map(operator.is_, grads, pub.dts_all)):
+            self.saved_grad = pub.buf  # the gradients as published: add to them
+            return
+        # a gradient was cleared or replaced since it was published
+        self._pub = None
+        buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for g, q in zip(grads, self.params):
+                if g is not None and q.local_numel:
+                    self._local_view(buf, q).copy_(g.to_local())
         self.saved_grad = buf
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
@@ -458,7 +532,10 @@ class ChunkUnit:
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pack the natural gradient into the rank-major reduce-scatter input (cast
         to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        if self.saved_grad is None and self.reduce_dtype == self.dtype:
+            out = self.new_grad_buffer()  # reduce straight into the gradient
+        else:
+            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.grad_unsharded = False
         # on shared memory the pack runs piece by piece into the shared slots (no
         # rank-major buffer); on the process group it is chunk_pack, then the collective
@@ -474,18 +551,22 @@ class ChunkUnit:
         self.grad_unsharded = False
         if g is None:
             return
-        # weakly: once the user drops every gradient (zero_grad) the buffer goes
-        self._grad_buf = weakref.ref(g)
-        published = []
-        for q in self.params:
-            if q.requires_grad:
-                with torch.no_grad():
-                    q.sharded.grad = self._dtensor(self._local_view(g, q), q)
-                published.append(weakref.ref(q.sharded.grad))
-            else:
-                q.sharded.grad = None
-                published.append(None)
-        self._published = published
+        pub = self._pub
+        if pub is None or pub.buf is not g:
+            pub = self._pub = self._new_published(g)
+        _core.attr_set(self._sharded_t, "grad", pub.dts_all)
+
+    def _new_published(self, g: torch.Tensor) -> "_Published":
+        locals_, dts_all = [], []
+        with torch.no_grad():
+            for q in self.params:
+                if q.requires_grad:
+                    local = self._local_view(g, q)
+                    locals_.append(local)
+                    dts_all.append(self._dtensor(local, q))
+                else:
+                    dts_all.append(None)
+        return _Published(g, tuple(locals_), tuple(dts_all))
 
     def publish_unsharded_grad(self) -> None:
         """No gradient sync: the unreduced gradient stays with the unit until a
@@ -499,6 +580,30 @@ class ChunkUnit:
             if q.requires_grad:
                 q.unsharded.grad = g[q.nat_off : q.nat_off + q.numel].view(q.shape)
         self._unsharded_grads = True
+
+
+class _Published:
+    """A unit's published sharded gradient: its buffer, the local views of it and
+    the DTensor gradients over them (None for a frozen parameter); see
+    [Note: gradient reuse]."""
+
+    __slots__ = ("buf", "locals", "dts_all", "dts", "released")
+
+    def __init__(self, buf: torch.Tensor, locals_: tuple, dts_all: tuple):
+        self.buf = buf
+        self.locals = locals_
+        self.dts_all = dts_all
+        self.dts = tuple(d for d in dts_all if d is not None)
+        self.released = False  # the buffer's storage is freed until the next reduction
+
+    def unseen(self) -> bool:
+        """Nothing but this record refers to the gradients: no parameter holds a
+        DTensor (each is in ``dts_all`` and ``dts``), no one else a local tensor (each
+        is in ``locals`` and its DTensor), and the storage has no other tensor on it."""
+        return (bool(self.dts)
+                and _core.sole_owner(self.dts, 2)
+                and _core.sole_owner(self.locals, 2)
+                and storage_owners(self.buf) == 1 + len(self.locals))
 
 
 __all__ = ["ChunkUnit", "ChunkParam", "gradient_divide"]

@@ -57,6 +57,11 @@ the sum before that single rounding.  On the process group ``scale`` is a
 separate ``mul_`` after the collective.  All-gather and broadcast are byte
 copies, identical on both transports.
 
+One rank.  A group of one rank needs no transport: every function does its
+local equivalent at once (a copy, the chunk copy, the scale), in either
+implementation.  ``fully_shard`` on one process, or the shard dimension of an
+HSDP mesh with one rank per shard group, then pays no collective at all.
+
 Twin.  Under ``CFSDP_IMPL=python`` (the pure-Python twins) every call takes
 the process group: the process group is the shared-memory transport's twin,
 and tests/distributed/test_shm.py compares the two on the same data; the sum
@@ -309,6 +314,11 @@ def _shm_scale(st: _GroupState, avg: bool, scale: Optional[float]) -> float:
     return (1.0 if scale is None else float(scale)) / (st.shm.world_size if avg else 1)
 
 
+def _solo(group: dist.ProcessGroup) -> bool:
+    """A group of one rank: its collectives are local (see "One rank")."""
+    return group.size() == 1
+
+
 def _scaled(work: Optional[Any], out: torch.Tensor, scale: Optional[float], async_op: bool,
             *keep: torch.Tensor) -> Pending:
     post = None if scale is None or scale == 1 else (lambda: out.mul_(scale))
@@ -328,6 +338,10 @@ def all_gather(
 ) -> Pending:
     """Gather every rank's ``shard`` into ``out`` (``world_size * shard.numel()``)."""
     group = _resolve(group)
+    if _solo(group):
+        _check_blocks("all_gather", "output", out, shard, 1)
+        out.copy_(shard)
+        return Pending(None)
     st = _shm_for(group, out, shard)
     if st is not None:
         _check_blocks("all_gather", "output", out, shard, st.shm.world_size)
@@ -360,6 +374,9 @@ def all_gather_unpack(
     process group path does.  On shared memory the copy-out from the peers' slots
     writes the natural buffer directly, so the rank-major buffer is never built."""
     group = _resolve(group)
+    if _solo(group):
+        _core.chunk_unpack(natural, shard, plan, 1, shard.numel())
+        return Pending(None)
     st = _shm_for(group, natural, shard)
     if st is not None:
         work = st.shm.all_gather_unpack(
@@ -390,6 +407,9 @@ def reduce_scatter_pack(
     path does.  On shared memory each piece is packed straight into the shared slot,
     so the rank-major buffer is never built."""
     group = _resolve(group)
+    if _solo(group):  # any reduction over one rank is the identity
+        _core.chunk_pack(out, natural.contiguous(), plan, 1, out.numel(), divisor=divisor)
+        return Pending(None)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, out, out) if avg is not None and natural.dtype in _SHM_DTYPES \
         and natural.device.type == "cpu" and natural.is_contiguous() else None
@@ -413,6 +433,10 @@ def reduce_scatter(
     """Reduce ``inp`` over ranks (sum, or ``op``) and keep this rank's chunk in ``out``,
     multiplied by ``scale`` if given (fused into the sum on shared memory)."""
     group = _resolve(group)
+    if _solo(group):
+        _check_blocks("reduce_scatter", "input", inp, out, 1)
+        out.copy_(inp.view_as(out))
+        return _scaled(None, out, scale, False)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, out, inp) if avg is not None else None
     if st is not None:
@@ -434,6 +458,8 @@ def all_reduce(
     """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place, multiplied
     by ``scale`` if given (fused into the sum on shared memory)."""
     group = _resolve(group)
+    if _solo(group):
+        return _scaled(None, t, scale, False)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, t) if avg is not None else None
     if st is not None:
@@ -451,6 +477,8 @@ def broadcast(
 ) -> Pending:
     """Broadcast ``t`` in place from the group's rank ``src_rank_in_group``."""
     group = _resolve(group)
+    if _solo(group):
+        return Pending(None)
     st = _shm_for(group, t)
     if st is not None:
         work = st.shm.broadcast(t.data_ptr(), t.numel(), _core.DTYPE_CODES[t.dtype],

@@ -26,6 +26,8 @@ exactly, so shapes and numerics match torch.
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -43,6 +45,43 @@ from .reduce import divide_factors, scale_cast_add
 # buffer when use_orig_params=True (a TorchInductor requirement).
 _ALIGN_BYTES = 16
 _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
+
+
+# [Note: bulk binding]
+# Every step a unit rebinds its parameters' names several times: to forward views
+# (pre-forward, pre-backward), to the registered full or sharded parameters
+# (unshard, reshard), and publishes their gradients.  A unit builds the tuples
+# involved once (each occurrence's module ``__dict__`` / ``_parameters``, its name,
+# the objects to bind) and each pass is one call into the C core
+# (``_core.dict_set`` / ``dict_pop`` / ``attr_set`` / ``attr_get`` / ``attr_flags``):
+# no hook on the hot path runs Python per parameter.  Per-parameter Python is left
+# to what happens rarely: the first step, a change of requires_grad, a new buffer.
+#
+# [Note: forward views]
+# The views of the flat parameter that forward uses are made afresh every step
+# (one ``torch.split`` and one ``_core.shape_views`` call), on purpose.  Views kept
+# from an earlier step can be differentiated through again (split and view save no
+# tensors), but autograd's engine runs ready nodes in reverse order of creation: the
+# old split/view nodes would run after every node of the current step, so each
+# unit's flat gradient, and with it its reduce-scatter, would wait for the rest of
+# backward (measured: the collective order changed against torch's, one
+# reduce-scatter behind the next all-gather).  Made in this step's pre-forward, they
+# run right after the unit's own backward, as torch's FSDP1 views do.
+
+
+def all_none(objs: tuple) -> bool:
+    """Every item is None (by identity: ``==`` on a tensor would run an op)."""
+    return all(map(operator.is_, objs, itertools.repeat(None)))
+
+
+def storage_owners(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (``t`` included), or a huge number when
+    this torch cannot say (then nothing is ever treated as unshared)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return 1 << 62
+    # the UntypedStorage object made for the call holds one more reference
+    return int(count(t.untyped_storage()._cdata)) - 1
 
 
 class TrainingState(enum.Enum):
@@ -154,6 +193,7 @@ class Unit:
         # True while flat_param.grad is an unsharded gradient accumulated
         # under no_sync() (not yet reduced).
         self.grad_unsharded = False
+        self._init_binding()
         self._install_initial_views()
         self._hooked = False
         self.refresh_requires_grad()
@@ -167,6 +207,21 @@ class Unit:
         self.comm_hook_low_precision = False
 
     # ------------------------------------------------------------------ init
+    def _init_binding(self) -> None:
+        """The tuples of [Note: bulk binding]: every occurrence of an original
+        parameter (tied ones have several), its module's ``__dict__``, its name."""
+        every = [*self.infos, *self.shared]
+        self._occ_index = tuple(range(len(self.infos))) + tuple(s.primary for s in self.shared)
+        self._occ_attrs = tuple(i.module.__dict__ for i in every)
+        self._occ_keys = tuple(i.name for i in every)
+        self._orig_t = tuple(i.param for i in self.infos)
+        self._split_index = tuple(self._split_index)
+        # a 1-D parameter's piece of the split already has its shape
+        self._shapes = tuple(None if len(i.shape) == 1 else i.shape for i in self.infos)
+        self._param_index = tuple(range(len(self.infos)))
+        self._grad_split: Optional[tuple] = None  # see _orig_grad_views
+        self._rg_mask: Optional[bytes] = None
+
     def _fill_alignment_padding(self) -> None:
         """torch's FSDP1 fills the gaps that align parameters (use_orig_params=True)
         with ``_ALIGN_PAD_VALUE``; they only show in LOCAL state dicts, which must
@@ -378,10 +433,7 @@ class Unit:
             _free(self._buf)
         self._buf = None
         if self.use_orig_params:
-            for info in self.infos:
-                info.module.__dict__.pop(info.name, None)
-            for s in self.shared:
-                s.module.__dict__.pop(s.name, None)
+            _core.dict_pop(self._occ_attrs, self._occ_keys)
 
     def reshard_after_forward(self, for_backward: bool) -> None:
         """Post-forward reshard (the wrapper face frees everything)."""
@@ -391,26 +443,25 @@ class Unit:
         """With use_orig_params=True the flat parameter requires grad while any
         original parameter does (they may be frozen after wrapping, as torch)."""
         if self.use_orig_params:
-            self.requires_grad = any(i.param.requires_grad for i in self.infos)
-            self.flat_param.requires_grad_(self.requires_grad)
+            mask = _core.attr_flags(self._orig_t, "requires_grad")
+            if mask != self._rg_mask:
+                self._rg_mask = mask
+                self.requires_grad = any(mask)
+                self.flat_param.requires_grad_(self.requires_grad)
         if self.requires_grad and not self._hooked:
             hook_grad_ready(self)
             self._hooked = True
 
     def use_forward_views(self) -> None:
-        """Bind each original parameter name to a view of ``flat_param``
-        (through autograd, so gradients flow into the flat gradient).  Frozen
-        parameters (use_orig_params=True) get detached views: no gradient is
-        computed for them, so their part of the flat gradient stays zero."""
-        chunks = torch.split(self.flat_param, self._split_sizes)
-        views = [
-            chunks[j].view(i.shape) if i.param.requires_grad else chunks[j].view(i.shape).detach()
-            for j, i in zip(self._split_index, self.infos)
-        ]
-        for info, v in zip(self.infos, views):
-            info.module.__dict__[info.name] = v
-        for s in self.shared:
-            s.module.__dict__[s.name] = views[s.primary]
+        """Bind each original parameter name to its view of ``flat_param``
+        (through autograd, so gradients flow into the flat gradient), built once
+        each step in one C pass: [Note: forward views].  Frozen parameters (use_orig_params=True)
+        get detached views: no gradient is computed for them, so their part of the
+        flat gradient stays zero."""
+        views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._split_index,
+                                  self._shapes, self._rg_mask if self.use_orig_params else None,
+                                  self._occ_index)
+        _core.dict_set(self._occ_attrs, self._occ_keys, views)
 
     # ------------------------------------------------- summon / state dicts
     def params_as_full(self, buf: Optional[torch.Tensor] = None) -> None:
@@ -522,7 +573,13 @@ class Unit:
         part of the flat gradient: its slice of this rank's shard (None outside
         it), or its full-shape view with NO_SHARD; None for frozen parameters."""
         g = self.flat_param.grad
-        if not self.sharded:
+        if g is None:
+            _core.attr_set(self._orig_t, "grad", None)
+            return
+        if g.dtype == self.dtype:  # one C pass (see [Note: bulk binding])
+            _core.attr_set(self._orig_t, "grad", self._orig_grad_views(g))
+            return
+        if not self.sharded:  # keep_low_precision_grads: set_grad's dtype side-step
             for info, v in zip(self.infos, self._grad_views(g)):
                 set_grad(info.param, v if info.param.requires_grad else None)
             return
@@ -531,6 +588,38 @@ class Unit:
                 info.param.grad = None
             else:
                 set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+
+    def _orig_grad_views(self, g: torch.Tensor) -> tuple:
+        """Each original parameter's gradient as a view of the flat gradient ``g``
+        (its shard slice, or its full shape with NO_SHARD), None where it has no
+        element on this rank or is frozen."""
+        mask = self._rg_mask
+        cached = self._grad_split
+        if cached is None or cached[0] != mask:
+            sizes, index, pos = [], [], 0
+            if not self.sharded:
+                sizes, index = list(self._split_sizes), list(self._split_index)
+            else:
+                for sl in self.layout.slices[self.rank]:
+                    if sl.numel == 0:
+                        index.append(-1)
+                        continue
+                    if sl.shard_offset > pos:
+                        sizes.append(sl.shard_offset - pos)
+                    index.append(len(sizes))
+                    sizes.append(sl.numel)
+                    pos = sl.shard_offset + sl.numel
+                if self.layout.shard_numel > pos:
+                    sizes.append(self.layout.shard_numel - pos)
+            none = len(sizes)  # the None appended after the pieces
+            index = tuple(j if j >= 0 and (mask is None or mask[i]) else none
+                          for i, j in enumerate(index))
+            shapes = tuple(sh if j != none and not self.sharded else None
+                           for j, sh in zip(index, self._shapes))
+            cached = self._grad_split = (mask, sizes, index, shapes)
+        _, sizes, index, shapes = cached
+        return _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
+                                 self._param_index)
 
     # --------------------------------------------------------------- grads
     def reduce_grad(self, grad: torch.Tensor) -> "PendingReduce":
@@ -578,6 +667,10 @@ class Unit:
         out = torch.empty(lay.shard_numel, dtype=out_dtype, device=grad.device)
         self.comm_hook(self.comm_hook_state, inp, out)
         return PendingReduce(self, comm.Pending(None, inp), out, divided=True)
+
+    def new_grad_buffer(self) -> torch.Tensor:
+        """A buffer for a new sharded gradient (the parameters' dtype)."""
+        return torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
         """no_sync(): keep the local unsharded gradient (accumulating) unreduced."""
@@ -639,7 +732,7 @@ class Unit:
         when every one of their ``.grad`` was set to None (``zero_grad``), the
         flat gradient goes too."""
         if self.use_orig_params and self.flat_param.grad is not None:
-            if all(i.param.grad is None for i in self.infos):
+            if all_none(_core.attr_get(self._orig_t, "grad")):
                 self.flat_param.grad = None
                 self.grad_unsharded = False
 
@@ -681,7 +774,7 @@ class PendingReduce:
                 scale_cast_add(out, out, div, False)
             u.saved_grad = out
         else:
-            g = torch.empty(out.numel(), dtype=u.dtype, device=out.device)
+            g = u.new_grad_buffer()
             scale_cast_add(g, out, div, False)
             u.saved_grad = g
 

@@ -1,0 +1,126 @@
+"""A process group of one rank: cfsdp's collectives are local (no transport), and
+``fully_shard`` / the wrapper on one process train exactly as torch's FSDP does.
+
+The group is created in-process (gloo over a ``HashStore``) for this module only
+and destroyed after it, so the other unit tests still run without a default group.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import cfsdp
+from cfsdp import _core
+from cfsdp._runtime import comm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    comm.release(None)
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_transport(monkeypatch):
+    """Every process-group collective raises: a one-rank call must not reach it."""
+
+    def boom(*a, **k):
+        raise AssertionError("a one-rank collective reached the process group")
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                 "reduce_scatter_tensor", "all_reduce", "broadcast"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, boom)
+
+
+PLAN = [(0, 6, 6, 0), (6, 4, 4, 6), (10, 9, 9, 10)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collectives_are_local_copies(no_transport, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(19, generator=g).to(dtype)
+    out = torch.full((19,), 7.0, dtype=dtype)
+    comm.all_gather(out, x, None, async_op=True).wait()
+    assert torch.equal(out, x)
+
+    nat = torch.empty(19, dtype=dtype)
+    comm.all_gather_unpack(nat, x, PLAN, comm.pack_plan(PLAN), None, async_op=False).wait()
+    ref = torch.empty(19, dtype=dtype)
+    _core.chunk_unpack(ref, x, PLAN, 1, 19)
+    assert torch.equal(nat, ref)
+
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        got = torch.empty(19, dtype=torch.float32)
+        comm.reduce_scatter_pack(got, nat, PLAN, comm.pack_plan(PLAN), 2.0, None, True, op=op).wait()
+        want = torch.empty(19, dtype=torch.float32)
+        _core.chunk_pack(want, nat, PLAN, 1, 19, divisor=2.0)
+        assert torch.equal(got, want)
+
+    rs = torch.empty(19, dtype=dtype)
+    comm.reduce_scatter(rs, x, None, True, op=dist.ReduceOp.AVG, scale=0.5).wait()
+    assert torch.equal(rs, x * 0.5)
+    t = x.clone()
+    comm.all_reduce(t, None, False, scale=4.0).wait()
+    assert torch.equal(t, x * 4.0)
+    comm.broadcast(t, 0, None).wait()
+    assert torch.equal(t, x * 4.0)
+    with pytest.raises(ValueError, match="all_gather: output has 18 elements"):
+        comm.all_gather(torch.empty(18, dtype=dtype), x, None, async_op=False)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(9, 9), nn.LayerNorm(9)) for _ in range(3))
+        self.head = nn.Linear(9, 5)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x)) + x
+        return self.head(x)
+
+
+def _train(face, impl, steps=4):
+    torch.manual_seed(0)
+    model = Net()
+    if face == "fully_shard":
+        for b in model.blocks:
+            impl.fully_shard(b)
+        impl.fully_shard(model)
+    else:
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = impl.FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), use_orig_params=True,
+            device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(6, 9, generator=g)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in model.named_parameters()}
+    return torch.stack(losses), params
+
+
+@pytest.mark.parametrize("face", ["fully_shard", "wrapper"])
+def test_one_rank_training_matches_torch(face):
+    """Losses and parameters bit for bit against torch's FSDP on the same one-rank
+    group (torch runs its collectives; cfsdp runs none)."""
+    import torch.distributed.fsdp as tfsdp
+
+    ref_losses, ref_params = _train(face, tfsdp)
+    losses, params = _train(face, cfsdp)
+    assert torch.equal(losses, ref_losses)
+    assert list(params) == list(ref_params)
+    for k in params:
+        assert torch.equal(params[k], ref_params[k]), k
