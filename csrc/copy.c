@@ -12,11 +12,34 @@
  * the case for a planned layout, but allowed by the contract), the shard is
  * zeroed first and the sources copied in order, so the later source wins,
  * exactly as in the twin.  The copy is dtype-agnostic (elem_size bytes per
- * element).  Workload: once per parameter at wrap time; memory-bound.
+ * element).  Workload: once per parameter at wrap time; memory-bound, and on
+ * fresh memory bound by page faults more than by bytes: a large shard is first
+ * advised to use transparent huge pages (cf_advise_huge_pages; Linux, where
+ * THP is "madvise" or "always"), one fault per 2 MiB instead of per 4 KiB.
+ * The advice changes no byte, so the twin has no counterpart.
  */
+#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
+#include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "copy.h"
+
+void cf_advise_huge_pages(void *addr, size_t bytes)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21;
+    uintptr_t lo = ((uintptr_t)addr + huge - 1) & ~(huge - 1);
+    uintptr_t hi = ((uintptr_t)addr + bytes) & ~(huge - 1);
+    if (bytes >= CF_HUGE_PAGE_ADVICE_BYTES && hi > lo)
+        (void)madvise((void *)lo, (size_t)(hi - lo), MADV_HUGEPAGE); /* advice: may be refused */
+#else
+    (void)addr;
+    (void)bytes;
+#endif
+}
 
 /* Validate one source; on success store its end offset in *end. */
 static cf_status cf_copy_check_src(const cf_copy_src *s, size_t i, int64_t elem_size,
@@ -82,6 +105,7 @@ cf_status cf_copy_shard_fill(void *dst, int64_t dst_numel, int64_t elem_size,
         return CF_OK;
 
     esz = (size_t)elem_size;
+    cf_advise_huge_pages(out, (size_t)dst_bytes);
     if (!sweep)
         memset(out, 0, (size_t)dst_bytes);
     cursor = shard_start;

@@ -25,6 +25,17 @@ typedef struct {
  * The caller guarantees the memory ranges are valid and that no source
  * aliases `dst`.  Needs no GIL.
  */
+/* Shards of at least this many bytes get huge-page advice before they are filled. */
+#define CF_HUGE_PAGE_ADVICE_BYTES ((size_t)8 << 20)
+
+/*
+ * Advise the kernel to back the 2 MiB-aligned inner part of [addr, addr +
+ * bytes) with transparent huge pages (madvise MADV_HUGEPAGE), if `bytes` is at
+ * least CF_HUGE_PAGE_ADVICE_BYTES.  Call before the memory is first touched.
+ * Advice only: a no-op off Linux, and a refusal is ignored; no byte changes.
+ */
+void cf_advise_huge_pages(void *addr, size_t bytes);
+
 cf_status cf_copy_shard_fill(void *dst, int64_t dst_numel, int64_t elem_size,
                              int64_t shard_start, const cf_copy_src *srcs, size_t n_srcs,
                              cf_err *err);

@@ -16,6 +16,7 @@ listed in README.md).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -318,6 +319,12 @@ def _check_fsdp_modules(modules: Any) -> None:
             raise ValueError(f"Expects list of FSDPModules but got {type(m)}: {m}")
 
 
+# The default group's 1-D mesh, made once per group and device type: every
+# fully_shard call without a mesh shares it (torch makes an equal mesh per call;
+# building one is a third of wrapping a model on the meta device).
+_DEFAULT_MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
+
+
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise ValueError(
@@ -325,7 +332,11 @@ def _default_mesh() -> DeviceMesh:
             "torch.distributed.init_process_group first) or an explicit mesh."
         )
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(dev, (dist.get_world_size(),))
+    per_device = _DEFAULT_MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
+    mesh = per_device.get(dev)
+    if mesh is None:
+        mesh = per_device[dev] = init_device_mesh(dev, (dist.get_world_size(),))
+    return mesh
 
 
 def _managed(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Module], list]:

@@ -118,3 +118,22 @@ def test_bad_arguments(make_args, exc, match):
 def test_signature():
     sig = inspect.signature(C.shard_fill)
     assert list(sig.parameters) == ["dst_addr", "dst_numel", "elem_size", "shard_start", "srcs"]
+
+
+@pytest.mark.parametrize("misalign", [0, 3])
+def test_large_shard_with_huge_page_advice(misalign):
+    """A shard past CF_HUGE_PAGE_ADVICE_BYTES (8 MiB) is advised to use huge pages before
+    it is filled (advice only): the bytes are still exactly the twin's, also when the shard
+    does not start on a page boundary and the padding is not a whole number of pages."""
+    gen = torch.Generator().manual_seed(5)
+    numels = [3 << 20, 5, (1 << 20) + 7]  # 4 MiB + ... of fp32: 16 MiB-ish in total
+    srcs = [random_tensor(n, torch.float32, gen) for n in numels]
+    offsets = [0, (3 << 20) + 100, (3 << 20) + 200]
+    n = offsets[-1] + numels[-1] + 1000
+    backing = torch.full((n + misalign,), 7.0)
+    dst = backing[misalign:]
+    assert dst.numel() * 4 >= 8 << 20
+    want = torch.full_like(dst, 7.0)
+    ref_shard_fill(want, 0, srcs, offsets)
+    c_fill(dst, 0, srcs, offsets)
+    assert torch.equal(as_bytes(dst), as_bytes(want))

@@ -27,9 +27,11 @@ exactly, so local shards and gradients match torch's bit for bit.
 
 from __future__ import annotations
 
+import functools
 import operator
+import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,27 @@ from . import comm
 from .reduce import divide_factors
 from .unit import (PendingReduce, _alloc, _free, all_none, hook_grad_ready,
                    storage_owners)
+
+
+# DTensorSpecs by mesh, then (placements, shape, stride, dtype): the parameters of
+# repeated blocks share them (a spec is immutable; torch shares specs between
+# DTensors too), so wrapping builds one per distinct parameter, not one per parameter.
+_SPECS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype) -> DTensorSpec:
+    per_mesh = _SPECS.setdefault(mesh, {})
+    key = (placements, tuple(shape), stride, dtype)
+    spec = per_mesh.get(key)
+    if spec is None:
+        spec = per_mesh[key] = DTensorSpec(mesh, placements,
+                                           tensor_meta=TensorMeta(shape, stride, dtype))
+    return spec
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_stride(shape: tuple) -> tuple:
+    return tuple(make_contiguous_strides_for(shape))
 
 
 @dataclass
@@ -140,7 +163,7 @@ class ChunkUnit:
             local = max(0, min(c, rows - self.rank * c))
             self.params.append(
                 ChunkParam(module, name, fqn, p.shape, p.numel(), rows, row_numel, c, local,
-                           nat, shard, p.requires_grad, tuple(make_contiguous_strides_for(p.shape)),
+                           nat, shard, p.requires_grad, _contiguous_stride(tuple(p.shape)),
                            aliases=aliases)
             )
             nat += p.numel()
@@ -222,8 +245,8 @@ class ChunkUnit:
         rebuilds the spec, which dominated publishing small units' gradients."""
         spec = q.specs.get(local.dtype)
         if spec is None:
-            meta = TensorMeta(q.shape, q.stride, local.dtype)
-            spec = q.specs[local.dtype] = DTensorSpec(self.mesh, self.placements, tensor_meta=meta)
+            spec = q.specs[local.dtype] = _spec(self.mesh, self.placements, q.shape, q.stride,
+                                                local.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     def _new_natural(self) -> None:
