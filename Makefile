@@ -1,8 +1,10 @@
 # cfsdp build targets.  `make build`: editable install with warnings as
 # errors.  `make sanitize`: build the C core with ASan + UBSan into a separate
 # tree (build/sanitize/lib, put first on PYTHONPATH) and run tests/unit
-# against it; the normal in-place extension of the editable install is never
-# touched, so it keeps working during and after the run.  pytest runs with
+# against it (every test that calls into cfsdp._C; the no_core ones, which call
+# nothing of the core, are left out, see `test`); the normal in-place extension of
+# the editable install is never touched, so it keeps working during and after the
+# run.  pytest runs with
 # --capture=sys so a sanitizer report (written to fd 2) reaches the log.
 
 # Every target sets up what it needs on a fresh machine: a virtual environment
@@ -44,6 +46,11 @@ build: $(STAMP)
 # steps; the checkpoint launches call the same ones and would add minutes, not
 # coverage).  Under the twins the collectives take the process group (its
 # twin): test_shm.py forces the C core and shared memory in its own launches.
+# Unit tests marked no_core (pytest.ini; the marker is checked, see tests/unit/conftest.py)
+# call nothing of the core (e.g. atomic_save, the backend choice in fresh interpreters that set
+# their own CFSDP_IMPL): they run once, in the first pass, not again under the sanitizer or on
+# the twins, where they would repeat the same work (they spawn interpreters: about a minute
+# in each pass).
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
 	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
@@ -51,7 +58,8 @@ test: build
 	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
 	$(MAKE) --no-print-directory sanitize
 	CFSDP_IMPL=c $(PY) -m pytest -q --durations=12 tests/distributed
-	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 tests/unit $(TWIN_DIST)
+	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 -m "not no_core" \
+		tests/unit $(TWIN_DIST)
 
 test-unit: build
 	$(PY) -m pytest -q tests/unit
@@ -95,4 +103,4 @@ sanitize: $(STAMP)
 		assert m.__file__.startswith('$(SAN_LIB)'), m.__file__; \
 		print('sanitized extension:', m.__file__)"
 	$(SAN_ENV) CFSDP_HYPOTHESIS_PROFILE=sanitize $(PY) -m pytest -q -p no:cacheprovider \
-		--capture=sys tests/unit
+		--capture=sys -m "not no_core" tests/unit

@@ -39,6 +39,17 @@ def ckpt_dir(ctx: h.Context, name: str) -> Path:
     return d
 
 
+def reshard_source(ctx: h.Context, name: str) -> Path:
+    """The checkpoint a resharding load reads: the one folder ``$CFSDP_CKPT_DIR/<name>/w<W>``
+    saved at a world size W other than this launch's."""
+    root = ckpt_dir(ctx, name)
+    others = sorted(d for d in root.glob("w*") if d.name != f"w{ctx.world_size}")
+    if len(others) != 1:
+        raise AssertionError(f"{root}: want one checkpoint of another world size, found "
+                             f"{[d.name for d in others]}")
+    return others[0]
+
+
 def batches(steps: int, world: int, seed: int = 7):
     out = []
     for step in range(steps):

@@ -217,6 +217,17 @@ def run_worker(
     return res
 
 
+def run_reshard_chain(script: str, phase_env: str, ckpt_dir: os.PathLike, first_ws: int,
+                      second_ws: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Resharding both ways in three launches of ``script`` sharing ``ckpt_dir`` (a launch is
+    the slow part): ``first_ws`` saves; ``second_ws`` loads it, then saves; ``first_ws`` loads
+    that. ``phase_env`` is the worker's variable naming the phases of a launch, in order."""
+    for ws, phases in ((first_ws, "reshard_save"), (second_ws, "reshard_load,reshard_save"),
+                       (first_ws, "reshard_load")):
+        run_worker(script, ws, timeout=timeout,
+                   env={"CFSDP_CKPT_DIR": str(ckpt_dir), phase_env: phases})
+
+
 def subtest_filter(world_size: int = 2, at_4: str | None = None) -> list[str]:
     """``--only SUBSTR`` from ``CFSDP_SUBTESTS`` (run only the matching subtests); else, for
     a launch of 4 ranks, ``at_4`` (``A|B``: the subtests whose names contain A or B); else

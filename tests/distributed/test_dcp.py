@@ -1,13 +1,13 @@
 """cfsdp.checkpoint.state_dict and torch.distributed.checkpoint with cfsdp (see worker_dcp.py).
 
-One torchrun launch per world size for the parity/round-trip subtests; resharding runs two
-launches in sequence sharing the test's tmp_path (save at one world size, load at the other).
+One torchrun launch per world size for the parity/round-trip subtests; resharding runs three
+launches in sequence sharing the test's tmp_path (save at 2, load and save at 4, load at 2).
 ``CFSDP_SUBTESTS=substr`` runs only the matching subtests of the first test.
 """
 
 import pytest
 
-from launcher import run_worker, subtest_filter
+from launcher import run_reshard_chain, run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 240
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
@@ -21,9 +21,8 @@ def test_dcp_state_dict(tmp_path, world_size):
                env={"CFSDP_CKPT_DIR": str(tmp_path)})
 
 
-@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("save_ws, load_ws", [(4, 2), (2, 4)])
-def test_dcp_reshard(tmp_path, save_ws, load_ws):
-    for phase, ws in (("reshard_save", save_ws), ("reshard_load", load_ws)):
-        run_worker("worker_dcp.py", ws, timeout=LAUNCH_TIMEOUT_S,
-                   env={"CFSDP_CKPT_DIR": str(tmp_path), "CFSDP_DCP_PHASE": phase})
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("first_ws, second_ws", [(2, 4)])
+def test_dcp_reshard(tmp_path, first_ws, second_ws):
+    """W=2 saves, W=4 loads it (2 -> 4) and saves, W=2 loads that (4 -> 2)."""
+    run_reshard_chain("worker_dcp.py", "CFSDP_DCP_PHASE", tmp_path, first_ws, second_ws, LAUNCH_TIMEOUT_S)

@@ -8,9 +8,11 @@ Run by test_dcp.py (gloo, CPU). ``CFSDP_DCP_PHASE`` picks the subtests of a laun
   resume training with bitwise-equal losses, cross-loading between torch FSDP1 and cfsdp, the
   options (broadcast_from_rank0, ignore_frozen_params, submodules, flattening) and the
   delegation to torch for models without cfsdp;
-* ``reshard_save`` / ``reshard_load``: one launch at W=a trains and saves with DCP (and writes
-  the uninterrupted run's next losses to a JSON file), then a launch at W=b loads it and must
-  reproduce them (up to float rounding: the two world sizes sum in different orders).
+* ``reshard_save`` / ``reshard_load`` (or both, comma-separated, run in the order given): one
+  launch at W=a trains and saves with DCP (and writes the uninterrupted run's next losses to a
+  JSON file), then a launch at W=b loads it and must reproduce them (up to float rounding: the
+  two world sizes sum in different orders). Each world size saves into its own folder; a load
+  takes the one folder of another world size.
 """
 
 from __future__ import annotations
@@ -229,12 +231,8 @@ def broadcast_from_rank0(ctx, use_orig_params: bool):
 # ----------------------------------------------------------------------------- resharding
 
 
-def _reshard_dir(ctx):
-    return cc.ckpt_dir(ctx, "reshard")
-
-
 def reshard_save(ctx):
-    path = _reshard_dir(ctx)
+    path = cc.ckpt_dir(ctx, f"reshard/w{ctx.world_size}")
     data = cc.batches(4, ctx.world_size)
     model, opt = cc.make(ctx, "cfsdp", True)
     cc.train(ctx, model, opt, data[:2])
@@ -245,7 +243,7 @@ def reshard_save(ctx):
 
 
 def reshard_load(ctx):
-    path = _reshard_dir(ctx)
+    path = cc.reshard_source(ctx, "reshard")
     saved = json.loads((path / "losses.json").read_text())
     if saved["world_size"] == ctx.world_size:
         raise AssertionError("the resharding test must load at another world size")
@@ -259,7 +257,8 @@ def reshard_load(ctx):
 
 if PHASE:
     del h._REGISTRY[:]
-    h.subtest({"reshard_save": reshard_save, "reshard_load": reshard_load}[PHASE])
+    for _phase in PHASE.split(","):
+        h.subtest({"reshard_save": reshard_save, "reshard_load": reshard_load}[_phase])
 
 
 if __name__ == "__main__":

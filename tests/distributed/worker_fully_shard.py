@@ -94,10 +94,12 @@ Self-test: ``CFSDP_FS_SELFTEST=1`` runs every subtest with torch in both seats, 
 comparisons, the reference tolerances and the state-dict/DCP round trips are checked to pass on
 a correct implementation.
 
-``CFSDP_FS_PHASE=reshard_save|reshard_load`` (with ``CFSDP_CKPT_DIR``) replaces the subtests by
-one DCP resharding phase: a launch at W=a trains, saves (torch and cfsdp) with
-``torch.distributed.checkpoint`` and records the next losses; a launch at W=b loads both into
-cfsdp and must reproduce them (``RESHARD_RTOL``: the two world sizes sum in different orders).
+``CFSDP_FS_PHASE=reshard_save``, ``reshard_load`` or both in the order given (comma-separated; with
+``CFSDP_CKPT_DIR``) replaces the subtests by DCP resharding phases: a launch at W=a trains, saves
+(torch and cfsdp) with ``torch.distributed.checkpoint`` and records the next losses; a launch at
+W=b loads both into cfsdp and must reproduce them (``RESHARD_RTOL``: the two world sizes sum in
+different orders). Each world size saves into its own folder; a load takes the one folder of
+another world size (so ``reshard_load,reshard_save`` at W=b loads W=a's, then saves its own).
 """
 
 from __future__ import annotations
@@ -1194,7 +1196,7 @@ def _global_losses(ctx, losses: list[torch.Tensor]) -> list[float]:
 def reshard_save(ctx):
     mesh = mesh_1d(ctx)
     data = batches("lm1", 4, ctx.world_size)
-    root = cc.ckpt_dir(ctx, "fully_shard_reshard")
+    root = cc.ckpt_dir(ctx, f"fully_shard_reshard/w{ctx.world_size}")
     want = {}
     for name, impl in IMPLS.items():
         model, opt = trained(impl, ctx, mesh, "lm1", data[:2])
@@ -1206,7 +1208,7 @@ def reshard_save(ctx):
 
 def reshard_load(ctx):
     mesh = mesh_1d(ctx)
-    root = cc.ckpt_dir(ctx, "fully_shard_reshard")
+    root = cc.reshard_source(ctx, "fully_shard_reshard")
     saved = json.loads((root / "losses.json").read_text())
     if saved["world_size"] == ctx.world_size:
         raise AssertionError("the resharding test must load at another world size")
@@ -1413,7 +1415,8 @@ if WORLD == 4:
 
 if PHASE:
     del h._REGISTRY[:]
-    h.subtest({"reshard_save": reshard_save, "reshard_load": reshard_load}[PHASE])
+    for _phase in PHASE.split(","):
+        h.subtest({"reshard_save": reshard_save, "reshard_load": reshard_load}[_phase])
 
 
 if __name__ == "__main__":

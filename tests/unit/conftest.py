@@ -7,8 +7,11 @@ ASan/UBSan, which is several times slower).  Pick one with
 ``CFSDP_HYPOTHESIS_PROFILE``.
 """
 
+import functools
+import inspect
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -24,3 +27,48 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("CFSDP_HYPOTHESIS_PROFILE", "cfsdp"))
+
+
+# --------------------------------------------------------------------------------------------
+# the no_core marker (pytest.ini), checked
+# --------------------------------------------------------------------------------------------
+#
+# `make test` runs a test marked ``no_core`` once, in the plain unit pass: not again under
+# ASan/UBSan (it runs no C code of ours beyond loading the module, which the sanitize target
+# checks by itself and every other test does too) and not again on the twins (it calls
+# nothing that CFSDP_IMPL switches).  So the marker must be true: while such a test runs,
+# every function of the dispatcher cfsdp._core and every callable of cfsdp._C (functions and
+# the ShmGroup/ShmWork types) is replaced by a spy, and a call to any of them fails the test.
+# Child processes are the test's own business: they may import cfsdp (loading the module) or
+# pick their own CFSDP_IMPL, nothing more.
+
+
+@pytest.fixture(autouse=True)
+def _no_core_guard(request, monkeypatch):
+    if request.node.get_closest_marker("no_core") is None:
+        yield
+        return
+    from cfsdp import _core
+
+    calls: list[str] = []
+
+    def spy(owner, name: str, fn) -> None:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            calls.append(f"{owner.__name__}.{name}")
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name, obj in list(vars(_core).items()):
+        if inspect.isfunction(obj) and obj.__module__ == _core.__name__:
+            spy(_core, name, obj)
+    if _core._C is not None:
+        for name in dir(_core._C):
+            obj = getattr(_core._C, name)
+            if not name.startswith("_") and callable(obj):
+                spy(_core._C, name, obj)
+    yield
+    if calls:
+        pytest.fail(f"marked no_core but called {sorted(set(calls))}: remove the marker "
+                    "(the test must run under the sanitizer and on the twins)", pytrace=False)

@@ -11,6 +11,10 @@ import textwrap
 
 import pytest
 
+# The children pick their own CFSDP_IMPL and only import cfsdp; this process never touches the
+# core: run once, not again under the sanitizer or on the twins (see tests/unit/conftest.py).
+pytestmark = pytest.mark.no_core
+
 # A meta-path finder that makes cfsdp._C unimportable, as a missing or broken
 # build would.
 BLOCK_C = textwrap.dedent(

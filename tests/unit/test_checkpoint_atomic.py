@@ -29,6 +29,11 @@ import torch
 import cfsdp
 from cfsdp.checkpoint import atomic_save
 
+# atomic_save is plain Python (os, tempfile, torch.save): no core call here or in the children,
+# which only import cfsdp; run once, not again under the sanitizer or on the twins (see
+# tests/unit/conftest.py).
+pytestmark = pytest.mark.no_core
+
 PKG_ROOT = str(Path(cfsdp.__file__).resolve().parent.parent)
 
 OLD = {"step": 7, "w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
