@@ -296,6 +296,15 @@ def fallback_and_ordering(ctx):
     for p in (p3, p2, p1):
         p.wait()
     assert torch.equal(t, torch.full((n,), W * (W + 1) / 2 * W * 0.5)), t[:3]
+    # an ineligible *reduction* (MIN) also waits for the async shared-memory op before it: a
+    # large buffer keeps the shared-memory sum running long enough that a MIN reading the
+    # buffer early would see a rank's own 1 or 2 (it once gave a wrong result under load)
+    big = torch.full((1 << 22,), float(r + 1))
+    p1 = comm.all_reduce(big, ctx.pg, True)
+    p2 = comm.all_reduce(big, ctx.pg, True, op=dist.ReduceOp.MIN)
+    p2.wait()
+    p1.wait()
+    assert torch.equal(big, torch.full_like(big, W * (W + 1) / 2)), big.unique()
     # the process group's scale is a post-multiply
     small = torch.ones(n, dtype=torch.int64)
     comm.all_reduce(small, ctx.pg, False, scale=3)

@@ -289,6 +289,16 @@ def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor) -> Optional[_Grou
     return None
 
 
+def _drained(group: dist.ProcessGroup) -> None:
+    """For a call that takes the process group whatever its tensors (a reduction other
+    than SUM/AVG): drain the group's shared-memory queue first, so it comes after every
+    earlier op on the group, as :func:`_shm_for` does for ineligible tensors."""
+    st = _state(group)
+    if st.shm is not None and not st.shm.closed:
+        st.shm.drain()
+    return None
+
+
 def _pg_issued(group: dist.ProcessGroup, work: Optional[Any]) -> None:
     st = _states.get(group)
     if st is not None and st.shm is not None:
@@ -412,7 +422,7 @@ def reduce_scatter_pack(
         return Pending(None)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, out, out) if avg is not None and natural.dtype in _SHM_DTYPES \
-        and natural.device.type == "cpu" and natural.is_contiguous() else None
+        and natural.device.type == "cpu" and natural.is_contiguous() else _drained(group)
     if st is not None:
         work = st.shm.reduce_scatter_pack(
             out.data_ptr(), out.numel(), _core.DTYPE_CODES[out.dtype], natural.data_ptr(),
@@ -438,7 +448,7 @@ def reduce_scatter(
         out.copy_(inp.view_as(out))
         return _scaled(None, out, scale, False)
     avg = _is_sum_or_avg(op)
-    st = _shm_for(group, out, inp) if avg is not None else None
+    st = _shm_for(group, out, inp) if avg is not None else _drained(group)
     if st is not None:
         _check_blocks("reduce_scatter", "input", inp, out, st.shm.world_size)
         work = st.shm.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(),
@@ -461,7 +471,7 @@ def all_reduce(
     if _solo(group):
         return _scaled(None, t, scale, False)
     avg = _is_sum_or_avg(op)
-    st = _shm_for(group, t) if avg is not None else None
+    st = _shm_for(group, t) if avg is not None else _drained(group)
     if st is not None:
         work = st.shm.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(),
                                  _core.DTYPE_CODES[t.dtype], _shm_scale(st, avg, scale),
