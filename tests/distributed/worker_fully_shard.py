@@ -972,8 +972,11 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "prefetch_lists": lambda: Scenario(configure=_prefetch),
     "reshard_after_backward_false": lambda: Scenario(
         steps=2, micro=2, before_micro=_no_reshard_after_backward,
-        after_micro=lambda impl, model, s, m, notes: notes.append(
-            (f"after backward {m} of step {s}", reg_state(model)))),
+        after_micro=lambda impl, model, s, m, notes: notes.extend([
+            (f"after backward {m} of step {s}", reg_state(model)),
+            (f"gradient values after backward {m} of step {s}",
+             [None if p.grad is None else local(p.grad).detach().clone()
+              for p in model.parameters()])])),
     "gradient_divide_factor_1": lambda: Scenario(
         optim="sgd", configure=_divide_factor(lambda w: 1.0), ref_grad_scale=float(WORLD)),
     "gradient_divide_factor_2w": lambda: Scenario(

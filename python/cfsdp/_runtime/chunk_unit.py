@@ -599,9 +599,13 @@ class ChunkUnit:
         g = self.flat_param.grad
         if self._buf is None or g is None:
             return
-        for q in self.params:
-            if q.requires_grad:
-                q.unsharded.grad = g[q.nat_off : q.nat_off + q.numel].view(q.shape)
+        mask = self._rg_mask
+        n = len(self.params)  # index n: the None after the pieces (a frozen parameter)
+        index = tuple(i if mask[i] else n for i in range(n))
+        shapes = tuple(sh if mask[i] else None for i, sh in enumerate(self._shapes))
+        views = _core.shape_views((*torch.split(g, self._split_sizes), None), index, shapes, None,
+                                  self._param_index)
+        _core.attr_set(self._unsharded_t, "grad", views)
         self._unsharded_grads = True
 
 
