@@ -305,6 +305,27 @@ static void cf_chunk_pack_range(void *ctx_, int64_t a, int64_t b)
     }
 }
 
+/* The copy-in of ranks [rank_lo, rank_lo + n_ranks) into `gathered`, whose element 0
+ * is element `origin` of the whole rank-major buffer. */
+static void cf_chunk_pack_ctx_init(cf_chunk_pack_ctx *c, void *gathered, int gathered_dtype,
+                                   const void *natural, int natural_dtype,
+                                   const cf_chunk_plan *plan, int64_t rank_lo, int64_t n_ranks,
+                                   double divisor, int64_t origin)
+{
+    c->plan = plan;
+    c->gathered = gathered;
+    c->natural = natural;
+    c->gathered_dtype = gathered_dtype;
+    c->natural_dtype = natural_dtype;
+    c->gathered_esz = cf_dtype_size(gathered_dtype);
+    c->natural_esz = cf_dtype_size(natural_dtype);
+    c->rank_lo = rank_lo;
+    c->n_ranks = n_ranks;
+    c->divisor = divisor;
+    c->bytes_only = gathered_dtype == natural_dtype && divisor == 1.0;
+    c->origin = origin;
+}
+
 cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dtype,
                         const void *natural, int64_t natural_numel, int natural_dtype,
                         const cf_chunk_plan *plan, int64_t rank_lo, int64_t rank_hi,
@@ -318,18 +339,8 @@ cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dty
                           gathered_dtype, natural_dtype, CF_DTYPE_COUNT - 1);
     CF_CHECK(cf_chunk_check(plan, natural, natural_numel, nesz, gathered, gathered_numel, gesz,
                             rank_lo, rank_hi, err));
-    ctx.plan = plan;
-    ctx.gathered = gathered;
-    ctx.natural = natural;
-    ctx.gathered_dtype = gathered_dtype;
-    ctx.natural_dtype = natural_dtype;
-    ctx.gathered_esz = gesz;
-    ctx.natural_esz = nesz;
-    ctx.rank_lo = rank_lo;
-    ctx.n_ranks = rank_hi - rank_lo;
-    ctx.divisor = divisor;
-    ctx.bytes_only = gathered_dtype == natural_dtype && divisor == 1.0;
-    ctx.origin = 0;
+    cf_chunk_pack_ctx_init(&ctx, gathered, gathered_dtype, natural, natural_dtype, plan, rank_lo,
+                           rank_hi - rank_lo, divisor, 0);
     cf_parallel_for(gathered_numel, cf_chunk_threads(gathered_numel, gesz + nesz, max_threads),
                     cf_chunk_pack_range, &ctx);
     return CF_OK;
@@ -339,17 +350,7 @@ void cf_chunk_pack_piece(void *out, int out_dtype, const void *natural, int natu
                          const cf_chunk_plan *plan, int64_t a, int64_t b, double divisor)
 {
     cf_chunk_pack_ctx ctx;
-    ctx.plan = plan;
-    ctx.gathered = out;
-    ctx.natural = natural;
-    ctx.gathered_dtype = out_dtype;
-    ctx.natural_dtype = natural_dtype;
-    ctx.gathered_esz = cf_dtype_size(out_dtype);
-    ctx.natural_esz = cf_dtype_size(natural_dtype);
-    ctx.rank_lo = 0;
-    ctx.n_ranks = plan->world_size;
-    ctx.divisor = divisor;
-    ctx.bytes_only = out_dtype == natural_dtype && divisor == 1.0;
-    ctx.origin = a;
+    cf_chunk_pack_ctx_init(&ctx, out, out_dtype, natural, natural_dtype, plan, 0,
+                           plan->world_size, divisor, a);
     cf_chunk_pack_range(&ctx, a, b);
 }

@@ -1624,6 +1624,22 @@ static int cf_py_tuple_pair(PyObject *a, PyObject *b, const char *fname, const c
     return 0;
 }
 
+/* The (objs, name, ...) head of attr_flags / attr_get / attr_set: `nargs` must be
+ * `expected`, args[0] a tuple (its size in *n), args[1] a str.  0, or -1 with an
+ * exception. */
+static int cf_py_objs_name(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
+                           const char *fname, Py_ssize_t *n)
+{
+    if (cf_py_check_nargs(fname, nargs, expected) < 0 ||
+        cf_py_tuple(args[0], fname, "objs", n) < 0)
+        return -1;
+    if (!PyUnicode_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s(): name must be a str", fname);
+        return -1;
+    }
+    return 0;
+}
+
 /* Every dicts[i] must be a dict (checked before anything is written). */
 static int cf_py_check_dicts(PyObject *dicts, Py_ssize_t n, const char *fname)
 {
@@ -1646,16 +1662,12 @@ PyDoc_STRVAR(cf_py_dict_set_doc,
 
 static PyObject *cf_py_dict_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t n, nv;
+    Py_ssize_t n;
     (void)module;
     if (cf_py_check_nargs("dict_set", nargs, 3) < 0 ||
         cf_py_tuple_pair(args[0], args[1], "dict_set", "dicts", "keys", &n) < 0 ||
-        cf_py_tuple(args[2], "dict_set", "values", &nv) < 0)
+        cf_py_tuple_pair(args[0], args[2], "dict_set", "dicts", "values", &n) < 0)
         return NULL;
-    if (nv != n) {
-        PyErr_Format(PyExc_ValueError, "dict_set(): dicts has %zd items but values has %zd", n, nv);
-        return NULL;
-    }
     if (cf_py_check_dicts(args[0], n, "dict_set") < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -1700,13 +1712,8 @@ static PyObject *cf_py_attr_flags(PyObject *module, PyObject *const *args, Py_ss
     PyObject *out;
     char *buf;
     (void)module;
-    if (cf_py_check_nargs("attr_flags", nargs, 2) < 0 ||
-        cf_py_tuple(args[0], "attr_flags", "objs", &n) < 0)
+    if (cf_py_objs_name(args, nargs, 2, "attr_flags", &n) < 0)
         return NULL;
-    if (!PyUnicode_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "attr_flags(): name must be a str");
-        return NULL;
-    }
     out = PyBytes_FromStringAndSize(NULL, n);
     if (out == NULL)
         return NULL;
@@ -1735,18 +1742,10 @@ static PyObject *cf_py_attr_set(PyObject *module, PyObject *const *args, Py_ssiz
 {
     Py_ssize_t n;
     (void)module;
-    if (cf_py_check_nargs("attr_set", nargs, 3) < 0)
+    if (cf_py_objs_name(args, nargs, 3, "attr_set", &n) < 0 ||
+        (args[2] != Py_None &&
+         cf_py_tuple_pair(args[0], args[2], "attr_set", "objs", "values", &n) < 0))
         return NULL;
-    if (args[2] == Py_None) {
-        if (cf_py_tuple(args[0], "attr_set", "objs", &n) < 0)
-            return NULL;
-    } else if (cf_py_tuple_pair(args[0], args[2], "attr_set", "objs", "values", &n) < 0) {
-        return NULL;
-    }
-    if (!PyUnicode_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "attr_set(): name must be a str");
-        return NULL;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *v = args[2] == Py_None ? Py_None : PyTuple_GET_ITEM(args[2], i);
         if (PyObject_SetAttr(PyTuple_GET_ITEM(args[0], i), args[1], v) < 0)
@@ -1766,13 +1765,8 @@ static PyObject *cf_py_attr_get(PyObject *module, PyObject *const *args, Py_ssiz
     Py_ssize_t n;
     PyObject *out;
     (void)module;
-    if (cf_py_check_nargs("attr_get", nargs, 2) < 0 ||
-        cf_py_tuple(args[0], "attr_get", "objs", &n) < 0)
+    if (cf_py_objs_name(args, nargs, 2, "attr_get", &n) < 0)
         return NULL;
-    if (!PyUnicode_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "attr_get(): name must be a str");
-        return NULL;
-    }
     out = PyTuple_New(n);
     if (out == NULL)
         return NULL;

@@ -304,8 +304,8 @@ class _FusedStep:
         self._cf_pack(entries, group)
         steps = self._cf_home_steps(entries) if self._cf_uses_step else None
         plan = _Plan(params, tuple(map(id, params)), kinds, self._cf_layout_key(group),
-                     self._cf_version, _disjoint_buckets(_buckets(entries, self._cf_kinds_of(group))),
-                     entries, steps)
+                     self._cf_version, _buckets(entries, self._cf_kinds_of(group)), entries,
+                     steps)
         if not self._cf_refresh(plan, grads):
             raise AssertionError("cfsdp.optim: a freshly built plan does not fit its gradients")
         self._cf_plans[gi] = plan
@@ -448,7 +448,8 @@ def _clusters(entries: list) -> list:
 def _buckets(entries: list, kinds: tuple) -> list:
     """Entries with equal gradient and state offsets (and SGD first-step flag),
     by address, as buckets of merged ranges; entries whose memory overlaps
-    another's in the bucket get a bucket of their own."""
+    another's in the bucket get a bucket of their own, and so does every entry of
+    a run whose merged spans would overlap (``_spans_disjoint``)."""
     groups: dict = {}
     for e in entries:
         if e.numel == 0:
@@ -470,23 +471,14 @@ def _buckets(entries: list, kinds: tuple) -> list:
                 continue
             run.append(e)
             end = e.ptr + 4 * e.numel
-        out.append(_bucket(run, deltas, first))
-    return out
-
-
-def _disjoint_buckets(buckets: list) -> list:
-    """Split a bucket whose merged spans overlap into one bucket per entry.
-
-    Entries of different units can share a gradient offset by coincidence (the
-    allocator often hands back the same addresses step after step); merged, the
-    bucket's parameter span may then overlap its gradient span even though no
-    entry's own memory does, which the C core's restrict contract forbids."""
-    out = []
-    for b in buckets:
-        if len(b.entries) > 1 and not _spans_disjoint(b, b.entries[0].grad_delta):
-            out += [_bucket([e], b.state_deltas, b.first) for e in b.entries]
+        merged = _bucket(run, deltas, first)
+        if len(run) > 1 and not _spans_disjoint(merged, run[0].grad_delta):
+            # entries of different units can share a gradient offset by coincidence
+            # (the allocator often hands back the same addresses); merged, the param
+            # span may overlap the gradient span though no entry's own memory does
+            out += [_bucket([e], deltas, first) for e in run]
         else:
-            out.append(b)
+            out.append(merged)
     return out
 
 

@@ -62,12 +62,12 @@ def attr_flags(objs: tuple, name: str) -> bytes:
 
 def attr_set(objs: tuple, name: str, values) -> None:
     """``setattr(objs[i], name, values[i])``; ``values=None`` sets every one to None."""
+    _tuple("attr_set", "objs", objs)
+    _name("attr_set", name)
     if values is None:
-        _tuple("attr_set", "objs", objs)
         values = (None,) * len(objs)
     else:
         _pair("attr_set", "objs", objs, "values", values)
-    _name("attr_set", name)
     for o, v in zip(objs, values):
         setattr(o, name, v)
 

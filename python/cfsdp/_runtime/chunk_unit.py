@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -44,7 +44,7 @@ from .. import _core
 from . import comm
 from .reduce import divide_factors
 from .unit import (PendingReduce, _alloc, _free, all_none, hook_grad_ready,
-                   storage_owners)
+                   storage_owners, views_or_none)
 
 
 # DTensorSpecs by mesh, then (placements, shape, stride, dtype): the parameters of
@@ -88,7 +88,6 @@ class ChunkParam:
     sharded: Optional[nn.Parameter] = None  # the DTensor parameter the user sees
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
-    specs: dict = field(default_factory=dict)  # dtype -> DTensorSpec of the sharded DTensors
 
     @property
     def chunk_numel(self) -> int:
@@ -231,6 +230,7 @@ class ChunkUnit:
         self._param_index = tuple(range(len(self.params)))
         self._shapes = tuple(None if len(q.shape) == 1 else q.shape for q in self.params)
         self._rg_mask: Optional[bytes] = None
+        self._grad_view_plan: Optional[tuple] = None  # (mask, index, shapes): publish_unsharded_grad
 
     def _per_occurrence(self, per_param) -> tuple:
         return tuple(per_param[i] for i in self._occ_index)
@@ -240,13 +240,10 @@ class ChunkUnit:
 
     def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
         """``local`` as this parameter's sharded DTensor (no autograd edge).  The
-        spec is built once per parameter and dtype and the DTensor constructed
+        spec comes from the shared cache (``_spec``) and the DTensor is constructed
         directly: ``DTensor.from_local`` goes through an autograd Function and
         rebuilds the spec, which dominated publishing small units' gradients."""
-        spec = q.specs.get(local.dtype)
-        if spec is None:
-            spec = q.specs[local.dtype] = _spec(self.mesh, self.placements, q.shape, q.stride,
-                                                local.dtype)
+        spec = _spec(self.mesh, self.placements, q.shape, q.stride, local.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     def _new_natural(self) -> None:
@@ -599,10 +596,12 @@ class ChunkUnit:
         g = self.flat_param.grad
         if self._buf is None or g is None:
             return
-        mask = self._rg_mask
-        n = len(self.params)  # index n: the None after the pieces (a frozen parameter)
-        index = tuple(i if mask[i] else n for i in range(n))
-        shapes = tuple(sh if mask[i] else None for i, sh in enumerate(self._shapes))
+        plan = self._grad_view_plan
+        if plan is None or plan[0] != self._rg_mask:
+            plan = self._grad_view_plan = (
+                self._rg_mask, *views_or_none(self._param_index, self._shapes, self._rg_mask,
+                                              len(self.params)))
+        _, index, shapes = plan
         views = _core.shape_views((*torch.split(g, self._split_sizes), None), index, shapes, None,
                                   self._param_index)
         _core.attr_set(self._unsharded_t, "grad", views)

@@ -270,32 +270,28 @@ def _is_sum_or_avg(op) -> Optional[bool]:
     return None
 
 
-def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor) -> Optional[_GroupState]:
-    """The group's state if this call goes through shared memory, else None (after
-    draining the group's shared-memory queue, so the process-group op comes after
-    every earlier one)."""
+def _shm_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and t.dtype in _SHM_DTYPES
+
+
+def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
+             other: Optional[torch.Tensor] = None) -> Optional[_GroupState]:
+    """The group's state if this call goes through shared memory (rules 3 and 4 of
+    the module doc: ``tensors`` of one eligible dtype, ``other`` eligible in its own
+    dtype, ``op`` SUM or AVG), else None, after draining the group's shared-memory
+    queue, so the process-group op comes after every earlier one."""
     st = _state(group)
     shm = st.shm
     if shm is None or shm.closed:
         return None
     dtype = tensors[0].dtype
-    if all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype
-           for t in tensors) and dtype in _SHM_DTYPES:
+    if (all(_shm_ok(t) and t.dtype == dtype for t in tensors)
+            and (other is None or _shm_ok(other)) and _is_sum_or_avg(op) is not None):
         if st.last_pg is not None:
             st.last_pg.wait()
             st.last_pg = None
         return st
     shm.drain()
-    return None
-
-
-def _drained(group: dist.ProcessGroup) -> None:
-    """For a call that takes the process group whatever its tensors (a reduction other
-    than SUM/AVG): drain the group's shared-memory queue first, so it comes after every
-    earlier op on the group, as :func:`_shm_for` does for ineligible tensors."""
-    st = _state(group)
-    if st.shm is not None and not st.shm.closed:
-        st.shm.drain()
     return None
 
 
@@ -421,8 +417,7 @@ def reduce_scatter_pack(
         _core.chunk_pack(out, natural.contiguous(), plan, 1, out.numel(), divisor=divisor)
         return Pending(None)
     avg = _is_sum_or_avg(op)
-    st = _shm_for(group, out, out) if avg is not None and natural.dtype in _SHM_DTYPES \
-        and natural.device.type == "cpu" and natural.is_contiguous() else _drained(group)
+    st = _shm_for(group, out, op=op, other=natural)
     if st is not None:
         work = st.shm.reduce_scatter_pack(
             out.data_ptr(), out.numel(), _core.DTYPE_CODES[out.dtype], natural.data_ptr(),
@@ -448,7 +443,7 @@ def reduce_scatter(
         out.copy_(inp.view_as(out))
         return _scaled(None, out, scale, False)
     avg = _is_sum_or_avg(op)
-    st = _shm_for(group, out, inp) if avg is not None else _drained(group)
+    st = _shm_for(group, out, inp, op=op)
     if st is not None:
         _check_blocks("reduce_scatter", "input", inp, out, st.shm.world_size)
         work = st.shm.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(),
@@ -471,7 +466,7 @@ def all_reduce(
     if _solo(group):
         return _scaled(None, t, scale, False)
     avg = _is_sum_or_avg(op)
-    st = _shm_for(group, t) if avg is not None else _drained(group)
+    st = _shm_for(group, t, op=op)
     if st is not None:
         work = st.shm.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(),
                                  _core.DTYPE_CODES[t.dtype], _shm_scale(st, avg, scale),

@@ -74,6 +74,15 @@ def all_none(objs: tuple) -> bool:
     return all(map(operator.is_, objs, itertools.repeat(None)))
 
 
+def views_or_none(index, shapes: tuple, mask: Optional[bytes], none: int) -> tuple[tuple, tuple]:
+    """``(index, shapes)`` for ``_core.shape_views`` that give None for a parameter
+    without a piece (``index`` -1) or frozen (``mask`` 0): they point at piece
+    ``none``, a None the caller appends after the split's pieces.  Built once per
+    requires_grad mask, so publishing gradients runs no Python per parameter."""
+    index = tuple(j if j >= 0 and (mask is None or mask[i]) else none for i, j in enumerate(index))
+    return index, tuple(None if j == none else sh for j, sh in zip(index, shapes))
+
+
 def storage_owners(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (``t`` included), or a huge number when
     this torch cannot say (then nothing is ever treated as unshared)."""
@@ -215,7 +224,6 @@ class Unit:
         self._occ_attrs = tuple(i.module.__dict__ for i in every)
         self._occ_keys = tuple(i.name for i in every)
         self._orig_t = tuple(i.param for i in self.infos)
-        self._split_index = tuple(self._split_index)
         # a 1-D parameter's piece of the split already has its shape
         self._shapes = tuple(None if len(i.shape) == 1 else i.shape for i in self.infos)
         self._param_index = tuple(range(len(self.infos)))
@@ -305,7 +313,7 @@ class Unit:
             pos = off + n
         if self.layout.flat_numel > pos:
             sizes.append(self.layout.flat_numel - pos)
-        return sizes, index
+        return sizes, tuple(index)
 
     @property
     def flat_numel(self) -> int:
@@ -599,7 +607,9 @@ class Unit:
             sizes, index, pos = [], [], 0
             if not self.sharded:
                 sizes, index = list(self._split_sizes), list(self._split_index)
+                shapes = self._shapes
             else:
+                shapes = (None,) * len(self.infos)  # 1-D slices of the shard
                 for sl in self.layout.slices[self.rank]:
                     if sl.numel == 0:
                         index.append(-1)
@@ -611,11 +621,7 @@ class Unit:
                     pos = sl.shard_offset + sl.numel
                 if self.layout.shard_numel > pos:
                     sizes.append(self.layout.shard_numel - pos)
-            none = len(sizes)  # the None appended after the pieces
-            index = tuple(j if j >= 0 and (mask is None or mask[i]) else none
-                          for i, j in enumerate(index))
-            shapes = tuple(sh if j != none and not self.sharded else None
-                           for j, sh in zip(index, self._shapes))
+            index, shapes = views_or_none(index, shapes, mask, len(sizes))
             cached = self._grad_split = (mask, sizes, index, shapes)
         _, sizes, index, shapes = cached
         return _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
