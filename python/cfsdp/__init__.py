@@ -41,6 +41,11 @@ from ._fully_shard import (
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from . import wrap  # noqa: E402  (as torch.distributed.fsdp.wrap after importing the package)
 from . import optim  # noqa: E402  (cfsdp.optim: fused Adam/AdamW/SGD over flat shards)
+from .checkpoint import state_dict as _checkpoint_state_dict  # noqa: E402
+
+# torch.distributed.checkpoint.state_dict's helpers (get_state_dict, set_state_dict, ...) hand
+# models holding a cfsdp wrapper to cfsdp.checkpoint.state_dict (see its module doc)
+_checkpoint_state_dict.install_torch_dispatch()
 
 __version__ = "0.1.0"
 

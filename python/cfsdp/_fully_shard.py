@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard
 
 from ._runtime.chunk_unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
+from ._runtime.replaced import FULLY_SHARD, mark_replaced
 from ._runtime.unit import TrainingState
 
 _STATE_ATTR = "_cfsdp_fs_state"
@@ -83,16 +84,25 @@ class _FSState:
                     "fully_shard requires running forward through the root module first."
                 )
             states.append(s)
-        seen: dict[nn.Parameter, str] = {}
+        # as torch: one original parameter in two units (weights tied across fully_shard
+        # calls) would come untied, each unit training its own copy
+        seen: dict[int, str] = {}
+        fqns: Optional[dict[int, str]] = None
         for s in states:
             for q in (s.unit.params if s.unit is not None else []):
-                if q.sharded in seen:
+                if q.orig_uid in seen:
+                    if fqns is None:
+                        fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
                     raise ValueError(
-                        f"Parameter '{q.fqn}' is shared with a parameter already managed by "
-                        "another FSDP group. For shared/tied parameters, use "
-                        "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+                        f"Parameter '{fqns.get(id(q.sharded), q.fqn)}' is shared with a parameter "
+                        "already managed by another FSDP group. For shared/tied parameters, use "
+                        "fully_shard([module_a, module_b]) to place them in the same FSDP group. "
+                        f"(cfsdp: it is tied to '{seen[q.orig_uid]}'; put the modules holding "
+                        "both in one fully_shard call, or leave them to a common parent's.)"
                     )
-                seen[q.sharded] = q.fqn
+                if fqns is None:
+                    fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+                seen[q.orig_uid] = fqns.get(id(q.sharded), q.fqn)
         for s in states:  # take over parameters materialised or replaced since fully_shard
             if s.unit is not None:
                 s.unit.reset_sharded_params()
@@ -479,7 +489,15 @@ def fully_shard(
         entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
     dtypes = {p.dtype for p, _ in params}
     if len(dtypes) > 1:
-        raise _nyi(f"one fully_shard call over parameters of several dtypes {sorted(map(str, dtypes))}")
+        first = entries[0]
+        other = next(e for e in entries if e[3].dtype != first[3].dtype)
+        raise NotImplementedError(
+            "cfsdp.fully_shard: parameters of several dtypes in one fully_shard call are not "
+            f"implemented yet: '{other[2]}' is {other[3].dtype} while '{first[2]}' is "
+            f"{first[3].dtype}. Pass that parameter in ignored_params (it then stays a plain "
+            "tensor, neither gathered nor reduced), register it as a buffer, or give the "
+            "parameters of one call one dtype (see the compatibility table in README.md)."
+        )
     param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
     orig = next(iter(dtypes)) if dtypes else None
     if reduce_dtype == param_dtype:
@@ -490,6 +508,8 @@ def fully_shard(
     if entries:
         unit = ChunkUnit(entries, mesh, shard_group, replicate_group, device, param_dtype, reduce_dtype)
         unit.post_forward_group = post_forward_group
+        for _, _, fqn, p, _ in entries:  # an optimizer still holding them fails at step()
+            mark_replaced(p, fqn, FULLY_SHARD)
     for b in (b for m in managed for b in m._buffers.values() if b is not None):
         if b.device != device and b.device.type != "meta":
             b.data = b.to(device)

@@ -108,24 +108,26 @@ class _View:
                     "call it between training steps, outside those contexts."
                 )
         units = [w._state.unit for w in self.wrappers if w._state.unit is not None]
-        for u in units:
-            if u.replicate_group is not None:
-                raise NotImplementedError(
-                    f"FullyShardedDataParallel.{what} with HYBRID_SHARD / _HYBRID_SHARD_ZERO2 "
-                    "is not implemented in cfsdp yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
-                )
         groups = {id(u.group): u.group for u in units}
         if len(groups) > 1:
             raise NotImplementedError(
                 f"FullyShardedDataParallel.{what}: wrappers with different process groups in one "
                 "model are not supported by cfsdp's optimizer state dicts yet."
             )
-        self.group = next(iter(groups.values())) if groups else (group or dist.group.WORLD)
-        if group is not None and groups and group is not self.group:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel.{what}: group must be None or the wrappers' own "
-                "process group (the one passed as process_group); another group is not supported."
-            )
+        hybrid = any(u.replicate_group is not None for u in units)
+        if hybrid:
+            # As torch: each unit gathers over its shard group (the replicas hold the same
+            # state), while the keys are agreed and rank0_only's rank 0 is taken over ``group``
+            # (None: the default group), which spans the replicas too.
+            self.group = group or dist.group.WORLD
+        else:
+            self.group = next(iter(groups.values())) if groups else (group or dist.group.WORLD)
+            if group is not None and groups and group is not self.group:
+                raise NotImplementedError(
+                    f"FullyShardedDataParallel.{what}: group must be None or the wrappers' own "
+                    "process group (the one passed as process_group); another group is not "
+                    "supported."
+                )
         self.rank = dist.get_rank(self.group)
         self.units = units
         self.mesh = next((w._device_mesh for w in self.wrappers if w._device_mesh is not None), None)
@@ -497,7 +499,9 @@ def _to_full(v: Any, fqn: str, name: str) -> Any:
     if isinstance(v, (ShardedTensor, DTensor)):
         from torch.distributed._state_dict_utils import _gather_state_dict
 
-        return _gather_state_dict({name: v})[name]
+        # over the tensor's own group (a hybrid unit's shard group, not the whole world)
+        pg = v._process_group if isinstance(v, ShardedTensor) else None
+        return _gather_state_dict({name: v}, pg=pg)[name]
     return v
 
 

@@ -613,8 +613,9 @@ def _describe(v) -> str:
 
 def validate(w, state_dict, prefix: str, strict: Optional[bool]) -> None:
     """Check ``state_dict``'s entries under ``prefix`` against ``w``'s own before
-    anything is written: missing and unexpected keys and dtypes (when ``strict``),
-    shapes (always).  Raises ``RuntimeError`` naming the first offending FQN."""
+    anything is written: missing and unexpected keys (when ``strict``), shapes (always).
+    Another dtype is no error: values are cast on copy, as ``nn.Module.load_state_dict``
+    does.  Raises ``RuntimeError`` naming the first offending FQN."""
     expected = expected_entries(w, prefix)
     given = [k for k in state_dict if k.startswith(prefix)]
     errors: list[str] = []
@@ -630,8 +631,6 @@ def validate(w, state_dict, prefix: str, strict: Optional[bool]) -> None:
             continue
         if _global_shape(got) != want.shape:
             errors.append(f"'{k}' has shape {tuple(_global_shape(got))}, expected {tuple(want.shape)}")
-        elif strict and got.dtype != want.dtype:
-            errors.append(f"'{k}' has dtype {got.dtype}, expected {want.dtype}")
         elif isinstance(got, ShardedTensor) and hasattr(want, "_cfsdp_shards"):
             have = sorted((list(m.shard_offsets), list(m.shard_sizes)) for m in got.metadata().shards_metadata)
             if have != sorted((list(o), list(z)) for o, z in want._cfsdp_shards):

@@ -13,12 +13,11 @@ import contextvars
 import functools
 import itertools
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.fsdp import wrap as _torch_wrap
 from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
@@ -35,6 +34,7 @@ from ._runtime.hooks import (
     check_can_summon,
     lazy_init_root,
 )
+from ._runtime.replaced import replaced_fqn
 from ._runtime.unit import TrainingState, Unit
 from ._state_dict import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
@@ -58,9 +58,6 @@ _AUTO_WRAP_IGNORED: contextvars.ContextVar[Optional[frozenset]] = contextvars.Co
     "cfsdp_auto_wrap_ignored", default=None
 )
 
-_STALE_HOOK_INSTALLED = False
-
-
 class WrongTypeError(TypeError, ValueError):
     """A wrong type in an argument's entries.  torch's FSDP1 raises ``ValueError``
     there, so this is both: code written against torch keeps catching it."""
@@ -71,27 +68,6 @@ def _not_implemented(what: str, issue: int) -> NotImplementedError:
         f"cfsdp.FullyShardedDataParallel: {what} is not implemented yet "
         f"(tracked in issue {issue}; see the compatibility table in README.md)."
     )
-
-
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: reject parameters that wrapping replaced."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            fqn = getattr(p, "_cfsdp_stale_fqn", None)
-            if fqn is not None:
-                raise RuntimeError(
-                    f"The optimizer holds parameter '{fqn}', which FullyShardedDataParallel "
-                    "replaced by a flat sharded parameter when it wrapped the module "
-                    "(use_orig_params=False), so stepping it would train nothing. Build "
-                    "the optimizer after wrapping, from the wrapped model's parameters()."
-                )
-
-
-def _install_stale_optimizer_check() -> None:
-    global _STALE_HOOK_INSTALLED
-    if not _STALE_HOOK_INSTALLED:
-        register_optimizer_step_pre_hook(_check_optimizer_params)
-        _STALE_HOOK_INSTALLED = True
 
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -295,7 +271,7 @@ def _check_not_shared_with_other_units(module: nn.Module, ignored: set) -> None:
         for name, p in mod._parameters.items():
             if p is None or p in ignored or name == "_flat_param":
                 continue
-            if getattr(p, "_cfsdp_stale_fqn", None) is not None or getattr(p, "_cfsdp_flattened", False):
+            if replaced_fqn(p) is not None or getattr(p, "_cfsdp_flattened", False):
                 raise ValueError(
                     f"Parameter '{clean_tensor_name(join_fqn(prefix, name))}' of {type(mod).__name__} "
                     f"(in the {type(module).__name__} being wrapped) is shared with a module "
@@ -532,7 +508,6 @@ class FullyShardedDataParallel(nn.Module):
             if isinstance(sub, FullyShardedDataParallel):
                 sub._cfsdp_has_outer = True
         _sd.install_hooks(self)
-        _install_stale_optimizer_check()
 
     # ----------------------------------------------------------------- init
     @staticmethod
@@ -785,9 +760,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state dict of the type set by ``state_dict_type``.  The whole
-        state dict is checked first (keys when ``strict``, shapes, dtypes when
-        ``strict``): on a mismatch nothing is loaded and the error names the first
-        offending FQN."""
+        state dict is checked first (keys when ``strict``, shapes): on a mismatch
+        nothing is loaded and the error names the first offending FQN.  Values of
+        another dtype are cast, as ``nn.Module.load_state_dict`` does."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Expected state_dict to be dict-like, got {type(state_dict)}. Pass the "
+                "dict that state_dict() returned (or that torch.load gave back for it)."
+            )
         if assign:
             raise _not_implemented("load_state_dict(assign=True)", 4)
         check_can_summon([w._state for w in FullyShardedDataParallel.fsdp_modules(self)])

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import ShardingStrategy
 
 import _harness as h
 import worker_parity as wp
@@ -60,16 +62,34 @@ def batches(steps: int, world: int, seed: int = 7):
     return out
 
 
-def make(ctx: h.Context, impl: str, uop: bool, seed: int = 0):
-    """(wrapped model, AdamW) for ``impl`` in WRAPPERS; ``seed`` picks the initial weights."""
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+# the strategies a world size can run: hybrid ones need 2 replicas x 2 shards
+STRATEGIES = {
+    2: [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
+    4: [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD, *HYBRID],
+}
+
+
+def make(ctx: h.Context, impl: str, uop: bool, seed: int = 0, strategy=None):
+    """(wrapped model, AdamW) for ``impl`` in WRAPPERS; ``seed`` picks the initial weights.
+    A hybrid ``strategy`` runs on a (2, W/2) device mesh (replicas, shards)."""
+    groups: dict = {"process_group": ctx.pg}
+    if strategy in HYBRID:
+        groups = {"device_mesh": init_device_mesh("cpu", (2, ctx.world_size // 2))}
     model = WRAPPERS[impl](
         wp.build("transformer", seed),
-        process_group=ctx.pg,
         use_orig_params=uop,
         device_id=CPU,
         auto_wrap_policy=wp.make_policy("module"),
+        sharding_strategy=strategy,
+        **groups,
     )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def strategies_here(ctx: h.Context, strategy) -> bool:
+    """Whether this world size runs ``strategy`` (a grid point it cannot run passes)."""
+    return strategy in STRATEGIES[ctx.world_size]
 
 
 def train(ctx: h.Context, model, opt, steps) -> list[float]:

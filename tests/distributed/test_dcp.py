@@ -11,7 +11,7 @@ from launcher import run_reshard_chain, run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 240
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
-AT_4 = "dcp_roundtrip|dcp_cross_load"
+AT_4 = "HYBRID|dcp_cross_load"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

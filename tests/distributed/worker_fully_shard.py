@@ -132,7 +132,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
@@ -280,6 +280,11 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return model
     if kind in ("lm", "lm1"):
         return TiedLM(n_blocks=2 if kind == "lm" else 1)
+    if kind == "mlp_unused":  # parameters forward never uses: in the root's unit and a block's
+        model = MLP()
+        model.unused = nn.Linear(9, 9)
+        model.blocks[1].spare = nn.Linear(9, 2)
+        return model
     raise AssertionError(kind)
 
 
@@ -947,6 +952,18 @@ def _meta_build(kind, seed):
         return build(kind, seed)
 
 
+def _materialise_in_place(impl, model):
+    """torchtitan's order: to_empty, then initialise the local shards in place (here with the
+    rows of an eagerly built model), then the optimizer (built by the scenario after this):
+    the optimizer must step the parameters the units use from the first forward on."""
+    model.to_empty(device="cpu")
+    ref = build("mlp").state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local(p).copy_(distribute_tensor(ref[name], p.device_mesh, p.placements).to_local())
+        model.shift.copy_(ref["shift"])
+
+
 def _materialise(impl, model):
     model.to_empty(device="cpu")
     set_model_state_dict(model, build("mlp").state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -986,6 +1003,10 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "register_fsdp_forward_method": lambda: Scenario(configure=_register_generate,
                                                      call=lambda model, x: model.generate(x)),
     "meta_init": lambda: Scenario(build=_meta_build, configure=_materialise),
+    "meta_init_in_place": lambda: Scenario(build=_meta_build, configure=_materialise_in_place),
+    # torch leaves .grad None for a parameter forward never used (AdamW then skips it)
+    "unused_params": lambda: Scenario(kind="mlp_unused"),
+    "unused_params_accumulate": lambda: Scenario(kind="mlp_unused", steps=2, micro=2),
     "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),
     "compiled_block": lambda: Scenario(prepare=_every_block(_compile_body)),
     "force_sum_reduction": lambda: Scenario(configure=_force_sum),
@@ -1377,6 +1398,111 @@ def bad_input(ctx, case: str):
         raise AssertionError(f"cfsdp's message does not name {missing}: {c_msg}")
 
 
+@h.subtest
+def optimizer_built_before_fully_shard(ctx):
+    """fully_shard replaces the parameters by DTensor ones: an optimizer over the old ones would
+    train nothing (torch's FSDP2 lets it, silently).  cfsdp's step raises naming the FQN."""
+    if SELFTEST:
+        return
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard(CFSDP, model, mesh_1d(ctx), {}, {})
+    x, y = batches("mlp", 1, ctx.world_size)[0][0][ctx.rank]
+    loss_fn("mlp", model(x), y).backward()
+    err = _raised(opt.step)
+    names = [n for n, _ in build("mlp").named_parameters()]
+    if (not isinstance(err, RuntimeError) or not any(f"'{n}'" in str(err) for n in names)
+            or "after fully_shard" not in str(err)):
+        raise AssertionError(f"expected a RuntimeError naming a parameter and saying to build "
+                             f"the optimizer after fully_shard, got {err!r}")
+    # the supported order steps
+    model = build("mlp")
+    shard(CFSDP, model, mesh_1d(ctx), {}, {})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+
+
+@h.subtest
+def optimizer_before_load_assign(ctx):
+    """load_state_dict(assign=True) puts new parameter objects in the modules; the units adopt
+    them (as torch's FSDP2 does), so an optimizer built before the load holds objects nothing
+    uses: torch trains nothing, silently; cfsdp's step raises naming the FQN.  An optimizer
+    built after the load trains as torch's."""
+    if SELFTEST:
+        return
+    mesh = mesh_1d(ctx)
+    data = batches("mlp", 2, ctx.world_size)
+    losses = {}
+    for impl in (TORCH, CFSDP):
+        src = make_model(impl, Scenario(), mesh, seed=1)
+        sd = {k: v.detach().clone() if not isinstance(v, DTensor) else
+              DTensor.from_local(v.to_local().clone(), v.device_mesh, v.placements, run_check=False,
+                                 shape=v.shape, stride=v.stride())
+              for k, v in src.state_dict().items()}
+        model = make_model(impl, Scenario(), mesh)
+        stale = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.load_state_dict(sd, assign=True)
+        if impl is CFSDP:
+            x, y = data[0][0][ctx.rank]
+            loss_fn("mlp", model(x), y).backward()
+            err = _raised(stale.step)
+            names = [n for n, _ in build("mlp").named_parameters()]
+            if (not isinstance(err, RuntimeError) or "after loading" not in str(err)
+                    or not any(f"'{n}'" in str(err) for n in names)):
+                raise AssertionError(f"a step of the optimizer built before load_state_dict(assign=True) "
+                                     f"gave {err!r}, expected a RuntimeError naming the parameter")
+            model.zero_grad(set_to_none=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[impl.name] = run_steps(impl, Scenario(), model, opt, data, ctx.rank, [])
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(losses["cfsdp"], losses["torch"])):
+        mm.tensors(f"loss #{i} after load_state_dict(assign=True)", a, b)
+    mm.raise_if_any()
+
+
+@h.subtest
+def tied_across_units(ctx):
+    """A weight tied across two fully_shard calls (embedding and output head in different
+    units) would come untied; torch refuses it at the first forward, and so does cfsdp, with
+    torch's message (then naming the other parameter)."""
+    errs = {}
+    for impl in (TORCH, CFSDP):
+        model = build("lm1")
+        impl.fully_shard(model.tok, mesh=mesh_1d(ctx))
+        impl.fully_shard(model.head, mesh=mesh_1d(ctx))
+        impl.fully_shard(model, mesh=mesh_1d(ctx))
+        x, _ = batches("lm1", 1, ctx.world_size)[0][0][ctx.rank]
+        errs[impl.name] = _raised(lambda: model(x))
+    t, c = errs["torch"], errs["cfsdp"]
+    if not isinstance(t, ValueError) or "already managed by another FSDP group" not in str(t):
+        raise AssertionError(f"torch's behaviour changed: {t!r}")
+    if not isinstance(c, ValueError) or str(t) not in str(c):
+        raise AssertionError(f"cfsdp gave {c!r}; torch {t!r} (its message must be contained)")
+    if not SELFTEST and "tok.weight" not in str(c):
+        raise AssertionError(f"cfsdp's message does not name the other parameter: {c}")
+
+
+@h.subtest
+def broadcast_from_rank0_wrong_shape(ctx):
+    """set_model_state_dict(broadcast_from_rank0=True) with a wrongly shaped entry on rank 0:
+    every rank raises naming the entry (torch fails in a copy, naming nothing), nothing loads."""
+    if SELFTEST:
+        return
+    model = make_model(CFSDP, Scenario(), mesh_1d(ctx))
+    before = {n: local(p).clone() for n, p in model.named_parameters()}
+    full = build("mlp", seed=1).state_dict()
+    full["blocks.1.lin.weight"] = torch.zeros(4, 4)
+    err = _raised(lambda: set_model_state_dict(
+        model, full if ctx.rank == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))
+    if not isinstance(err, RuntimeError) or "size mismatch for blocks.1.lin.weight" not in str(err):
+        raise AssertionError(f"expected a RuntimeError naming blocks.1.lin.weight, got {err!r}")
+    for n, p in model.named_parameters():
+        if not torch.equal(local(p), before[n]):
+            raise AssertionError(f"'{n}' changed although the load was refused")
+
+
 class TwoDtypes(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1391,7 +1517,7 @@ NOT_IMPLEMENTED = {
     "shard_placement_fn_shard1": (
         lambda mesh: CFSDP.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
         "shard_placement_fn"),
-    "several_dtypes": (lambda mesh: CFSDP.fully_shard(TwoDtypes(), mesh=mesh), "dtypes"),
+    "several_dtypes": (lambda mesh: CFSDP.fully_shard(TwoDtypes(), mesh=mesh), "'b.weight' is torch.float64"),
 }
 
 

@@ -75,9 +75,26 @@ class Net(nn.Module):
         return self.ign(self.dec2(torch.tanh(self.dec(hid))))
 
 
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_GROUPS: dict = {}
+
+
+def hybrid_groups():
+    """(shard group, replicate group) of a 2 replicas x W/2 shards layout, made once per spawn
+    (every rank creates every group, as new_group requires)."""
+    if "groups" not in _GROUPS:
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        half = world // 2
+        shard = [torch.distributed.new_group([r * half + i for i in range(half)]) for r in range(2)]
+        rep = [torch.distributed.new_group([i, i + half]) for i in range(half)]
+        _GROUPS["groups"] = (shard[rank // half], rep[rank % half])
+    return _GROUPS["groups"]
+
+
 def build(kind: str, wrapper, ctx, uop: bool, strategy: ShardingStrategy):
     torch.manual_seed(0)
-    kw = dict(process_group=ctx.pg, use_orig_params=uop, device_id=CPU, sharding_strategy=strategy)
+    pg = hybrid_groups() if strategy in HYBRID else ctx.pg
+    kw = dict(process_group=pg, use_orig_params=uop, device_id=CPU, sharding_strategy=strategy)
     if kind == "net":
         m = Net()
         m.body = wrapper(m.body, **kw)
@@ -285,6 +302,13 @@ def shard_grad_op(ctx, uop):
     run(ctx, "net", uop, ShardingStrategy.SHARD_GRAD_OP, "adamw")
 
 
+if torch.distributed.is_torchelastic_launched() and int(__import__("os").environ["WORLD_SIZE"]) == 4:
+    @h.subtest(grid={"uop": [False, True], "strategy": list(HYBRID)})
+    def hybrid(ctx, uop, strategy):
+        """2 replicas x 2 shards (process_group=(shard, replicate)): every flavour, as torch."""
+        run(ctx, "net", uop, strategy, "adamw")
+
+
 @h.subtest(grid={"uop": [False, True]})
 def autowrap_transformer(ctx, uop):
     run(ctx, "tf", uop, ShardingStrategy.FULL_SHARD, "adam")
@@ -411,15 +435,6 @@ def bad_input(ctx, uop):
            NotImplementedError, "is_named_optimizer")
     other = torch.distributed.new_group(backend="gloo")
     expect(mm, "other group", lambda: CFSDP.optim_state_dict(m, o, group=other), NotImplementedError, "group")
-
-    if ctx.world_size == 4:  # hybrid strategies: not done yet, a clear NotImplementedError
-        from torch.distributed.device_mesh import DeviceMesh
-        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("rep", "shard"))
-        torch.manual_seed(0)
-        hm = CFSDP(nn.Linear(5, 6), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                   use_orig_params=uop, device_id=CPU)
-        ho = make_optim("adam", hm)
-        expect(mm, "hybrid", lambda: CFSDP.optim_state_dict(hm, ho), NotImplementedError, "HYBRID_SHARD")
 
     # inside forward: rejected before any collective, on every rank
     seen = []

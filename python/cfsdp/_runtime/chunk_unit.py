@@ -43,6 +43,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import _core
 from . import comm
 from .reduce import divide_factors
+from .replaced import ADOPTED, mark_replaced, orig_uid
 from .unit import (PendingReduce, _alloc, _free, all_none, hook_grad_ready,
                    storage_owners, views_or_none)
 
@@ -88,6 +89,7 @@ class ChunkParam:
     sharded: Optional[nn.Parameter] = None  # the DTensor parameter the user sees
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
+    orig_uid: int = -1  # the original parameter's id (replaced.orig_uid): tied across units
 
     @property
     def chunk_numel(self) -> int:
@@ -163,7 +165,7 @@ class ChunkUnit:
             self.params.append(
                 ChunkParam(module, name, fqn, p.shape, p.numel(), rows, row_numel, c, local,
                            nat, shard, p.requires_grad, _contiguous_stride(tuple(p.shape)),
-                           aliases=aliases)
+                           aliases=aliases, orig_uid=orig_uid(p))
             )
             nat += p.numel()
             shard += c * row_numel
@@ -195,6 +197,11 @@ class ChunkUnit:
         self.grad_unsharded = False
         self._init_binding()
         self._unsharded_grads = False  # publish_unsharded_grad gave the full-size params grads
+        # which parameters received a gradient in the backwards since the last publish
+        # (see [Note: unused parameters])
+        self._all_got_grad = True
+        self._got_grad = bytearray(len(self.params))
+        self._note_grads_hook = _weak_note_grads(self)
         self.post_backward_fn = None
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced shard
         # reshard_after_forward=k (1 < k < W): the group of k ranks backward gathers over
@@ -256,15 +263,24 @@ class ChunkUnit:
             q.unsharded = None
         self._unsharded_t = None
 
+    def _shard_local(self, q: ChunkParam) -> torch.Tensor:
+        """``q``'s local tensor: its rows of the shard buffer."""
+        local = self._local_view(self.shard, q)
+        if not local.is_meta:
+            # The same memory with a storage offset of 0 (DLPack keeps the shard
+            # alive): torch's DTensor deep-copies a local tensor at a non-zero
+            # offset through its storage and fails (copy.deepcopy(state_dict)).
+            local = torch.from_dlpack(local)
+        return local
+
     def _install_sharded_params(self) -> None:
         for q in self.params:
-            local = self._local_view(self.shard, q)
-            if not local.is_meta:
-                # The same memory with a storage offset of 0 (DLPack keeps the shard
-                # alive): torch's DTensor deep-copies a local tensor at a non-zero
-                # offset through its storage and fails (copy.deepcopy(state_dict)).
-                local = torch.from_dlpack(local)
-            q.sharded = self._dtensor_param(local, q)
+            q.sharded = self._dtensor_param(self._shard_local(q), q)
+        self._bind_sharded_params()
+
+    def _bind_sharded_params(self) -> None:
+        """Register every parameter's ``q.sharded`` in its modules and rebuild what
+        the per-step passes read."""
         self._sharded_t = tuple(q.sharded for q in self.params)
         self._sharded_occ = self._per_occurrence(self._sharded_t)
         _core.dict_set(self._occ_params, self._occ_keys, self._sharded_occ)
@@ -298,10 +314,15 @@ class ChunkUnit:
         _core.dict_set(self._occ_params, self._occ_keys, self._unsharded_occ)
 
     def reset_sharded_params(self) -> None:
-        """Take over parameters that replaced ours (``to_empty`` after meta-device
-        construction, ``load_state_dict(assign=True)``, a user's ``setattr``):
-        copy their local values into the shard (allocating it if it was on the
-        meta device) and register our DTensor parameters again."""
+        """Take over parameters that replaced ours or their data (``to_empty`` after
+        meta-device construction, ``load_state_dict(assign=True)``, a user's
+        ``setattr``): copy their local values into the shard (allocating it if it was
+        on the meta device) and adopt the parameter objects the modules now hold, their
+        local tensors becoming views of the shard again.  The objects are kept, as
+        torch's FSDP2 keeps them: an optimizer built from ``model.parameters()`` after
+        ``to_empty`` steps the very parameters the unit uses.  A parameter object the
+        unit stops using is marked, so an optimizer still holding it fails at ``step``
+        (see ``replaced``)."""
         if self._buf is not None:
             return  # unsharded: the registered parameters are the full views
         replaced = {}
@@ -315,6 +336,20 @@ class ChunkUnit:
                         f"fully_shard: parameter '{q.fqn}' was replaced by a {type(cur).__name__} "
                         f"of shape {tuple(getattr(local, 'shape', cur.shape))}; expected a DTensor "
                         f"whose local shard has shape {want}."
+                    )
+                if cur.placements != self.placements or cur.device_mesh != self.mesh:
+                    raise ValueError(
+                        f"fully_shard: parameter '{q.fqn}' was replaced by a DTensor with "
+                        f"placements {cur.placements} on {cur.device_mesh}; the unit shards it as "
+                        f"{self.placements} on {self.mesh}. Load values sharded the unit's way "
+                        "(e.g. distribute_tensor(full, mesh, placements) with the unit's mesh)."
+                    )
+                if local.dtype != self.dtype:
+                    raise NotImplementedError(
+                        f"fully_shard: parameter '{q.fqn}' was replaced by a {local.dtype} "
+                        f"parameter; the unit holds {self.dtype}. Changing a unit's dtype after "
+                        "fully_shard is not supported yet: load values of the unit's dtype, or "
+                        "change the dtype before fully_shard."
                     )
                 replaced[id(q)] = cur
         if not replaced:
@@ -337,8 +372,19 @@ class ChunkUnit:
                 if cur is not None:
                     self._local_view(self.shard, q).copy_(cur.to_local())
                     q.requires_grad = cur.requires_grad
-        if self.shard.device.type != "meta":
-            self._install_sharded_params()
+        if self.shard.device.type == "meta":
+            return
+        for q in self.params:
+            cur = replaced.get(id(q))
+            if cur is None:
+                continue
+            if q.sharded is not None and cur is not q.sharded:
+                mark_replaced(q.sharded, q.fqn, ADOPTED)
+            # the object stays the user's; its local tensor is the shard's rows again
+            cur._local_tensor = self._shard_local(q)
+            cur._spec = _spec(self.mesh, self.placements, q.shape, q.stride, self.dtype)
+            q.sharded = cur
+        self._bind_sharded_params()
 
     def _moved(self, q: "ChunkParam") -> bool:
         """Whether our own parameter's local tensor was swapped (``module._apply``,
@@ -447,9 +493,36 @@ class ChunkUnit:
         [Note: forward views] in unit.py)."""
         if self._rg_mask is None:  # parameters replaced since the last forward
             self.refresh_requires_grad()
-        views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._param_index,
-                                  self._shapes, self._rg_mask, self._occ_index)
+        parts = torch.split(self.flat_param, self._split_sizes)
+        node = parts[0].grad_fn if parts else None
+        if node is not None:  # which parameters get a gradient: [Note: unused parameters]
+            node.register_prehook(self._note_grads_hook)
+        views = _core.shape_views(parts, self._param_index, self._shapes, self._rg_mask,
+                                  self._occ_index)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
+
+    def note_grads(self, grad_outputs: tuple) -> None:
+        """The split node's pre-hook: record which parameters' views got a gradient."""
+        if not any(g is None for g in grad_outputs):
+            return
+        if self._all_got_grad:
+            self._all_got_grad = False
+            self._got_grad[:] = bytes(len(self.params))
+        for i, g in enumerate(grad_outputs):
+            if g is not None:
+                self._got_grad[i] = 1
+
+    def _unused(self, grad: torch.Tensor) -> list[int]:
+        """Indices of trainable parameters that got no gradient on this rank since the
+        last publish and whose reduced rows here are all zero (no rank's gradient
+        reached them): their ``.grad`` stays None, as torch's FSDP2 leaves it."""
+        if self._all_got_grad:
+            return []
+        out = [i for i, q in enumerate(self.params)
+               if q.requires_grad and not self._got_grad[i]
+               and not bool(self._local_view(grad, q).any())]
+        self._all_got_grad = True
+        return out
 
     def full_values(self) -> list[torch.Tensor]:
         """Views with the original shapes of the unsharded buffer."""
@@ -499,6 +572,18 @@ class ChunkUnit:
     # (``zero_grad(set_to_none=False)``, accumulation) are the published buffer,
     # which the reduction adds to; anything else is copied into a new buffer.
 
+    # [Note: unused parameters]
+    # Every forward binds the parameters to views of one ``torch.split`` of the flat
+    # parameter, so backward produces one flat gradient with zeros where a parameter took
+    # no part in the forward.  torch's FSDP2 leaves such a parameter's ``.grad`` None
+    # (optimizers then skip it: no weight decay, no step).  The split node's pre-hook sees
+    # a None gradient for each view that received none (``note_grads``; one check per
+    # backward when every view got one).  At publish, a trainable parameter that got no
+    # gradient on this rank keeps ``.grad`` None if its reduced rows here are all zero,
+    # i.e. no rank's gradient reached them; otherwise (another rank used it) its gradient
+    # is published, so no gradient value is ever dropped.  The reduce-scatter itself is
+    # unchanged (the zeros take part, as torch's padding does).
+
     def _release_dropped_grads(self) -> None:
         """Free the published gradient's storage once nothing can see it any more;
         forget it if the parameters dropped it but the user kept some of it."""
@@ -532,7 +617,7 @@ class ChunkUnit:
             self._release_dropped_grads()
             return
         pub = self._pub
-        if pub is not None and not pub.released and all(map(operator.is_, grads, pub.dts_all)):
+        if pub is not None and not pub.released and all(map(operator.is_, grads, pub.shown)):
             self.saved_grad = pub.buf  # the gradients as published: add to them
             return
         # a gradient was cleared or replaced since it was published
@@ -574,7 +659,15 @@ class ChunkUnit:
         pub = self._pub
         if pub is None or pub.buf is not g:
             pub = self._pub = self._new_published(g)
-        _core.attr_set(self._sharded_t, "grad", pub.dts_all)
+        unused = self._unused(g)
+        if unused:
+            shown = list(pub.dts_all)
+            for i in unused:
+                shown[i] = None
+            pub.shown = tuple(shown)
+        else:
+            pub.shown = pub.dts_all
+        _core.attr_set(self._sharded_t, "grad", pub.shown)
 
     def _new_published(self, g: torch.Tensor) -> "_Published":
         locals_, dts_all = [], []
@@ -596,16 +689,34 @@ class ChunkUnit:
         g = self.flat_param.grad
         if self._buf is None or g is None:
             return
-        plan = self._grad_view_plan
-        if plan is None or plan[0] != self._rg_mask:
-            plan = self._grad_view_plan = (
-                self._rg_mask, *views_or_none(self._param_index, self._shapes, self._rg_mask,
-                                              len(self.params)))
-        _, index, shapes = plan
+        if self._all_got_grad:
+            plan = self._grad_view_plan
+            if plan is None or plan[0] != self._rg_mask:
+                plan = self._grad_view_plan = (
+                    self._rg_mask, *views_or_none(self._param_index, self._shapes, self._rg_mask,
+                                                  len(self.params)))
+            _, index, shapes = plan
+        else:  # parameters without a local gradient keep None (not cached: rare)
+            mask = bytes(a and b for a, b in zip(self._rg_mask, self._got_grad))
+            index, shapes = views_or_none(self._param_index, self._shapes, mask, len(self.params))
         views = _core.shape_views((*torch.split(g, self._split_sizes), None), index, shapes, None,
                                   self._param_index)
         _core.attr_set(self._unsharded_t, "grad", views)
         self._unsharded_grads = True
+
+
+def _weak_note_grads(unit: "ChunkUnit"):
+    """``unit.note_grads`` holding the unit weakly: the hook lives on autograd nodes that
+    the views in the modules' ``__dict__`` keep alive, out of the garbage collector's
+    sight (see ``hook_grad_ready``)."""
+    ref = weakref.ref(unit)
+
+    def hook(grad_outputs: tuple) -> None:
+        u = ref()
+        if u is not None:
+            u.note_grads(grad_outputs)
+
+    return hook
 
 
 class _Published:
@@ -613,12 +724,13 @@ class _Published:
     the DTensor gradients over them (None for a frozen parameter); see
     [Note: gradient reuse]."""
 
-    __slots__ = ("buf", "locals", "dts_all", "dts", "released")
+    __slots__ = ("buf", "locals", "dts_all", "dts", "released", "shown")
 
     def __init__(self, buf: torch.Tensor, locals_: tuple, dts_all: tuple):
         self.buf = buf
         self.locals = locals_
         self.dts_all = dts_all
+        self.shown = dts_all  # what the parameters were given: dts_all, None where unused
         self.dts = tuple(d for d in dts_all if d is not None)
         self.released = False  # the buffer's storage is freed until the next reduction
 

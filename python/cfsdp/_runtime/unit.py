@@ -40,6 +40,7 @@ from .. import _core
 from .._state_dict import FLAT_PARAM, join_fqn
 from . import comm
 from .reduce import divide_factors, scale_cast_add
+from .replaced import WRAPPER, mark_replaced
 
 # torch's FSDP1 aligns every original parameter to 16 bytes in the flat
 # buffer when use_orig_params=True (a TorchInductor requirement).
@@ -380,11 +381,11 @@ class Unit:
                 # The original parameter is no longer trained: free it, and
                 # mark it so an optimizer built before wrapping is caught.
                 info.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
-                info.param._cfsdp_stale_fqn = info.fqn  # type: ignore[attr-defined]
+                mark_replaced(info.param, info.fqn, WRAPPER)
             for s in self.shared:
                 del s.module._parameters[s.name]
                 s.module.__dict__[s.name] = views[s.primary]
-                s.param._cfsdp_stale_fqn = s.fqn  # type: ignore[attr-defined]
+                mark_replaced(s.param, s.fqn, WRAPPER)
             self.module._parameters[FLAT_PARAM] = self.flat_param
         if self.use_orig_params:
             for s in self.shared:

@@ -6,23 +6,18 @@ one is handled with cfsdp's own API (``FSDP.state_dict_type``, ``model.state_dic
 ``FSDP.optim_state_dict`` / ``optim_state_dict_to_load``), the way torch's helpers drive
 torch's FSDP1.
 
-What torch's helpers do on a cfsdp model (torch 2.13, probed; they look for torch's FSDP
-classes only, so ``FSDP.fsdp_modules`` finds nothing and no ``state_dict_type`` is entered):
-
-* ``get_model_state_dict``: plain ``model.state_dict()``, which is cfsdp's default
-  FULL_STATE_DICT: clean FQNs, but *full, unsharded* plain tensors on every rank whatever
-  ``full_state_dict`` says, so ``full_state_dict=False`` silently gives no ShardedTensors
-  (every rank holds, and ``dcp.save`` treats as replicated, the whole model).
-* ``get_optimizer_state_dict``: ``optim.state_dict()`` re-keyed through the raw
-  ``named_parameters()`` names: keys carry ``_fsdp_wrapped_module.``, and with
-  ``use_orig_params=False`` are ``..._flat_param`` names; values are this rank's local 1-D
-  flat shards (parameters whose local shard is empty have no state at all), and
-  ``full_state_dict=True`` gathers nothing.  Such a checkpoint cannot be loaded into a model
-  at another world size, nor into torch's FSDP1.
-* ``set_model_state_dict``: maps the clean keys to the raw names and hands those to
-  ``load_state_dict``, which cfsdp rejects (``RuntimeError``: unexpected keys
-  ``_fsdp_wrapped_module....``); with the default options and ``use_orig_params=False``
-  it first fails with "``..._flat_param`` contains _flat_param".
+torch's own helpers work on cfsdp models too.  torch's helpers recognise only torch's FSDP
+classes: on a cfsdp wrapper model they used to fall back to plain ``model.state_dict()`` and
+``optim.state_dict()`` re-keyed through the raw parameter names, which for
+``use_orig_params=False`` are each rank's *local flat shards* under one key, so ``dcp.save``
+wrote one rank's shard as if replicated and a resumed run trained with another rank's Adam
+moments, silently.  So importing cfsdp teaches torch's module to hand cfsdp models to the
+functions below (:func:`install_torch_dispatch`): its internal steps (``_verify_options``,
+``_get_model_state_dict``, ``_get_optim_state_dict``, ``_load_model_state_dict``,
+``_load_optim_state_dict``), looked up by torch's public functions at call time, are replaced by
+dispatchers that send a model holding a cfsdp wrapper here and everything else to torch's own
+code, unchanged.  Its public functions are left as they are, so the names a user imported
+before or after cfsdp all behave the same.  ``uninstall_torch_dispatch()`` restores torch's.
 
 Options, all honoured (anything else is a ``NotImplementedError`` naming it):
 
@@ -66,6 +61,7 @@ from ..api import (
     ShardedStateDictConfig,
     StateDictType,
 )
+from .._fully_shard import FSDPModule
 from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 __all__ = [
@@ -114,6 +110,14 @@ class _Plan:
                 ShardedOptimStateDictConfig(offload_to_cpu=o.cpu_offload),
             )
         return FSDP.state_dict_type(self.model, *cfgs)
+
+
+@dataclasses.dataclass
+class _CfsdpInfo(_torch_dsd._StateDictInfo):
+    """torch's ``_StateDictInfo`` of a call on a cfsdp model: what torch's generic optimizer
+    helpers read, plus the plan that tells torch's dispatched steps to come here."""
+
+    cfsdp_plan: Optional[_Plan] = None
 
 
 def _as_tuple(optimizers: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
@@ -176,18 +180,22 @@ def _plan(
         for name, m in model.named_modules():
             if m in wanted:
                 prefixes.add(clean_tensor_name(name + ".") if name else "")
-    info = _torch_dsd._StateDictInfo(
+    info = _CfsdpInfo(
         **dataclasses.asdict(options),
         fqn_param_mapping=mapping,
         shared_params_mapping={},
         submodule_prefixes=prefixes,
         handle_model=not optim_only,
         handle_optim=len(optims) > 0,
-        fsdp_modules=wrappers,
+        # torch's checks look up torch's FSDP state of each module listed here; cfsdp's
+        # wrappers have none, so they are kept in the plan instead
+        fsdp_modules=[],
     )
     root = wrappers[0]
     group = root._process_group if root._replicate_group is None else dist.group.WORLD
-    return _Plan(model, options, wrappers, info, group, root.compute_device)
+    plan = _Plan(model, options, wrappers, info, group, root.compute_device)
+    info.cfsdp_plan = plan
+    return plan
 
 
 # ----------------------------------------------------------------------------- model
@@ -223,6 +231,9 @@ def _set_model(model: nn.Module, sd: dict[str, Any], plan: _Plan) -> _Incompatib
             "set_model_state_dict with a state dict keyed by submodules (deprecated in torch) "
             "is not supported for models wrapped with cfsdp; key it by FQN."
         )
+    # keys as torch's set_model_state_dict gives them for a state dict keyed by submodules
+    # (raw names, through the wrappers) are the clean FQNs with the wrappers' prefixes
+    sd = {clean_tensor_name(k) if isinstance(k, str) else k: v for k, v in sd.items()}
     if o.broadcast_from_rank0:
         sd = _broadcast_from_rank0(sd, plan)
     elif not sd:
@@ -411,3 +422,142 @@ def set_state_dict(
         keys = _set_model(model, model_state_dict, plan)
         _set_optim(model, optims, optim_state_dict, plan)
     return keys
+
+
+# ----------------------------------------------------------------------------- torch's helpers
+#
+# [Note: torch's helpers on cfsdp models]
+# torch's public functions (get_state_dict, set_state_dict, ...) run the same steps for every
+# model: _verify_options builds a _StateDictInfo, then _get_model_state_dict /
+# _get_optim_state_dict / _load_model_state_dict / _load_optim_state_dict do the work, and
+# _verify_state_dict checks the result.  Each step is looked up in torch's module namespace at
+# call time, so replacing the five that know about FSDP routes a cfsdp model here whatever
+# name the user imported and whenever: _verify_options returns a _CfsdpInfo carrying the plan
+# for a model holding a cfsdp wrapper, and each later step takes that info to cfsdp's code.
+# Any other model gets torch's own info and torch's own steps.  _verify_state_dict is torch's
+# (a _CfsdpInfo lists no torch FSDP modules, so its checks are the generic ones).
+
+_TORCH_STEPS = (
+    "_verify_options",
+    "_get_model_state_dict",
+    "_get_optim_state_dict",
+    "_load_model_state_dict",
+    "_load_optim_state_dict",
+)
+_TORCH_ORIGINALS: dict[str, Any] = {}
+
+
+def _plan_of(info: Any) -> Optional[_Plan]:
+    return info.cfsdp_plan if isinstance(info, _CfsdpInfo) else None
+
+
+def _dispatch_verify_options(model, optims, optim_only, *, submodules=None, options=None):
+    if not _cfsdp_wrappers(model):
+        return _TORCH_ORIGINALS["_verify_options"](
+            model, optims, optim_only, submodules=submodules, options=options
+        )
+    if submodules:  # torch's deprecation warning, as its own _verify_options gives it
+        import warnings
+
+        warnings.warn(
+            "Getting submodules only model/optim state_dict is deprecated and will be removed "
+            "in 2.5. This feature can be achieved by manually filtering out the state_dict "
+            "returned from get_state_dict.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return _plan(model, tuple(optims), optim_only, submodules, options).info
+
+
+def _dispatch_get_model_state_dict(model, info):
+    plan = _plan_of(info)
+    if plan is None:
+        return _TORCH_ORIGINALS["_get_model_state_dict"](model, info)
+    return _get_model(model, plan) if info.handle_model else {}
+
+
+def _dispatch_get_optim_state_dict(model, optimizers, info):
+    plan = _plan_of(info)
+    if plan is None:
+        return _TORCH_ORIGINALS["_get_optim_state_dict"](model, optimizers, info)
+    return _get_optim(model, optimizers, plan) if info.handle_optim else {}
+
+
+def _dispatch_load_model_state_dict(model, state_dict, info):
+    plan = _plan_of(info)
+    if plan is None:
+        if info.broadcast_from_rank0 and any(isinstance(m, FSDPModule) for m in model.modules()):
+            _check_broadcast_shapes(model, state_dict)
+        return _TORCH_ORIGINALS["_load_model_state_dict"](model, state_dict, info)
+    # set_state_dict marks the model "not handled" on a rank given an empty model state dict,
+    # which with broadcast_from_rank0 is every rank but 0: they still take part in the broadcast
+    if not info.handle_model and not info.broadcast_from_rank0:
+        return _IncompatibleKeys([], [])
+    return _set_model(model, state_dict, plan)
+
+
+def _dispatch_load_optim_state_dict(model, optimizers, state_dict, info):
+    plan = _plan_of(info)
+    if plan is None:
+        return _TORCH_ORIGINALS["_load_optim_state_dict"](model, optimizers, state_dict, info)
+    if info.handle_optim:
+        _set_optim(model, optimizers, state_dict, plan)
+
+
+def _check_broadcast_shapes(model: nn.Module, state_dict: dict[str, Any]) -> None:
+    """``broadcast_from_rank0`` into a ``fully_shard`` model: rank 0 checks the full state
+    dict's shapes against the model's before anything is sent, and every rank raises naming
+    the first entry of another shape (torch fails later, in a copy, naming nothing)."""
+    msg: list[Optional[str]] = [None]
+    if dist.get_rank() == 0:
+        for name, local in _torch_dsd._iterate_valid_model_state(model):
+            if not isinstance(local, torch.Tensor):
+                continue
+            for fqn in _torch_dsd._get_fqns(model, name):
+                v = state_dict.get(fqn)
+                if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(local.shape):
+                    msg[0] = (
+                        f"Error(s) in loading state_dict: size mismatch for {fqn}: copying a param "
+                        f"with shape {v.shape} from checkpoint, the shape in current model is "
+                        f"{local.shape}. (set_model_state_dict with broadcast_from_rank0=True: "
+                        "nothing was loaded; rank 0's state dict must come from the same model.)"
+                    )
+                    break
+            if msg[0] is not None:
+                break
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0] is not None:
+        raise RuntimeError(msg[0])
+
+
+_DISPATCHERS = {
+    "_verify_options": _dispatch_verify_options,
+    "_get_model_state_dict": _dispatch_get_model_state_dict,
+    "_get_optim_state_dict": _dispatch_get_optim_state_dict,
+    "_load_model_state_dict": _dispatch_load_model_state_dict,
+    "_load_optim_state_dict": _dispatch_load_optim_state_dict,
+}
+
+
+def install_torch_dispatch() -> None:
+    """Route torch's ``torch.distributed.checkpoint.state_dict`` helpers to cfsdp for models
+    that hold a cfsdp wrapper (see [Note: torch's helpers on cfsdp models]); idempotent.
+    ``import cfsdp`` calls it."""
+    for name in _TORCH_STEPS:
+        current = getattr(_torch_dsd, name)
+        if current is _DISPATCHERS[name]:
+            continue
+        _TORCH_ORIGINALS[name] = current
+        setattr(_torch_dsd, name, _DISPATCHERS[name])
+
+
+def uninstall_torch_dispatch() -> None:
+    """Give torch's helpers back their own steps (cfsdp models then get torch's plain
+    ``model.state_dict()`` / ``optim.state_dict()`` behaviour: see the module doc)."""
+    for name, fn in _TORCH_ORIGINALS.items():
+        if getattr(_torch_dsd, name) is _DISPATCHERS[name]:
+            setattr(_torch_dsd, name, fn)
+
+
+def torch_dispatch_installed() -> bool:
+    return all(getattr(_torch_dsd, n) is _DISPATCHERS[n] for n in _TORCH_STEPS)

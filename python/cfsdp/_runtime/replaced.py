@@ -1,0 +1,97 @@
+"""Parameters a unit replaced, and the optimizer check that catches them.
+
+Both faces replace the ``nn.Parameter`` objects a user's model held: the wrapper with
+``use_orig_params=False`` registers one flat parameter instead of a unit's parameters;
+``fully_shard`` registers a sharded ``DTensor`` parameter instead of each original one (and
+adopts the parameter that ``load_state_dict(assign=True)`` or a user's ``setattr`` puts in
+its place).  An optimizer built from the old objects would step tensors nothing reads any
+more: it would train nothing, silently.  So every replaced parameter is marked with its FQN
+and how it was replaced (:func:`mark_replaced`), and one optimizer step pre-hook, installed
+with the first mark, raises a ``RuntimeError`` naming the first replaced parameter an
+optimizer holds and saying to build the optimizer afterwards.
+
+Cost: the hook runs for every optimizer of the process, but checks an optimizer's
+parameters only when something changed since it last passed: a mark was made (a global
+generation counter) or its param groups changed size (``add_param_group``).  In a steady
+training loop it is one comparison per step.
+
+Every original parameter a unit takes also gets an id (:func:`orig_uid`), as torch's FSDP2
+gives it: two units holding the same original parameter (weights tied across
+``fully_shard`` calls) are refused by that id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+_FQN_ATTR = "_cfsdp_stale_fqn"
+_HOW_ATTR = "_cfsdp_replaced_by"
+_UID_ATTR = "_cfsdp_orig_uid"
+
+_generation = 0
+_hook_installed = False
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+_uids = itertools.count()
+
+# how -> (what replaced it, when to build the optimizer)
+WRAPPER = ("FullyShardedDataParallel replaced it by a flat sharded parameter when it wrapped "
+           "the module (use_orig_params=False)", "after wrapping, from the wrapped model's parameters()")
+FULLY_SHARD = ("fully_shard replaced it by a sharded DTensor parameter when it sharded the module",
+               "after fully_shard, from the model's parameters()")
+ADOPTED = ("fully_shard now uses the parameter that took its place in the module (e.g. "
+           "load_state_dict(assign=True) or an assignment)",
+           "after loading or replacing parameters, from the model's parameters()")
+
+
+def mark_replaced(param: torch.Tensor, fqn: str, how: tuple[str, str]) -> None:
+    """Record that a unit no longer uses ``param`` (named ``fqn``); see the module doc."""
+    global _generation
+    setattr(param, _FQN_ATTR, fqn)
+    setattr(param, _HOW_ATTR, how)
+    _generation += 1
+    _install()
+
+
+def replaced_fqn(param: torch.Tensor) -> Optional[str]:
+    """The FQN ``param`` had when a unit replaced it, or None."""
+    return getattr(param, _FQN_ATTR, None)
+
+
+def orig_uid(param: torch.Tensor) -> int:
+    """A process-wide id of an original parameter (given on first use, kept on the object)."""
+    uid = getattr(param, _UID_ATTR, None)
+    if uid is None:
+        uid = next(_uids)
+        setattr(param, _UID_ATTR, uid)
+    return uid
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    key = (_generation, tuple(len(g["params"]) for g in optimizer.param_groups))
+    if _checked.get(optimizer) == key:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = getattr(p, _FQN_ATTR, None)
+            if fqn is not None:
+                what, when = getattr(p, _HOW_ATTR, WRAPPER)
+                raise RuntimeError(
+                    f"The optimizer holds parameter '{fqn}', which the model no longer uses: "
+                    f"{what}, so stepping it would train nothing. Build the optimizer {when}."
+                )
+    _checked[optimizer] = key
+
+
+def _install() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _hook_installed = True
+
+
+__all__ = ["mark_replaced", "replaced_fqn", "orig_uid", "WRAPPER", "FULLY_SHARD", "ADOPTED"]
