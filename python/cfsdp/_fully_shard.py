@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard
 
 from ._runtime.chunk_unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
-from ._runtime.replaced import FULLY_SHARD, mark_replaced
+from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
 from ._runtime.unit import TrainingState
 
 _STATE_ATTR = "_cfsdp_fs_state"
@@ -468,6 +468,7 @@ def fully_shard(
     entries = []
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
+        check_plain_param(p, fqn, "fully_shard")
         if p.dim() == 0:
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change '{fqn}' to a 1D "

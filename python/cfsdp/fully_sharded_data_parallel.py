@@ -34,7 +34,7 @@ from ._runtime.hooks import (
     check_can_summon,
     lazy_init_root,
 )
-from ._runtime.replaced import replaced_fqn
+from ._runtime.replaced import check_plain_param, replaced_fqn
 from ._runtime.unit import TrainingState, Unit
 from ._state_dict import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
@@ -291,6 +291,7 @@ def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> N
         if p in ignored or getattr(p, "_cfsdp_flattened", False):
             continue
         fqn = clean_tensor_name(name)
+        check_plain_param(p, fqn, "FullyShardedDataParallel")
         if p.device.type == "meta":
             continue  # materialised unit by unit (deferred initialisation)
         if p.dim() == 0:

@@ -221,6 +221,26 @@ def process_group_and_device_mesh(ctx):
     f.raise_if_any()
 
 
+def tp_model(ctx):
+    """A model whose Linear layers went through torch's tensor parallelism (DTensor parameters)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tp",))
+    return parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+@h.subtest(grid={"face": ["wrapper", "fully_shard"]})
+def tensor_parallel_parameters(ctx, face: str):
+    """DTensor parameters (tensor parallelism, not supported yet) never reach the C core: a
+    NotImplementedError at wrap time names the first one (before: an error deep in C)."""
+    f = Failures(ctx)
+    wrap = (lambda m: CFSDP(m, process_group=ctx.pg)) if face == "wrapper" else cfsdp.fully_shard
+    f.expect("cfsdp", NotImplementedError, lambda: wrap(tp_model(ctx)), "'0.weight'", "DTensor")
+    f.raise_if_any()
+
+
 @h.subtest
 def optimizer_built_before_wrapping(ctx):
     """use_orig_params=False replaces the parameters: an optimizer over the old ones is stale.

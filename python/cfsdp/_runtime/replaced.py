@@ -71,6 +71,28 @@ def orig_uid(param: torch.Tensor) -> int:
     return uid
 
 
+def check_plain_param(param: torch.Tensor, fqn: str, face: str) -> None:
+    """A unit shards plain strided tensors (``nn.Parameter`` s of ``torch.Tensor``; the meta
+    device is fine): a tensor subclass, such as the ``DTensor`` parameters
+    ``parallelize_module`` makes, is refused at wrap time, naming it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"{face}: parameter '{fqn}' is a DTensor (placements {param.placements} on "
+            f"{param.device_mesh}), e.g. from tensor parallelism (parallelize_module). cfsdp does "
+            "not shard DTensor parameters yet (tensor parallelism is a planned feature: see the "
+            "compatibility table in README.md); use torch's FSDP for this model, or apply cfsdp "
+            "to a model without tensor-parallel parameters."
+        )
+    if type(param) not in (torch.Tensor, torch.nn.Parameter) or param.layout != torch.strided:
+        raise NotImplementedError(
+            f"{face}: parameter '{fqn}' is a {type(param).__name__} with layout {param.layout}; "
+            "cfsdp shards plain strided tensors only. Convert it to a plain tensor before "
+            "wrapping, or leave it out (ignored_states / ignored_params)."
+        )
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     key = (_generation, tuple(len(g["params"]) for g in optimizer.param_groups))
     if _checked.get(optimizer) == key:
@@ -94,4 +116,4 @@ def _install() -> None:
         _hook_installed = True
 
 
-__all__ = ["mark_replaced", "replaced_fqn", "orig_uid", "WRAPPER", "FULLY_SHARD", "ADOPTED"]
+__all__ = ["check_plain_param", "mark_replaced", "replaced_fqn", "orig_uid", "WRAPPER", "FULLY_SHARD", "ADOPTED"]
