@@ -358,6 +358,19 @@ def sgd_step(
         _ref.sgd_step(param, grad, buf, ranges, **hp)
 
 
+def adam_tensor(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor], **hp) -> None:
+    """One Adam step of one tensor of any dtype and device, in torch ops (the twin's
+    ``adam_tensor``: cfsdp.optim's path for what C does not step)."""
+    _ref.optim.adam_tensor(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, **hp)
+
+
+def sgd_tensor(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
+               **hp) -> None:
+    """One SGD step of one tensor in torch ops (the twin's ``sgd_tensor``)."""
+    _ref.optim.sgd_tensor(param, grad, momentum_buffer, **hp)
+
+
 def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> None:
     pairs = list(zip(ranges[0::2], ranges[1::2])) if isinstance(ranges, array.array) else ranges
     end = max((int(s) + int(n) for s, n in pairs if int(n) > 0), default=0)

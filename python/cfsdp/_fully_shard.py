@@ -29,7 +29,7 @@ from torch.distributed.tensor import Shard
 from ._runtime.chunk_unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
-from ._runtime.unit import TrainingState
+from ._runtime.base import TrainingState, wrappers_in
 
 _STATE_ATTR = "_cfsdp_fs_state"
 _CLS_CACHE: dict[type, type] = {}
@@ -395,8 +395,6 @@ def fully_shard(
 
     Apply it bottom-up (each block, then the root).  Returns ``module`` (its
     class is now ``FSDP<Cls>``)."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard needs at least one module")
@@ -405,8 +403,9 @@ def fully_shard(
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
+        wrapped = set(wrappers_in(m))
         for name, sub in m.named_modules():
-            if isinstance(sub, FullyShardedDataParallel):
+            if sub in wrapped:
                 where = f"'{name}'" if name else "the module itself"
                 raise ValueError(
                     f"fully_shard cannot be applied to {type(m).__name__}: {where} is already "

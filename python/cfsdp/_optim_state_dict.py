@@ -42,10 +42,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._state_dict import clean_tensor_name, get_state_dict_type
+from ._fqn import clean_tensor_name
+from ._state_dict import get_state_dict_type
 from .api import OptimStateKeyType, StateDictType
 from ._runtime import comm
-from ._runtime.unit import TrainingState, Unit
+from ._runtime.base import TrainingState, wrappers_in
+from ._runtime.unit import Unit
 
 __all__ = [
     "optim_state_dict",
@@ -85,9 +87,7 @@ class _View:
     """The wrappers of ``model``, their units and the FQN of every parameter."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup], what: str):
-        from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-        self.wrappers = FullyShardedDataParallel.fsdp_modules(model)
+        self.wrappers = wrappers_in(model)
         if not self.wrappers:
             raise ValueError(
                 f"FullyShardedDataParallel.{what}: the model contains no FullyShardedDataParallel "
@@ -719,9 +719,7 @@ def _load(osd: dict, model, optim, optim_input, *, rank0_only: bool, group, what
 
 
 def _settings(model):
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return get_state_dict_type(FullyShardedDataParallel.fsdp_modules(model))
+    return get_state_dict_type(wrappers_in(model))
 
 
 def optim_state_dict(model, optim, optim_state_dict=None, group=None) -> dict[str, Any]:
@@ -869,8 +867,6 @@ def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_
 
 def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
     """Each parameter's first clean FQN (a flat parameter: its first original one)."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    if FullyShardedDataParallel.fsdp_modules(model):
+    if wrappers_in(model):
         return {p: e.fqns[0] for p, e in _View(model, None, "rekey_optim_state_dict").entries.items()}
     return {p: clean_tensor_name(n) for n, p in model.named_parameters()}

@@ -1,16 +1,17 @@
-"""Every FQN rule of cfsdp in one place.
+"""Model state dicts of the wrapper face: torch FSDP1's three types, its configs, and the
+hooks that make every wrapper's ``state_dict`` / ``load_state_dict`` give and take them.
 
-torch's FSDP1 wraps a module as ``FullyShardedDataParallel(_fsdp_wrapped_module=module)``
-and activation checkpointing wraps as ``CheckpointWrapper(_checkpoint_wrapped_module=...)``,
-so raw ``nn.Module`` names carry those prefixes.  The names a user sees in state dicts
-(and inside ``summon_full_params``) are *clean*: both prefixes removed, wherever they occur.
-``named_parameters()`` outside ``summon_full_params`` keeps the raw names, as torch does.
+FQNs follow ``cfsdp._fqn`` (clean names, as torch).  A state-dict call keeps its own state
+per wrapper in one object this module owns (``SDState``, ``w._sd``), and moves a wrapper's
+unit into and out of the SUMMON state through the unit state's own methods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -27,6 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
+from ._fqn import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name, join_fqn
+from ._runtime.base import TrainingState
+from ._runtime.hooks import check_can_summon
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -39,27 +43,6 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
-CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
-CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
-FLAT_PARAM = "_flat_param"
-
-
-def clean_tensor_name(name: str) -> str:
-    """Strip every wrapper prefix from a parameter/buffer/module name."""
-    return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
-
-
-def join_fqn(prefix: str, name: str) -> str:
-    """``prefix.name`` (either may be empty)."""
-    if not prefix:
-        return name
-    if not name:
-        return prefix
-    return f"{prefix}.{name}"
-
 
 # ---------------------------------------------------------------------------
 # state-dict types and their configs (torch FSDP1's rules)
@@ -202,15 +185,22 @@ _LOAD_STRICT: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
 )
 
 
-def _rt():
-    """The runtime's hooks module (imported late: the runtime imports the FQN names above)."""
-    from ._runtime import hooks
+@dataclass
+class SDState:
+    """What a state-dict call keeps per wrapper (``w._sd``), owned by this module."""
 
-    return hooks
+    active: bool = False  # inside a state-dict hook pair of this wrapper
+    validated: bool = False  # the outermost load already checked the whole state dict
+    shown: bool = False  # full parameters are exposed (params_as_full)
+    copy: Optional[torch.Tensor] = None  # the gathered copy they view (FULL/SHARDED saving)
+    scratch_token: Any = None  # this wrapper opened the SHARDED scratch pool
+    scratch_buf: Optional[torch.Tensor] = None  # the pool buffer this wrapper holds
+    skip_missing: set = field(default_factory=set)  # LOCAL + use_orig_params: not missing
 
 
 def install_hooks(w: nn.Module) -> None:
-    """Register the state-dict hooks of one wrapper."""
+    """Give one wrapper its state-dict state and register its state-dict hooks."""
+    w._sd = SDState()
     w.register_state_dict_pre_hook(_pre_state_dict_hook)
     w._register_state_dict_hook(_post_state_dict_hook)
     w._register_load_state_dict_pre_hook(_pre_load_hook, with_module=True)
@@ -238,8 +228,8 @@ def _type_of(w) -> StateDictType:
 def _expose_full(w) -> None:
     """Loading: all-gather ``w``'s unit in full precision into its own buffer and
     expose full parameters, which the load writes into (written back on exit)."""
-    w._state.training_state = _rt().TrainingState.SUMMON
-    w._sd_shown = False
+    w._state.enter_summon()
+    w._sd.shown = False
     u = _unit(w)
     if u is None:
         return
@@ -248,7 +238,7 @@ def _expose_full(w) -> None:
         u.reshard()
     u.unshard(full_precision=True)
     u.params_as_full()
-    w._sd_shown = True
+    w._sd.shown = True
 
 
 def _claim_scratch(w, u) -> Optional[torch.Tensor]:
@@ -269,12 +259,12 @@ def _claim_scratch(w, u) -> Optional[torch.Tensor]:
         buf = torch.empty(need, dtype=u.dtype, device=u.device)
         taken = min(free, key=torch.Tensor.numel) if free else None
     free[:] = [b for b in free if b is not taken]  # (tensors: compare by identity)
-    w._sd_scratch_buf = buf
+    w._sd.scratch_buf = buf
     return buf
 
 
 def _release_scratch(w) -> None:
-    buf, w._sd_scratch_buf = getattr(w, "_sd_scratch_buf", None), None
+    buf, w._sd.scratch_buf = w._sd.scratch_buf, None
     pool = _SCRATCH.get()
     if buf is not None and pool is not None:
         pool.setdefault((buf.dtype, buf.device), []).append(buf)
@@ -286,8 +276,8 @@ def _expose_full_copy(w) -> None:
     ranks take part in the all-gather and drop it); for SHARDED, below the
     outermost wrapper, a scratch buffer shared by the units (their chunks are
     copied out before the next unit is gathered)."""
-    w._state.training_state = _rt().TrainingState.SUMMON
-    w._sd_shown, w._sd_copy = False, None
+    w._state.enter_summon()
+    w._sd.shown, w._sd.copy = False, None
     u = _unit(w)
     if u is None:
         return
@@ -299,7 +289,7 @@ def _expose_full_copy(w) -> None:
     if getattr(cfg, "offload_to_cpu", False) and copy.device.type != "cpu":
         copy = copy.cpu()  # device-generic path (no GPU here)
     u.params_as_full(copy)
-    w._sd_shown, w._sd_copy = True, copy
+    w._sd.shown, w._sd.copy = True, copy
 
 
 def _hide_full(w, writeback: bool) -> None:
@@ -307,13 +297,46 @@ def _hide_full(w, writeback: bool) -> None:
     shard back if asked)."""
     u = _unit(w)
     try:
-        if u is not None and getattr(w, "_sd_shown", False):
+        if u is not None and w._sd.shown:
             u.params_as_sharded(writeback)
         if u is not None:
             u.reshard()
     finally:
-        w._sd_shown, w._sd_copy = False, None
-        w._state.training_state = _rt().TrainingState.IDLE
+        w._sd.shown, w._sd.copy = False, None
+        w._state.leave_summon()
+
+
+@contextlib.contextmanager
+def saving(wrappers: list):
+    """Around a wrapper's ``state_dict()``: nothing runs during a step, and a failure
+    part-way leaves every unit sharded and idle (``abort``)."""
+    check_can_summon([x._state for x in wrappers])
+    try:
+        yield
+    except BaseException:
+        abort(wrappers)
+        raise
+
+
+@contextlib.contextmanager
+def loading(w, wrappers: list, state_dict, strict: bool):
+    """Around a wrapper's ``load_state_dict()``: the outermost wrapper checks the whole
+    state dict first (``validate``; nothing is written if it fails), the user's
+    ``strict`` reaches every wrapper's hooks, and a failure part-way leaves every unit
+    sharded and idle."""
+    check_can_summon([x._state for x in wrappers])
+    token = _LOAD_STRICT.set(bool(strict))
+    try:
+        if not w._cfsdp_has_outer:
+            validate(w, state_dict, "", bool(strict))
+            w._sd.validated = True
+        yield
+    except BaseException:
+        abort(wrappers)
+        raise
+    finally:
+        w._sd.validated = False
+        _LOAD_STRICT.reset(token)
 
 
 def abort(wrappers: list) -> None:
@@ -322,23 +345,23 @@ def abort(wrappers: list) -> None:
     for w in reversed(wrappers):  # innermost first: scratch tokens are reset in order
         _end_scratch(w)
     for w in wrappers:
-        if w._state.training_state is _rt().TrainingState.SUMMON and getattr(w, "_sd_active", False):
+        if w._state.training_state is TrainingState.SUMMON and w._sd.active:
             _hide_full(w, writeback=False)
-        w._sd_active = False
+        w._sd.active = False
 
 
 def _pre_state_dict_hook(w, prefix: str, keep_vars: bool) -> None:
     if _DRY.get():
         return
-    _rt().check_can_summon([w._state])
+    check_can_summon([w._state])
     check_mesh_settings(w)
-    w._sd_active = True
+    w._sd.active = True
     t = _type_of(w)
     if t == StateDictType.LOCAL_STATE_DICT:
         return
     _expose_full_copy(w)
     if _SCRATCH.get() is None and w._state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        w._sd_scratch_token = _SCRATCH.set({})  # for the units below this one
+        w._sd.scratch_token = _SCRATCH.set({})  # for the units below this one
 
 
 def _subtree(state_dict, prefix: str) -> list[str]:
@@ -370,8 +393,8 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
         if t == StateDictType.FULL_STATE_DICT and getattr(cfg, "rank0_only", False) and _rank(w) != 0:
             items = []  # as torch: the other ranks get nothing of this subtree
         full_ptr = None
-        if u is not None and w._sd_shown:
-            full_ptr = _storage_ptr(w._sd_copy) if w._sd_copy is not None else u.full_storage_ptr()
+        if u is not None and w._sd.shown:
+            full_ptr = _storage_ptr(w._sd.copy) if w._sd.copy is not None else u.full_storage_ptr()
         shard_ptr = _storage_ptr(u.shard) if u is not None else None
         flat_key = prefix + FLAT_PARAM
         flat_done = False
@@ -410,15 +433,15 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
     finally:
         if _type_of(w) != StateDictType.LOCAL_STATE_DICT:
             _hide_full(w, writeback=False)
-        w._sd_active = False
+        w._sd.active = False
         _end_scratch(w)
 
 
 def _end_scratch(w) -> None:
     _release_scratch(w)
-    token = getattr(w, "_sd_scratch_token", None)
+    token = w._sd.scratch_token
     if token is not None:
-        w._sd_scratch_token = None
+        w._sd.scratch_token = None
         _SCRATCH.reset(token)
 
 
@@ -700,15 +723,15 @@ def _load_local_flat(w, u, state_dict, prefix: str) -> None:
 
 
 def _pre_load_hook(w, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs) -> None:
-    _rt().check_can_summon([w._state])
+    check_can_summon([w._state])
     check_mesh_settings(w)
-    if not w._cfsdp_has_outer and not w._sd_validated:
+    if not w._cfsdp_has_outer and not w._sd.validated:
         validate(w, state_dict, prefix, _LOAD_STRICT.get())
-    w._sd_validated = False
-    w._sd_active = True
+    w._sd.validated = False
+    w._sd.active = True
     t = _type_of(w)
     u = _unit(w)
-    w._sd_skip_missing = set()
+    w._sd.skip_missing = set()
     if u is not None and t == StateDictType.SHARDED_STATE_DICT:
         for info in list(u.infos) + list(u.shared):
             k = prefix + clean_tensor_name(info.fqn)
@@ -717,7 +740,7 @@ def _pre_load_hook(w, state_dict, prefix, local_metadata, strict, missing, unexp
     if u is not None and t == StateDictType.LOCAL_STATE_DICT:
         _load_local_flat(w, u, state_dict, prefix)
         if u.use_orig_params:
-            w._sd_skip_missing = {
+            w._sd.skip_missing = {
                 clean_tensor_name(prefix + FSDP_PREFIX + i.fqn) for i in list(u.infos) + list(u.shared)
             }
     if t != StateDictType.LOCAL_STATE_DICT:
@@ -733,8 +756,8 @@ def _post_load_hook(w, incompatible_keys) -> None:
         if _type_of(w) != StateDictType.LOCAL_STATE_DICT:
             _hide_full(w, writeback=True)
     finally:
-        w._sd_active = False
-    skip = w._sd_skip_missing
+        w._sd.active = False
+    skip = w._sd.skip_missing
     missing = [clean_tensor_name(k) for k in incompatible_keys.missing_keys]
     incompatible_keys.missing_keys[:] = [k for k in missing if k not in skip]
     incompatible_keys.unexpected_keys[:] = [clean_tensor_name(k) for k in incompatible_keys.unexpected_keys]

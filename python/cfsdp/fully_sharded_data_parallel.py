@@ -35,8 +35,9 @@ from ._runtime.hooks import (
     lazy_init_root,
 )
 from ._runtime.replaced import check_plain_param, replaced_fqn
-from ._runtime.unit import TrainingState, Unit
-from ._state_dict import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name, join_fqn
+from ._runtime.base import TrainingState, wrappers_in
+from ._runtime.unit import Unit
+from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
 from . import _state_dict as _sd
 from .api import (
@@ -337,6 +338,8 @@ class FullyShardedDataParallel(nn.Module):
     ``NotImplementedError`` naming the argument.
     """
 
+    _cfsdp_is_wrapper = True  # found by base.wrappers_in (base.WRAPPER_CLASS_MARK)
+
     def __init__(
         self,
         module: nn.Module,
@@ -500,11 +503,6 @@ class FullyShardedDataParallel(nn.Module):
         self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
         # state dicts: wrappers below this one are not outermost; hooks per wrapper
         self._cfsdp_has_outer = False
-        self._sd_validated = self._sd_active = self._sd_shown = False
-        self._sd_copy: Optional[torch.Tensor] = None
-        self._sd_scratch_token = None
-        self._sd_scratch_buf: Optional[torch.Tensor] = None
-        self._sd_skip_missing: set = set()
         for sub in module.modules():
             if isinstance(sub, FullyShardedDataParallel):
                 sub._cfsdp_has_outer = True
@@ -620,8 +618,19 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
-        """Every FullyShardedDataParallel in ``module``'s tree (only roots if asked)."""
-        mods = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        """Return all nested FSDP instances.
+
+        This possibly includes ``module`` itself and only includes FSDP root modules if
+        ``root_only=True``.
+
+        Args:
+            module (torch.nn.Module): Root module, which may or may not be an ``FSDP`` module.
+            root_only (bool): Whether to return only FSDP root modules. (Default: ``False``)
+
+        Returns:
+            List[FullyShardedDataParallel]: FSDP modules that are nested in the input ``module``.
+        """
+        mods = wrappers_in(module)
         if not root_only:
             return mods
         roots = []
@@ -752,12 +761,8 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args, **kwargs):
         """``nn.Module.state_dict`` of the type set by ``state_dict_type`` (default
         FULL_STATE_DICT): see ``cfsdp._state_dict`` for what each type holds."""
-        check_can_summon([w._state for w in FullyShardedDataParallel.fsdp_modules(self)])
-        try:
+        with _sd.saving(FullyShardedDataParallel.fsdp_modules(self)):
             return super().state_dict(*args, **kwargs)
-        except BaseException:
-            _sd.abort(FullyShardedDataParallel.fsdp_modules(self))
-            raise
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state dict of the type set by ``state_dict_type``.  The whole
@@ -771,19 +776,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         if assign:
             raise _not_implemented("load_state_dict(assign=True)", 4)
-        check_can_summon([w._state for w in FullyShardedDataParallel.fsdp_modules(self)])
-        token = _sd._LOAD_STRICT.set(bool(strict))
-        try:
-            if not self._cfsdp_has_outer:
-                _sd.validate(self, state_dict, "", bool(strict))
-                self._sd_validated = True
+        with _sd.loading(self, FullyShardedDataParallel.fsdp_modules(self), state_dict, strict):
             return super().load_state_dict(state_dict, strict=strict)
-        except BaseException:
-            _sd.abort(FullyShardedDataParallel.fsdp_modules(self))
-            raise
-        finally:
-            self._sd_validated = False
-            _sd._LOAD_STRICT.reset(token)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -1044,7 +1038,7 @@ def _summoned(
                     if with_grads:
                         u.grads_as_full(full_grad)
                     shown[id(u)] = (full_grad, buf)
-            w._state.training_state = TrainingState.SUMMON
+            w._state.enter_summon()
             done.append(w)
         yield
     finally:
@@ -1060,4 +1054,4 @@ def _summoned(
                 if with_grads:
                     u.orig_grads_as_shard_views()
                 u.reshard()
-            w._state.training_state = TrainingState.IDLE
+            w._state.leave_summon()

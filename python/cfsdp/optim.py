@@ -69,7 +69,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from . import _core
-from ._ref import optim as _twin
 
 __all__ = ["Adam", "AdamW", "SGD"]
 
@@ -581,7 +580,7 @@ class Adam(_FusedStep, torch.optim.Adam):
             return
         for e in b.entries:  # CFSDP_IMPL=python: the twin, tensor by tensor
             g = _plan_grad(e)
-            _twin.adam_tensor(e.local, g, e.states["exp_avg"], e.states["exp_avg_sq"],
+            _core.adam_tensor(e.local, g, e.states["exp_avg"], e.states["exp_avg_sq"],
                               e.states.get(_AMS_KIND), step=step, **hp)
 
     def _cf_adam_torch(self, p: Tensor, g: Tensor, kinds: tuple, hp: dict) -> None:
@@ -593,7 +592,7 @@ class Adam(_FusedStep, torch.optim.Adam):
             if st.get(k) is None:
                 st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
         st["step"] += 1
-        _twin.adam_tensor(p, g, st["exp_avg"], st["exp_avg_sq"], st.get(_AMS_KIND),
+        _core.adam_tensor(p, g, st["exp_avg"], st["exp_avg_sq"], st.get(_AMS_KIND),
                           step=float(st["step"]), **hp)
 
 
@@ -686,7 +685,7 @@ class SGD(_FusedStep, torch.optim.SGD):
                                      b.ranges, first_step=b.first, **hp)
             else:
                 for e in b.entries:
-                    _twin.sgd_tensor(e.local, _plan_grad(e), e.states.get(_SGD_KIND),
+                    _core.sgd_tensor(e.local, _plan_grad(e), e.states.get(_SGD_KIND),
                                      first_step=b.first, **hp)
         if any_first:  # the buffers are set now: rebuild, one bucket per layout
             self._cf_plans.pop(gi, None)
@@ -697,12 +696,12 @@ class SGD(_FusedStep, torch.optim.SGD):
     def _cf_sgd_torch(self, p: Tensor, g: Tensor, momentum: bool, hp: dict) -> None:
         """torch's own per-tensor path: the buffer is a clone of the first gradient."""
         if not momentum:
-            _twin.sgd_tensor(p, g, None, first_step=False, **hp)
+            _core.sgd_tensor(p, g, None, first_step=False, **hp)
             return
         st = self.state[p]
         buf = st.get(_SGD_KIND)
         first = buf is None
         if first:
             buf = torch.empty_like(g, memory_format=torch.preserve_format)
-        _twin.sgd_tensor(p, g, buf, first_step=first, **hp)
+        _core.sgd_tensor(p, g, buf, first_step=first, **hp)
         st[_SGD_KIND] = buf

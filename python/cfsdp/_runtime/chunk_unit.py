@@ -44,8 +44,9 @@ from .. import _core
 from . import comm
 from .reduce import divide_factors
 from .replaced import ADOPTED, mark_replaced, orig_uid
-from .unit import (PendingReduce, _alloc, _free, all_none, hook_grad_ready,
-                   storage_owners, views_or_none)
+from .base import (PendingReduce, UnshardStates, accumulate_sharded, all_none, alloc_storage,
+                   free_storage, hook_grad_ready, views_or_none)
+from .unit import storage_owners
 
 
 # DTensorSpecs by mesh, then (placements, shape, stride, dtype): the parameters of
@@ -125,10 +126,9 @@ def gradient_divide(
     return 1.0, f, SUM, SUM
 
 
-class ChunkUnit:
-    """The parameters of one ``fully_shard`` call (see [Note: chunk layout])."""
-
-    sharded = True  # PendingReduce: the result is this rank's shard
+class ChunkUnit(UnshardStates):
+    """The parameters of one ``fully_shard`` call (see [Note: chunk layout]); meets
+    ``base.UnitContract``."""
 
     def __init__(
         self,
@@ -188,9 +188,7 @@ class ChunkUnit:
                 rows_here.append(p.detach().reshape(-1)[start : start + q.local_numel])
             _core.shard_fill(self.shard, 0, rows_here, [q.shard_off for q in self.params])
         self._new_natural()
-        self._buf: Optional[torch.Tensor] = None  # ``natural`` while unsharded
-        self._pending_unshard: Optional[comm.Pending] = None
-        self._pending_gathered: Optional[torch.Tensor] = None
+        self._init_unshard_states()  # ``_buf``: ``natural`` while unsharded
         self.saved_grad: Optional[torch.Tensor] = None
         # the sharded gradient last published and its DTensors (see [Note: gradient reuse])
         self._pub: Optional[_Published] = None
@@ -256,7 +254,7 @@ class ChunkUnit:
     def _new_natural(self) -> None:
         """The unsharded buffer (storage freed) and the flat parameter over it."""
         self.natural = torch.empty(self.natural_numel, dtype=self.param_dtype, device=self.shard.device)
-        _free(self.natural)
+        free_storage(self.natural)
         self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
         self._hooked = False
         for q in self.params:
@@ -403,19 +401,10 @@ class ChunkUnit:
             )
 
     # ------------------------------------------------------- unshard/reshard
-    @property
-    def is_unsharded(self) -> bool:
-        return self._buf is not None
-
-    def unshard(self, async_op: bool = False) -> None:
-        if self._buf is not None or self._pending_unshard is not None:
-            if not async_op:
-                self.wait_unshard()
-            return
-        if self.unshard_from_post_forward():
-            if not async_op:
-                self.wait_unshard()
-            return
+    def _start_unshard(self):
+        gathered = self._post_forward_shard_gather()
+        if gathered is not None:
+            return gathered
         src = self.shard
         if self.uses_mp:  # the all-gather input: the shard cast in one C pass
             src = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
@@ -423,12 +412,10 @@ class ChunkUnit:
         # straight into the natural buffer: on shared memory the copy-out from the
         # peers' slots is the chunk copy-out (no rank-major buffer); nothing reads
         # ``natural`` before wait_unshard
-        _alloc(self.natural)
-        self._pending_gathered = None
-        self._pending_unshard = comm.all_gather_unpack(
-            self.natural.data, src, self._plan, self._plan_bytes, self.group, async_op=True)
-        if not async_op:
-            self.wait_unshard()
+        alloc_storage(self.natural)
+        work = comm.all_gather_unpack(self.natural.data, src, self._plan, self._plan_bytes,
+                                      self.group, async_op=True)
+        return work, None
 
     def reshard_after_forward(self, for_backward: bool) -> None:
         """Post-forward reshard.  With a post-forward group (``reshard_after_forward``
@@ -447,25 +434,19 @@ class ChunkUnit:
         self.reshard()
         self._post_forward_shard = kept
 
-    def unshard_from_post_forward(self) -> bool:
-        """Issue the all-gather over the post-forward group, if a post-forward shard is kept."""
+    def _post_forward_shard_gather(self):
+        """With a post-forward shard kept, the all-gather over the post-forward group
+        (``(work, gathered)``, copied out by ``_finish_unshard``); else None."""
         kept = self._post_forward_shard
         if kept is None:
-            return False
+            return None
         self._post_forward_shard = None
         out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
-        self._pending_gathered = out
-        self._pending_unshard = comm.all_gather(out, kept, self.post_forward_group, async_op=True)
-        return True
+        return comm.all_gather(out, kept, self.post_forward_group, async_op=True), out
 
-    def wait_unshard(self) -> None:
-        if self._pending_unshard is None:
-            return
-        self._pending_unshard.wait()
-        self._pending_unshard = None
-        gathered, self._pending_gathered = self._pending_gathered, None
+    def _finish_unshard(self, gathered: Optional[torch.Tensor]) -> None:
         if gathered is not None:  # gathered over the post-forward group: copy it out
-            _alloc(self.natural)
+            alloc_storage(self.natural)
             # through ``.data``: refilling the buffer must not bump the version counter
             # of the views autograd saved in forward (they see the same values again)
             _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size,
@@ -475,11 +456,10 @@ class ChunkUnit:
 
     def reshard(self) -> None:
         self._post_forward_shard = None
-        if self._pending_unshard is not None:
-            self.wait_unshard()
+        self.wait_unshard()
         if self._buf is None:
             return
-        _free(self.natural)
+        free_storage(self.natural)
         self._buf = None
         _core.dict_pop(self._occ_attrs, self._occ_keys)
         if self._unsharded_grads:
@@ -591,7 +571,7 @@ class ChunkUnit:
         if pub is None or pub.released or self.saved_grad is pub.buf:
             return
         if pub.unseen():
-            _free(pub.buf)
+            free_storage(pub.buf)
             pub.released = True
         elif all_none(_core.attr_get(self._sharded_t, "grad")):
             self._pub = None  # the user kept some of them: theirs now
@@ -601,7 +581,7 @@ class ChunkUnit:
         the released published one if there is one (see [Note: gradient reuse])."""
         pub = self._pub
         if pub is not None and pub.released:
-            _alloc(pub.buf)
+            alloc_storage(pub.buf)
             pub.released = False
             return pub.buf
         return torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
@@ -628,6 +608,9 @@ class ChunkUnit:
                 if g is not None and q.local_numel:
                     self._local_view(buf, q).copy_(g.to_local())
         self.saved_grad = buf
+
+    def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None:
+        accumulate_sharded(self, out, divided)
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
         """No gradient sync: accumulate the natural gradient, unreduced."""

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.autograd import Variable
 
-from .unit import PendingReduce, TrainingState, Unit
+from .base import PendingReduce, TrainingState, UnitContract
 
 # [Note: recompute]
 # Activation checkpointing runs a module's forward again in backward, after
@@ -119,7 +119,7 @@ class RootState:
 class UnitState:
     """A face's per-module runtime state."""
 
-    def __init__(self, unit: Optional[Unit], name: str, reshard_after_forward: bool):
+    def __init__(self, unit: Optional[UnitContract], name: str, reshard_after_forward: bool):
         self.unit = unit
         self.name = name
         self.reshard_after_forward = reshard_after_forward
@@ -144,6 +144,14 @@ class UnitState:
         self.unshard_in_backward = True
         if unit is not None:
             unit.post_backward_fn = self._post_backward
+
+    # ----------------------------------------------------------------- summon
+    def enter_summon(self) -> None:
+        """Full parameters are shown outside a step (summon_full_params, state dicts)."""
+        self.training_state = TrainingState.SUMMON
+
+    def leave_summon(self) -> None:
+        self.training_state = TrainingState.IDLE
 
     # ---------------------------------------------------------------- forward
     def pre_forward(self) -> None:
@@ -244,7 +252,7 @@ class UnitState:
         ):
             nxt.unit.unshard(async_op=True)
 
-    def _post_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+    def _post_backward(self, unit: UnitContract, grad: torch.Tensor) -> None:
         root = self.root
         if root is None:
             raise AssertionError("cfsdp: post-backward before lazy init")

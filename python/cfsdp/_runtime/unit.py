@@ -25,10 +25,6 @@ exactly, so shapes and numerics match torch.
 
 from __future__ import annotations
 
-import enum
-import itertools
-import operator
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,8 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _core
-from .._state_dict import FLAT_PARAM, join_fqn
+from .._fqn import FLAT_PARAM, join_fqn
 from . import comm
+from .base import (PendingReduce, TrainingState, UnshardStates, accumulate_sharded, all_none,
+                   alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
 from .reduce import divide_factors, scale_cast_add
 from .replaced import WRAPPER, mark_replaced
 
@@ -70,20 +68,6 @@ _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 # run right after the unit's own backward, as torch's FSDP1 views do.
 
 
-def all_none(objs: tuple) -> bool:
-    """Every item is None (by identity: ``==`` on a tensor would run an op)."""
-    return all(map(operator.is_, objs, itertools.repeat(None)))
-
-
-def views_or_none(index, shapes: tuple, mask: Optional[bytes], none: int) -> tuple[tuple, tuple]:
-    """``(index, shapes)`` for ``_core.shape_views`` that give None for a parameter
-    without a piece (``index`` -1) or frozen (``mask`` 0): they point at piece
-    ``none``, a None the caller appends after the split's pieces.  Built once per
-    requires_grad mask, so publishing gradients runs no Python per parameter."""
-    index = tuple(j if j >= 0 and (mask is None or mask[i]) else none for i, j in enumerate(index))
-    return index, tuple(None if j == none else sh for j, sh in zip(index, shapes))
-
-
 def storage_owners(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (``t`` included), or a huge number when
     this torch cannot say (then nothing is ever treated as unshared)."""
@@ -92,14 +76,6 @@ def storage_owners(t: torch.Tensor) -> int:
         return 1 << 62
     # the UntypedStorage object made for the call holds one more reference
     return int(count(t.untyped_storage()._cdata)) - 1
-
-
-class TrainingState(enum.Enum):
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    BACKWARD_PRE = enum.auto()
-    BACKWARD_POST = enum.auto()
-    SUMMON = enum.auto()
 
 
 @dataclass
@@ -115,8 +91,9 @@ class ParamInfo:
     primary: int = -1  # for a shared (tied) occurrence: index of the first one
 
 
-class Unit:
-    """One unit's layout, buffers, state and gradient reduction."""
+class Unit(UnshardStates):
+    """One unit's layout, buffers, state and gradient reduction (FSDP1's flat layout;
+    meets ``base.UnitContract``)."""
 
     def __init__(
         self,
@@ -196,9 +173,7 @@ class Unit:
         if self.unsharded_full is not None:
             self.unsharded_full.untyped_storage().resize_(0)
         # The buffer the parameters currently live in (None while sharded).
-        self._buf: Optional[torch.Tensor] = None if (sharded or self.uses_mp) else self.shard
-        self._pending_unshard: Optional[comm.Pending] = None
-        self._pending_buf: Optional[torch.Tensor] = None
+        self._init_unshard_states(None if (sharded or self.uses_mp) else self.shard)
         self.saved_grad: Optional[torch.Tensor] = None
         # True while flat_param.grad is an unsharded gradient accumulated
         # under no_sync() (not yet reduced).
@@ -321,10 +296,6 @@ class Unit:
         return self.layout.flat_numel
 
     @property
-    def is_unsharded(self) -> bool:
-        return self._buf is not None
-
-    @property
     def holds_full_precision(self) -> bool:
         """Unsharded in the parameters' own dtype (as summon needs)?"""
         return self._buf is not None and self._buf.dtype == self.dtype
@@ -364,9 +335,9 @@ class Unit:
         if self.sharded or self.uses_mp:
             # views with full shapes, whose storage is then freed until the
             # first unshard (as torch leaves its module attributes)
-            _alloc(self.unsharded)
+            alloc_storage(self.unsharded)
             views = self._views_of(self.unsharded)
-            _free(self.unsharded)
+            free_storage(self.unsharded)
         else:
             views = self._views_of(self.shard)
         self._idle_views = views  # what a sharded unit's modules hold (use_orig_params=False)
@@ -396,50 +367,41 @@ class Unit:
         """Make the full parameters available: issue the all-gather (sharded)
         or the low-precision copy (NO_SHARD with mixed precision).  A no-op if
         already unsharded or in flight; ``full_precision`` is for summon."""
-        if self._buf is not None or self._pending_unshard is not None:
-            if not async_op:
-                self.wait_unshard()
-            return
+        super().unshard(async_op, full_precision=full_precision)
+
+    def _start_unshard(self, full_precision: bool = False):
         low = self.uses_mp and not full_precision
         if not self.sharded:
             if low:
-                _alloc(self.unsharded)
+                alloc_storage(self.unsharded)
                 scale_cast_add(self.unsharded, self.shard, 1.0, False)
                 self._use_buf(self.unsharded)
             else:
                 self._use_buf(self.shard)
-            return
+            return None
         target = self.unsharded if (low or not self.uses_mp) else self.unsharded_full
-        _alloc(target)
+        alloc_storage(target)
         src = self.shard
         if low:  # the all-gather input: the shard cast in one C pass
             src = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
             scale_cast_add(src, self.shard, 1.0, False)
-        self._pending_buf = target
-        self._pending_unshard = comm.all_gather(target, src, self.group, async_op=True)
-        if not async_op:
-            self.wait_unshard()
+        return comm.all_gather(target, src, self.group, async_op=True), target
+
+    def _finish_unshard(self, buf: torch.Tensor) -> None:
+        self._use_buf(buf)
 
     def _use_buf(self, buf: torch.Tensor) -> None:
         self._buf = buf
         self.flat_param.data = buf[: self.layout.flat_numel]
 
-    def wait_unshard(self) -> None:
-        if self._pending_unshard is not None:
-            self._pending_unshard.wait()
-            self._pending_unshard = None
-            buf, self._pending_buf = self._pending_buf, None
-            self._use_buf(buf)
-
     def reshard(self) -> None:
         """Free the unsharded buffer and point every parameter back at the shard."""
-        if self._pending_unshard is not None:
-            self.wait_unshard()
+        self.wait_unshard()
         if self._buf is None or (not self.sharded and not self.uses_mp):
             return
         self.flat_param.data = self.shard
         if self._buf is not self.shard:
-            _free(self._buf)
+            free_storage(self._buf)
         self._buf = None
         if self.use_orig_params:
             _core.dict_pop(self._occ_attrs, self._occ_keys)
@@ -629,7 +591,7 @@ class Unit:
                                  self._param_index)
 
     # --------------------------------------------------------------- grads
-    def reduce_grad(self, grad: torch.Tensor) -> "PendingReduce":
+    def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pre-divide and issue the reduction of the unsharded flat gradient:
         a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
         post-divides and folds the result into the unit's gradient."""
@@ -657,7 +619,7 @@ class Unit:
         out = torch.empty(lay.shard_numel, dtype=grad.dtype, device=grad.device)
         return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True), out)
 
-    def _reduce_with_hook(self, grad: torch.Tensor) -> "PendingReduce":
+    def _reduce_with_hook(self, grad: torch.Tensor) -> PendingReduce:
         """The user's communication hook does the reduction (synchronously), as
         torch's FSDP1 calls it: ``hook(state, padded_grad, output)`` for sharded
         strategies, ``hook(state, grad)`` (in place) for NO_SHARD."""
@@ -674,6 +636,19 @@ class Unit:
         out = torch.empty(lay.shard_numel, dtype=out_dtype, device=grad.device)
         self.comm_hook(self.comm_hook_state, inp, out)
         return PendingReduce(self, comm.Pending(None, inp), out, divided=True)
+
+    def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None:
+        """A finished reduction: NO_SHARD's all-reduced gradient is the gradient
+        (post-divided, cast unless low-precision gradients are kept); a sharded
+        one is folded into ``saved_grad`` (``base.accumulate_sharded``)."""
+        if self.sharded:
+            accumulate_sharded(self, out, divided)
+            return
+        if self.post_divide > 1 and not divided:
+            scale_cast_add(out, out, self.post_divide, False)
+        if out.dtype != self.dtype and not self.keep_low_precision_grads:
+            out = out.to(self.dtype)
+        set_grad(self.flat_param, out)
 
     def new_grad_buffer(self) -> torch.Tensor:
         """A buffer for a new sharded gradient (the parameters' dtype)."""
@@ -742,92 +717,3 @@ class Unit:
             if all_none(_core.attr_get(self._orig_t, "grad")):
                 self.flat_param.grad = None
                 self.grad_unsharded = False
-
-
-class PendingReduce:
-    """A reduce-scatter in flight; ``finish`` post-divides and accumulates."""
-
-    __slots__ = ("unit", "pending", "out", "divided")
-
-    def __init__(self, unit: Unit, pending: comm.Pending, out: torch.Tensor, divided: bool = False):
-        self.unit = unit
-        self.pending = pending
-        self.out = out
-        self.divided = divided  # a comm hook did its own division
-
-    def finish(self) -> None:
-        self.pending.wait()
-        u = self.unit
-        if not u.sharded:  # NO_SHARD: the all-reduced gradient is the gradient
-            g = self.out
-            if u.post_divide > 1 and not self.divided:
-                scale_cast_add(g, g, u.post_divide, False)
-            if g.dtype != u.dtype and not u.keep_low_precision_grads:
-                g = g.to(u.dtype)
-            set_grad(u.flat_param, g)
-            return
-        out = self.out
-        if u.replicate_group is not None:  # HSDP: reduce across replicas too
-            comm.all_reduce(out, u.replicate_group, False, op=u.replicate_op).wait()
-        if u.all_reduce_hook is not None:  # fully_shard's set_all_reduce_hook
-            u.all_reduce_hook(out)
-        # torch's order: post-divide in the reduction dtype, cast to the
-        # gradient dtype, then accumulate; scale_cast_add does all three.
-        div = u.post_divide if (u.post_divide > 1 and not self.divided) else 1.0
-        if u.saved_grad is not None:
-            scale_cast_add(u.saved_grad, out, div, True)
-        elif out.dtype == u.dtype:
-            if div != 1.0:
-                scale_cast_add(out, out, div, False)
-            u.saved_grad = out
-        else:
-            g = u.new_grad_buffer()
-            scale_cast_add(g, out, div, False)
-            u.saved_grad = g
-
-
-def hook_grad_ready(unit) -> None:
-    """When ``unit.flat_param``'s gradient has been accumulated in backward, take it
-    off the parameter and hand it to ``unit.post_backward_fn(unit, grad)`` (set by
-    the runtime).  Both faces' units use it.
-
-    The hook lives in the tensor's C++ hook list, out of the garbage collector's
-    sight: it holds the unit weakly, or a unit and its flat parameter would keep
-    each other alive after the model is gone."""
-    unit_ref = weakref.ref(unit)
-
-    def hook(p: torch.Tensor) -> None:
-        u = unit_ref()
-        if u is None:
-            return
-        grad = p.grad
-        p.grad = None
-        if u.post_backward_fn is None:
-            raise AssertionError("cfsdp unit has no post-backward handler")
-        u.post_backward_fn(u, grad)
-
-    unit.flat_param.register_post_accumulate_grad_hook(hook)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    """Give ``t`` (whose storage may have been freed) its full storage back."""
-    st = t.untyped_storage()
-    want = t.numel() * t.element_size()
-    if st.size() != want:
-        st.resize_(want)
-
-
-def _free(t: torch.Tensor) -> None:
-    """Free ``t``'s storage, keeping the tensor (and views of it) for reuse."""
-    t.untyped_storage().resize_(0)
-
-
-def set_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
-    """``p.grad = g`` even when ``g``'s shape or dtype differs from ``p``'s (a
-    sharded parameter with a full gradient under no_sync, a low-precision
-    gradient): the check is side-stepped through ``.data``, as torch's FSDP1 does."""
-    if g is None or (g.shape == p.shape and g.dtype == p.dtype):
-        p.grad = g
-        return
-    p.grad = torch.empty_like(p)
-    p.grad.data = g

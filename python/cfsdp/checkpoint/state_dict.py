@@ -53,7 +53,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
-from .._state_dict import clean_tensor_name, optimizer_param_fqns
+from .._fqn import clean_tensor_name
+from .._state_dict import optimizer_param_fqns
 from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
