@@ -784,10 +784,9 @@ def _grad_step(s: int, params: list, opt) -> list | None:
 def grad_lifetimes(ctx):
     """Sharded gradients across steps as users handle them: zeroed in place, kept by the user
     and cleared, cleared for one parameter, accumulated, cleared: losses and gradients bit for
-    bit as torch's.  cfsdp reuses a unit's gradient buffer and DTensors only when nothing else
-    can see them ([Note: gradient reuse]): gradients the user kept keep their values, and
-    after a plain ``zero_grad()`` the next backward's gradients are the same objects, whose
-    memory is freed from the next forward until the reduction refills it."""
+    bit as torch's.  Ownership follows [Note: gradient ownership]: gradients the user kept keep
+    their values; after a plain ``zero_grad()`` the unit forgets the old gradients by the next
+    forward (their memory goes with the last reference) and the next backward's are new."""
     mesh = mesh_1d(ctx)
     mm = wp.Mismatches(ctx)
     data = batches("mlp", 6, ctx.world_size)
@@ -813,11 +812,10 @@ def grad_lifetimes(ctx):
             opt.zero_grad()
             x, y = data[0][0][ctx.rank]
             out = model(x)
-            freed = [r() is not None and local(r()).untyped_storage().nbytes() == 0 for r in refs]
-            mm.check(all(freed), f"gradient memory not freed by the forward after zero_grad(): {freed}")
+            alive = [r() is not None for r in refs]
+            mm.check(not any(alive), f"gradients kept alive by the forward after zero_grad(): {alive}")
             loss_fn("mlp", out, y).backward()
-            same = [r() is p.grad for r, p in zip(refs, params)]
-            mm.check(all(same), f"gradients not reused after zero_grad(): {same}")
+            mm.check(all(p.grad is not None for p in params), "no gradients after the backward")
         runs[impl.name] = rec
     for s, ((lc, gc), (lt, gt)) in enumerate(zip(runs["cfsdp"], runs["torch"])):
         mm.tensors(f"loss at step {s}", lc, lt)

@@ -46,7 +46,6 @@ from .reduce import divide_factors
 from .replaced import ADOPTED, mark_replaced, orig_uid
 from .base import (PendingReduce, UnshardStates, accumulate_sharded, all_none, alloc_storage,
                    free_storage, hook_grad_ready, views_or_none)
-from .unit import storage_owners
 
 
 # DTensorSpecs by mesh, then (placements, shape, stride, dtype): the parameters of
@@ -190,7 +189,7 @@ class ChunkUnit(UnshardStates):
         self._new_natural()
         self._init_unshard_states()  # ``_buf``: ``natural`` while unsharded
         self.saved_grad: Optional[torch.Tensor] = None
-        # the sharded gradient last published and its DTensors (see [Note: gradient reuse])
+        # the sharded gradient last published and its DTensors (see [Note: gradient ownership])
         self._pub: Optional[_Published] = None
         self.grad_unsharded = False
         self._init_binding()
@@ -535,22 +534,26 @@ class ChunkUnit(UnshardStates):
 
     def before_forward(self) -> None:
         self.refresh_requires_grad()
-        self._release_dropped_grads()
+        self._forget_dropped_grads()
 
     # --------------------------------------------------------------- grads
-    # [Note: gradient reuse]
+    # [Note: gradient ownership]
     # Publishing a gradient means one DTensor per parameter, viewing this rank's rows
-    # of the unit's sharded gradient buffer.  Building them every step is most of a
-    # small unit's host-side time, so the unit keeps the last ones (``_pub``) and
-    # reuses buffer and DTensors when nothing outside cfsdp can see them any more:
-    # after ``zero_grad()`` (set_to_none) no parameter holds them, and
-    # ``_Published.unseen`` checks that no other Python or C++ reference to the
-    # DTensors, their local tensors or the buffer's storage exists.  The buffer's
-    # storage is then freed at the next forward (as torch frees dropped gradients) and
-    # the next reduction writes into it again; a user who kept a gradient keeps it
-    # intact, and the unit builds new ones.  Gradients the user left in place
-    # (``zero_grad(set_to_none=False)``, accumulation) are the published buffer,
-    # which the reduction adds to; anything else is copied into a new buffer.
+    # of the unit's sharded gradient buffer.  Who owns that memory is decided by one
+    # explicit rule, torch's FSDP2 rule, and never by counting references:
+    #
+    # * While the parameters still hold exactly the DTensors the unit published (an
+    #   identity check, ``take_grad_for_backward``), the user left them in place
+    #   (``zero_grad(set_to_none=False)``, gradient accumulation): the next reduction
+    #   adds to that buffer, as torch adds to ``param.grad``.
+    # * Once the parameters hold anything else (``zero_grad()`` set them to None, or
+    #   the user assigned other gradients), the published gradients are the user's:
+    #   the unit forgets them (``before_forward``) and never writes to them again; the
+    #   next reduction gets a new buffer.  Gradients the user assigned are copied into
+    #   it first, so they accumulate as torch's would.
+    #
+    # So a gradient a user kept (``g = p.grad``) stays intact whatever they do, and the
+    # memory of dropped gradients is freed by Python as soon as nobody holds them.
 
     # [Note: unused parameters]
     # Every forward binds the parameters to views of one ``torch.split`` of the flat
@@ -564,26 +567,16 @@ class ChunkUnit(UnshardStates):
     # is published, so no gradient value is ever dropped.  The reduce-scatter itself is
     # unchanged (the zeros take part, as torch's padding does).
 
-    def _release_dropped_grads(self) -> None:
-        """Free the published gradient's storage once nothing can see it any more;
-        forget it if the parameters dropped it but the user kept some of it."""
+    def _forget_dropped_grads(self) -> None:
+        """The parameters no longer hold the published gradients: they are the user's
+        now ([Note: gradient ownership])."""
         pub = self._pub
-        if pub is None or pub.released or self.saved_grad is pub.buf:
-            return
-        if pub.unseen():
-            free_storage(pub.buf)
-            pub.released = True
-        elif all_none(_core.attr_get(self._sharded_t, "grad")):
-            self._pub = None  # the user kept some of them: theirs now
+        if pub is not None and self.saved_grad is not pub.buf and not all(
+                map(operator.is_, _core.attr_get(self._sharded_t, "grad"), pub.shown)):
+            self._pub = None
 
     def new_grad_buffer(self) -> torch.Tensor:
-        """A shard-sized buffer of the parameters' dtype for a new sharded gradient:
-        the released published one if there is one (see [Note: gradient reuse])."""
-        pub = self._pub
-        if pub is not None and pub.released:
-            alloc_storage(pub.buf)
-            pub.released = False
-            return pub.buf
+        """A new shard-sized buffer of the parameters' dtype for a new sharded gradient."""
         return torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
 
     def take_grad_for_backward(self) -> None:
@@ -593,15 +586,15 @@ class ChunkUnit(UnshardStates):
         if self.saved_grad is not None:
             return
         grads = _core.attr_get(self._sharded_t, "grad")
-        if all_none(grads):
-            self._release_dropped_grads()
-            return
         pub = self._pub
-        if pub is not None and not pub.released and all(map(operator.is_, grads, pub.shown)):
-            self.saved_grad = pub.buf  # the gradients as published: add to them
+        if pub is not None and all(map(operator.is_, grads, pub.shown)):
+            if not all_none(grads):
+                self.saved_grad = pub.buf  # the gradients as published: add to them
             return
-        # a gradient was cleared or replaced since it was published
-        self._pub = None
+        self._pub = None  # dropped or replaced: the user's ([Note: gradient ownership])
+        if all_none(grads):
+            return
+        # gradients the user assigned: copied into a new buffer the reduction adds to
         buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for g, q in zip(grads, self.params):
@@ -703,28 +696,17 @@ def _weak_note_grads(unit: "ChunkUnit"):
 
 
 class _Published:
-    """A unit's published sharded gradient: its buffer, the local views of it and
-    the DTensor gradients over them (None for a frozen parameter); see
-    [Note: gradient reuse]."""
+    """A unit's published sharded gradient: its buffer, the local views of it, the
+    DTensor gradients over them (None for a frozen parameter) and what the parameters
+    were given; see [Note: gradient ownership]."""
 
-    __slots__ = ("buf", "locals", "dts_all", "dts", "released", "shown")
+    __slots__ = ("buf", "locals", "dts_all", "shown")
 
     def __init__(self, buf: torch.Tensor, locals_: tuple, dts_all: tuple):
         self.buf = buf
         self.locals = locals_
         self.dts_all = dts_all
         self.shown = dts_all  # what the parameters were given: dts_all, None where unused
-        self.dts = tuple(d for d in dts_all if d is not None)
-        self.released = False  # the buffer's storage is freed until the next reduction
-
-    def unseen(self) -> bool:
-        """Nothing but this record refers to the gradients: no parameter holds a
-        DTensor (each is in ``dts_all`` and ``dts``), no one else a local tensor (each
-        is in ``locals`` and its DTensor), and the storage has no other tensor on it."""
-        return (bool(self.dts)
-                and _core.sole_owner(self.dts, 2)
-                and _core.sole_owner(self.locals, 2)
-                and storage_owners(self.buf) == 1 + len(self.locals))
 
 
 __all__ = ["ChunkUnit", "ChunkParam", "gradient_divide"]

@@ -68,16 +68,6 @@ _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 # run right after the unit's own backward, as torch's FSDP1 views do.
 
 
-def storage_owners(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (``t`` included), or a huge number when
-    this torch cannot say (then nothing is ever treated as unshared)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
-        return 1 << 62
-    # the UntypedStorage object made for the call holds one more reference
-    return int(count(t.untyped_storage()._cdata)) - 1
-
-
 @dataclass
 class ParamInfo:
     """Where an original parameter lives: ``module.<name>``."""
