@@ -26,6 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
+import torch.distributed.fsdp as _torch_fsdp
+
+from ._docs import adopt_class_docs, adopt_function_doc
 from ._runtime.chunk_unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
@@ -582,3 +585,12 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     if not modules:
         raise ValueError(f"Expects list of FSDPModules but got {modules}")
     _check_fsdp_modules(modules)
+
+
+# help() shows torch's documentation of the mirrored API, then cfsdp's notes
+adopt_class_docs(FSDPModule, _torch_fsdp.FSDPModule)
+adopt_class_docs(UnshardHandle, _torch_fsdp.UnshardHandle)
+for _fn, _torch_fn in ((fully_shard, _torch_fsdp.fully_shard),
+                       (register_fsdp_forward_method, _torch_fsdp.register_fsdp_forward_method),
+                       (share_comm_ctx, _torch_fsdp.share_comm_ctx)):
+    adopt_function_doc(_fn, _torch_fn)

@@ -37,6 +37,7 @@ from ._runtime.hooks import (
 from ._runtime.replaced import check_plain_param, replaced_fqn
 from ._runtime.base import TrainingState, wrappers_in
 from ._runtime.unit import Unit
+from ._docs import adopt_class_docs
 from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
 from . import _state_dict as _sd
@@ -132,6 +133,36 @@ def _resolve_groups(
     if process_group is not None:
         return process_group, None
     return _default_group(), None
+
+
+def _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
+                backward_prefetch) -> ShardingStrategy:
+    """Types of the constructor's arguments (never silently ignored); the strategy."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}"
+        )
+    if isinstance(module, _TorchFSDP):
+        raise ValueError(
+            "cfsdp.FullyShardedDataParallel cannot wrap torch's FullyShardedDataParallel; "
+            "use one implementation for the whole model."
+        )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}"
+        )
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(
+            f"param_init_fn must be callable (module -> None), got {type(param_init_fn).__name__}"
+        )
+    if backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
+        raise ValueError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
+    strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"sharding_strategy must be a ShardingStrategy, got {type(strategy).__name__}"
+        )
+    return strategy
 
 
 def _resolve_device(module: nn.Module, device_id) -> torch.device:
@@ -360,33 +391,45 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh=None,
     ):
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(
-                f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}"
-            )
-        if isinstance(module, _TorchFSDP):
-            raise ValueError(
-                "cfsdp.FullyShardedDataParallel cannot wrap torch's FullyShardedDataParallel; "
-                "use one implementation for the whole model."
-            )
-        # --- arguments not implemented yet: never silently ignored
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}"
-            )
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise ValueError(
-                f"param_init_fn must be callable (module -> None), got {type(param_init_fn).__name__}"
-            )
-        if backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
-            raise ValueError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
-
-        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
-        if not isinstance(strategy, ShardingStrategy):
-            raise TypeError(
-                f"sharding_strategy must be a ShardingStrategy, got {type(strategy).__name__}"
-            )
+        # The phases of torch's FSDP1 constructor (_init_utils), in its order.
+        strategy = _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
+                               backward_prefetch)
         device = _resolve_device(module, device_id)
+        strategy, group, replicate_group = self._init_process_group(
+            process_group, device_mesh, strategy, device, cpu_offload)
+        ignored_params, ignored_mods = self._init_ignored_states(
+            module, ignored_modules, ignored_states, device, use_orig_params)
+        self._init_core_state(module, strategy, group, replicate_group, device, device_mesh,
+                              mixed_precision, cpu_offload, backward_prefetch, forward_prefetch,
+                              limit_all_gathers, use_orig_params)
+        if auto_wrap_policy is not None:
+            self._auto_wrap(
+                module,
+                auto_wrap_policy,
+                ignored_params,
+                ignored_mods,
+                dict(
+                    process_group=process_group,
+                    sharding_strategy=sharding_strategy,
+                    cpu_offload=cpu_offload,
+                    backward_prefetch=backward_prefetch,
+                    mixed_precision=mixed_precision,
+                    param_init_fn=param_init_fn,
+                    device_id=device_id,
+                    sync_module_states=sync_module_states,
+                    forward_prefetch=forward_prefetch,
+                    limit_all_gathers=limit_all_gathers,
+                    use_orig_params=use_orig_params,
+                    device_mesh=device_mesh,
+                ),
+            )
+        self._init_param_handle(module, param_init_fn, sync_module_states, mixed_precision)
+        self._init_state_dict_state(module)
+
+    # ----------------------------------------------------------------- init
+    def _init_process_group(self, process_group, device_mesh, strategy: ShardingStrategy,
+                            device: torch.device, cpu_offload):
+        """The shard and replicate groups; a strategy over one rank becomes NO_SHARD."""
         group, replicate_group = _resolve_groups(process_group, device_mesh, strategy)
         if cpu_offload is not None and cpu_offload.offload_params and device.type != "cpu":
             # On a CPU compute device the shards and gradients already live on the
@@ -401,26 +444,38 @@ class FullyShardedDataParallel(nn.Module):
             strategy = ShardingStrategy.NO_SHARD
             if replicate_group is not None and replicate_group.size() > 1:
                 group, replicate_group = replicate_group, None
+        return strategy, group, replicate_group
+
+    def _init_ignored_states(self, module: nn.Module, ignored_modules, ignored_states,
+                             device: torch.device, use_orig_params: bool):
+        """Ignored parameters and modules: the arguments', an auto-wrapping root's
+        (inherited) and those of wrappers already nested inside; the parameters are
+        validated (by the outermost wrapper) and the managed modules annotated."""
         ignored_params, ignored_mods = _ignored_params_and_modules(
             module, ignored_modules, ignored_states
         )
         inherited = _AUTO_WRAP_IGNORED.get()
         if inherited is not None:
-            ignored_params |= {p for p in inherited if p in set(module.parameters())}
-        for sub in module.modules():  # nested wrappers' ignored parameters stay ignored
-            if isinstance(sub, FullyShardedDataParallel):
-                ignored_params |= sub._ignored_params
+            own = set(module.parameters())
+            ignored_params |= {p for p in inherited if p in own}
+        nested = wrappers_in(module)
+        for sub in nested:  # nested wrappers' ignored parameters stay ignored
+            ignored_params |= sub._ignored_params
         if inherited is None:
             _validate_params(module, ignored_params, device)
         if device.type == "cuda":
             module.to(device)  # device-generic path (not exercised on CPU-only CI)
         self._ignored_modules: set[nn.Module] = set(ignored_mods)
-        for sub in module.modules():
-            if isinstance(sub, FullyShardedDataParallel):
-                self._ignored_modules |= sub._ignored_modules
+        for sub in nested:
+            self._ignored_modules |= sub._ignored_modules
         _annotate_modules_for_dynamo(module, self._ignored_modules, use_orig_params)
-
         self._ignored_params: set[nn.Parameter] = ignored_params
+        return ignored_params, ignored_mods
+
+    def _init_core_state(self, module, strategy, group, replicate_group, device, device_mesh,
+                         mixed_precision, cpu_offload, backward_prefetch, forward_prefetch,
+                         limit_all_gathers, use_orig_params) -> None:
+        """The wrapper's settings, under torch's attribute names."""
         self._use_orig_params = use_orig_params
         self._backward_prefetch = backward_prefetch
         self._forward_prefetch = forward_prefetch
@@ -445,28 +500,12 @@ class FullyShardedDataParallel(nn.Module):
         self.rank = group.rank()
         self.world_size = group.size()
 
-        if auto_wrap_policy is not None:
-            self._auto_wrap(
-                module,
-                auto_wrap_policy,
-                ignored_params,
-                ignored_mods,
-                dict(
-                    process_group=process_group,
-                    sharding_strategy=sharding_strategy,
-                    cpu_offload=cpu_offload,
-                    backward_prefetch=backward_prefetch,
-                    mixed_precision=mixed_precision,
-                    param_init_fn=param_init_fn,
-                    device_id=device_id,
-                    sync_module_states=sync_module_states,
-                    forward_prefetch=forward_prefetch,
-                    limit_all_gathers=limit_all_gathers,
-                    use_orig_params=use_orig_params,
-                    device_mesh=device_mesh,
-                ),
-            )
-
+    def _init_param_handle(self, module: nn.Module, param_init_fn, sync_module_states: bool,
+                           mixed_precision) -> None:
+        """Materialise (deferred initialisation), sync from rank 0 if asked, and build
+        the unit of the parameters no nested wrapper manages (torch's flat-param handle)."""
+        ignored_params, ignored_mods = self._ignored_params, self._ignored_modules
+        device, strategy = self.compute_device, self.sharding_strategy
         _materialize(module, param_init_fn, ignored_params, ignored_mods, device)
         _check_not_shared_with_other_units(module, ignored_params)
         managed = [
@@ -488,12 +527,12 @@ class FullyShardedDataParallel(nn.Module):
             Unit(
                 flat_owner,
                 managed,
-                group,
-                use_orig_params,
+                self._process_group,
+                self._use_orig_params,
                 device,
                 type(module).__name__,
                 sharded=strategy is not ShardingStrategy.NO_SHARD,
-                replicate_group=replicate_group,
+                replicate_group=self._replicate_group,
                 mixed_precision=mixed_precision,
             )
             if managed
@@ -501,14 +540,14 @@ class FullyShardedDataParallel(nn.Module):
         )
         reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
-        # state dicts: wrappers below this one are not outermost; hooks per wrapper
+
+    def _init_state_dict_state(self, module: nn.Module) -> None:
+        """Wrappers below this one are not outermost; the state-dict hooks of this one."""
         self._cfsdp_has_outer = False
-        for sub in module.modules():
-            if isinstance(sub, FullyShardedDataParallel):
-                sub._cfsdp_has_outer = True
+        for sub in wrappers_in(module):
+            sub._cfsdp_has_outer = True
         _sd.install_hooks(self)
 
-    # ----------------------------------------------------------------- init
     @staticmethod
     def _auto_wrap(module, policy, ignored_params, ignored_mods, kwargs) -> None:
         for name, sub in module.named_modules():
@@ -1055,3 +1094,7 @@ def _summoned(
                     u.orig_grads_as_shard_views()
                 u.reshard()
             w._state.leave_summon()
+
+
+# help() shows torch's documentation of every method cfsdp mirrors, then cfsdp's notes
+adopt_class_docs(FullyShardedDataParallel, _TorchFSDP)
