@@ -13,6 +13,10 @@
     file whose lock is held: a live writer, on this host or another one that shares the file
     system; never a file of another name).
 
+``dcp_save(state_dict, *, checkpoint_id=...)`` / ``dcp_recover(checkpoint_id)``
+    ``torch.distributed.checkpoint.save`` that a killed rank cannot damage: see
+    ``cfsdp.checkpoint._dcp_save``.
+
 ``save_full_state_dict(model, path, optimizer=None)`` / ``load_full_state_dict(...)``
     One file ``{"model": full model state dict, "optim": full optimizer state dict or None}``
     for a model wrapped with ``cfsdp.FullyShardedDataParallel`` (torch's FSDP1 works too: only
@@ -33,8 +37,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _liveness
+from ._agree import agree
+from ._dcp_save import dcp_recover, dcp_save
 
-__all__ = ["atomic_save", "save_full_state_dict", "load_full_state_dict"]
+__all__ = ["atomic_save", "dcp_save", "dcp_recover", "save_full_state_dict", "load_full_state_dict"]
 
 
 def _new_file_mode(path: str) -> int:
@@ -121,23 +127,6 @@ def _fsdp_api_for(model: nn.Module):
     return _fsdp_class()
 
 
-def _agree(group: dist.ProcessGroup, error: Optional[BaseException], what: str) -> None:
-    """Every rank of ``group`` learns whether any rank failed ``what``; all raise if one did.
-
-    The rank that failed re-raises its own exception; the others raise a RuntimeError that
-    names the failing ranks and their errors."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    statuses: list[Optional[str]] = [None] * group.size()
-    dist.all_gather_object(statuses, mine, group=group)
-    failed = {r: s for r, s in enumerate(statuses) if s is not None}
-    if not failed:
-        return
-    if error is not None:
-        raise error
-    detail = "; ".join(f"rank {r}: {s}" for r, s in failed.items())
-    raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
-
-
 def save_full_state_dict(
     model: nn.Module, path: str | os.PathLike, optimizer: Optional[torch.optim.Optimizer] = None
 ) -> None:
@@ -175,7 +164,7 @@ def save_full_state_dict(
         except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
             error = e
     del model_sd, optim_sd
-    _agree(group, error, f"save_full_state_dict: writing {os.fspath(path)!r} on rank 0")
+    agree(group, error, f"save_full_state_dict: writing {os.fspath(path)!r} on rank 0")
 
 
 def load_full_state_dict(
@@ -209,7 +198,7 @@ def load_full_state_dict(
             )
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         error = e
-    _agree(group, error, f"load_full_state_dict: reading {os.fspath(path)!r}")
+    agree(group, error, f"load_full_state_dict: reading {os.fspath(path)!r}")
     with fsdp.state_dict_type(
         model,
         StateDictType.FULL_STATE_DICT,

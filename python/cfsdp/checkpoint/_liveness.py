@@ -44,8 +44,9 @@ relies on the shared file system propagating ``flock`` between hosts.  NFSv3/v4 
 ``flock`` with whole-file byte-range locks there), Lustre mounted with ``-o flock``, GPFS and
 CephFS do.  A mount whose locks are local to each host (NFS ``local_lock=flock`` or ``all``,
 Lustre ``-o localflock``) does not: there, a save on one host can remove the files of a live
-writer on another host that saves *the same destination at the same time*; that writer's save
-then fails with an error (its rename finds nothing), it never publishes a damaged checkpoint.
+writer on another host that saves *the same destination at the same time*, and that writer's
+save fails (``atomic_save``: its rename finds nothing; ``dcp_save``: the cleaner renames a
+directory away before removing it, so the writer finds nothing under the name).
 On a file system without ``flock`` at all, writers write unlocked and leftovers are never
 removed automatically (remove them by hand).
 """
