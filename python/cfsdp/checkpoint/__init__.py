@@ -2,12 +2,20 @@
 
 ``atomic_save(obj, path)``
     ``torch.save`` that never leaves a half-written file at ``path``: the bytes go to a
-    temporary file in the same directory (``.<name>.tmp-<random>``), which is flushed and
-    fsynced, then renamed onto ``path`` with ``os.replace`` (atomic on POSIX within one
-    file system), and the directory is fsynced so the rename itself is durable.  If anything
-    raises, the temporary file is removed and an existing file at ``path`` is untouched.  A
-    process killed mid-write (SIGKILL, power loss) can leave a stray ``.<name>.tmp-*`` file
-    behind, never a damaged ``path``.
+    temporary file in the same directory (``.<name>.tmp-<pid>@<host>.<random>``), which is
+    flushed and fsynced, then renamed onto ``path`` with ``os.replace`` (atomic on POSIX within
+    one file system), and the directory is fsynced so the rename itself is durable.  If
+    anything raises, the temporary file is removed and an existing file at ``path`` is
+    untouched.  A process killed mid-write (SIGKILL, power loss) leaves its temporary file
+    behind, never a damaged ``path``; the writer holds an exclusive ``flock`` on its temporary
+    file from its creation until the rename, and each save first removes the temporary files
+    of ``path`` whose writers are gone, by the rule of ``cfsdp.checkpoint._liveness`` (never a
+    file whose lock is held: a live writer, on this host or another one that shares the file
+    system; never a file of another name).
+
+``dcp_save(state_dict, *, checkpoint_id=...)`` / ``dcp_recover(checkpoint_id)``
+    ``torch.distributed.checkpoint.save`` that a killed rank cannot damage: see
+    ``cfsdp.checkpoint._dcp_save``.
 
 ``save_full_state_dict(model, path, optimizer=None)`` / ``load_full_state_dict(...)``
     One file ``{"model": full model state dict, "optim": full optimizer state dict or None}``
@@ -22,28 +30,17 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["atomic_save", "save_full_state_dict", "load_full_state_dict"]
+from . import _liveness
+from ._agree import agree
+from ._dcp_save import dcp_recover, dcp_save
 
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems (and all of Windows) refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
+__all__ = ["atomic_save", "dcp_save", "dcp_recover", "save_full_state_dict", "load_full_state_dict"]
 
 
 def _new_file_mode(path: str) -> int:
@@ -65,24 +62,33 @@ def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> 
     if isinstance(path, bytes):
         path = os.fsdecode(path)
     directory = os.path.dirname(os.path.abspath(path))
+    stem = f".{os.path.basename(path)}.tmp-"
     mode = _new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{os.path.basename(path)}.tmp-", dir=directory
-    )
+    _liveness.remove_dead_files(directory, stem)
+    fd, tmp, tag = _liveness.create_locked(directory, stem)
+    # the file stays open (its lock held) until it has been renamed onto path: closed before,
+    # a complete but not yet renamed file would look like a dead writer's leftover
+    f = os.fdopen(fd, "wb", closefd=False)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f, **torch_save_kwargs)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
+        torch.save(obj, f, **torch_save_kwargs)
+        f.flush()
+        os.fchmod(f.fileno(), mode)
+        os.fsync(f.fileno())
+        f.close()  # not fd: closefd=False
         os.replace(tmp, path)
     except BaseException:
+        try:
+            f.close()
+        except OSError:  # flushing the rest failed too: the first error is the one to see
+            pass
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        _liveness.release(fd, tag)
         raise
-    _fsync_dir(directory)
+    _liveness.release(fd, tag)
+    _liveness.fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------------
@@ -119,23 +125,6 @@ def _fsdp_api_for(model: nn.Module):
     if any(isinstance(m, TorchFSDP) for m in model.modules()):
         return TorchFSDP
     return _fsdp_class()
-
-
-def _agree(group: dist.ProcessGroup, error: Optional[BaseException], what: str) -> None:
-    """Every rank of ``group`` learns whether any rank failed ``what``; all raise if one did.
-
-    The rank that failed re-raises its own exception; the others raise a RuntimeError that
-    names the failing ranks and their errors."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    statuses: list[Optional[str]] = [None] * group.size()
-    dist.all_gather_object(statuses, mine, group=group)
-    failed = {r: s for r, s in enumerate(statuses) if s is not None}
-    if not failed:
-        return
-    if error is not None:
-        raise error
-    detail = "; ".join(f"rank {r}: {s}" for r, s in failed.items())
-    raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
 
 
 def save_full_state_dict(
@@ -175,7 +164,7 @@ def save_full_state_dict(
         except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
             error = e
     del model_sd, optim_sd
-    _agree(group, error, f"save_full_state_dict: writing {os.fspath(path)!r} on rank 0")
+    agree(group, error, f"save_full_state_dict: writing {os.fspath(path)!r} on rank 0")
 
 
 def load_full_state_dict(
@@ -209,7 +198,7 @@ def load_full_state_dict(
             )
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         error = e
-    _agree(group, error, f"load_full_state_dict: reading {os.fspath(path)!r}")
+    agree(group, error, f"load_full_state_dict: reading {os.fspath(path)!r}")
     with fsdp.state_dict_type(
         model,
         StateDictType.FULL_STATE_DICT,
