@@ -54,12 +54,17 @@ build: $(STAMP)
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
 	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
+# Each pass runs through tools/timed, which prints "=== pass NAME: M:SS (exit RC)".
+TIMED := tools/timed
 test: build
-	CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
-	$(MAKE) --no-print-directory sanitize
-	CFSDP_IMPL=c $(PY) -m pytest -q --durations=12 tests/distributed
-	CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 -m "not no_core" \
-		tests/unit $(TWIN_DIST)
+	@date +%s > .test-start
+	$(TIMED) unit env CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
+	$(TIMED) sanitize $(MAKE) --no-print-directory sanitize
+	$(TIMED) distributed env CFSDP_IMPL=c $(PY) -m pytest -q --durations=12 tests/distributed
+	$(TIMED) twins env CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 \
+		-m "not no_core" tests/unit $(TWIN_DIST)
+	@secs=$$(( $$(date +%s) - $$(cat .test-start) )); rm -f .test-start; \
+		printf '=== make test: %d:%02d in all\n' $$((secs / 60)) $$((secs % 60))
 
 test-unit: build
 	$(PY) -m pytest -q tests/unit

@@ -36,6 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+
+from .._runtime.base import wrappers_in
+from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from ..fully_sharded_data_parallel import FullyShardedDataParallel as _CFSDP
 from . import _liveness
 from ._agree import agree
 from ._dcp_save import dcp_recover, dcp_save
@@ -96,20 +101,13 @@ def atomic_save(obj: Any, path: str | os.PathLike, **torch_save_kwargs: Any) -> 
 # ---------------------------------------------------------------------------
 
 
-def _fsdp_class():
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 def _root_group(model: nn.Module) -> dist.ProcessGroup:
     """The process group of the model's outermost FSDP wrapper (cfsdp's or torch's)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-
+    ours = set(wrappers_in(model))
     for m in model.modules():
-        if isinstance(m, _fsdp_class()):
+        if m in ours:
             return m._process_group
-        if isinstance(m, TorchFSDP):
+        if isinstance(m, _TorchFSDP):
             return m.process_group
     raise ValueError(
         f"{type(model).__name__} contains no FullyShardedDataParallel module: "
@@ -120,11 +118,9 @@ def _root_group(model: nn.Module) -> dist.ProcessGroup:
 
 def _fsdp_api_for(model: nn.Module):
     """cfsdp's wrapper class, or torch's when the model is wrapped with torch's FSDP1."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-
-    if any(isinstance(m, TorchFSDP) for m in model.modules()):
-        return TorchFSDP
-    return _fsdp_class()
+    if any(isinstance(m, _TorchFSDP) for m in model.modules()):
+        return _TorchFSDP
+    return _CFSDP
 
 
 def save_full_state_dict(
@@ -138,15 +134,13 @@ def save_full_state_dict(
     ``FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)``.  Rank 0 (of the
     model's group) writes with :func:`atomic_save`; then every rank learns whether the write
     succeeded, and if it did not, every rank raises (rank 0 its own error)."""
-    from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-
     fsdp = _fsdp_api_for(model)
     group = _root_group(model)
     # torch's FSDP1 with a CPU compute device frees the storage its "CPU copy" shares when
     # offloading (a CPU->CPU move is no copy): offload_to_cpu=True crashes it (SIGSEGV) in
     # torch 2.13. On a CPU device the tensors are in CPU memory anyway, so offloading means
     # nothing there; cfsdp always offloads as asked.
-    offload = not (fsdp is not _fsdp_class() and all(
+    offload = not (fsdp is not _CFSDP and all(
         m.compute_device.type == "cpu" for m in fsdp.fsdp_modules(model)
     ))
     with fsdp.state_dict_type(
@@ -178,8 +172,6 @@ def load_full_state_dict(
     loaded strictly under FULL_STATE_DICT; the optimizer through
     ``FSDP.optim_state_dict_to_load``.  Asking for the optimizer of a file saved without one
     is a ValueError."""
-    from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-
     fsdp = _fsdp_api_for(model)
     group = _root_group(model)
     error: Optional[BaseException] = None
