@@ -12,6 +12,8 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import os
+import socket
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
@@ -85,8 +87,53 @@ def _default_group() -> dist.ProcessGroup:
     return dist.distributed_c10d._get_default_group()
 
 
+def _local_world_size(default: dist.ProcessGroup) -> int:
+    """Ranks per host: torchrun's ``LOCAL_WORLD_SIZE``, else counted from every rank's
+    host name.  Every rank must see the same count (homogeneous hosts, as torch assumes)
+    and each host must hold consecutive ranks (the groups below are built that way)."""
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    hosts: list = [None] * default.size()
+    dist.all_gather_object(hosts, (socket.gethostname(), env), group=default)
+    counts = {h: sum(1 for x in hosts if x[0] == h) for h, _ in hosts}
+    envs = {e for _, e in hosts}
+    if len(envs) == 1 and None not in envs:
+        per_node = int(envs.pop())
+    elif len(set(counts.values())) == 1:
+        per_node = next(iter(counts.values()))
+    else:
+        raise ValueError(
+            "HYBRID_SHARD / _HYBRID_SHARD_ZERO2 with process_group=None needs the same number of "
+            f"ranks on every host, but the ranks per host are {counts} (LOCAL_WORLD_SIZE "
+            f"{sorted(map(str, envs))}). Pass process_group=(shard_group, replicate_group) or a "
+            "2-D device_mesh."
+        )
+    names = [h for h, _ in hosts]
+    blocks = [names[i : i + per_node] for i in range(0, len(names), per_node)]
+    if default.size() % per_node or any(len(set(b)) != 1 for b in blocks) and len(set(names)) > 1:
+        raise ValueError(
+            f"HYBRID_SHARD with process_group=None groups ranks [k*{per_node}, (k+1)*{per_node}) "
+            f"as hosts, but the world of {default.size()} ranks is laid out as {names}. Launch "
+            "the ranks of each host consecutively (torchrun does), or pass the groups."
+        )
+    return per_node
+
+
+def _node_groups(device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """HYBRID_SHARD with process_group=None: shard inside a host, replicate across hosts,
+    with torch's own group builder.  torch sizes a "node" by the accelerator count, which
+    is 1 on CPU ranks: it then shards over one rank, switches to NO_SHARD and drops the
+    cross-host all-reduce, so each rank trains alone (measured on torch 2.13).  cfsdp
+    takes a CPU host's ranks as its node (``_local_world_size``)."""
+    from torch.distributed.fsdp._init_utils import _init_intra_and_inter_node_groups
+
+    default = _default_group()
+    per_node = torch.cuda.device_count() if device.type == "cuda" else _local_world_size(default)
+    return _init_intra_and_inter_node_groups(default, per_node)
+
+
 def _resolve_groups(
-    process_group, device_mesh, strategy: ShardingStrategy
+    process_group, device_mesh, strategy: ShardingStrategy, device: torch.device,
+    auto_wrap: bool,
 ) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     """``(shard_group, replicate_group)``; the second is None unless hybrid."""
     if device_mesh is not None and process_group is not None:
@@ -114,13 +161,15 @@ def _resolve_groups(
         ):
             return process_group[0], process_group[1]
         if process_group is None:
-            _default_group()
-            raise _not_implemented(
-                f"sharding_strategy={strategy} with process_group=None (cfsdp needs the "
-                "groups: pass device_mesh=init_device_mesh(..., (replicas, shards)) or "
-                "process_group=(shard_group, replicate_group))",
-                3,
-            )
+            if not auto_wrap:
+                raise ValueError(
+                    f"Manual wrapping with {strategy} requires explicit specification of "
+                    "process group or device_mesh. (cfsdp: pass process_group=(shard_group, "
+                    "replicate_group) or device_mesh=init_device_mesh(..., (replicas, shards)), "
+                    "or wrap with an auto_wrap_policy, whose root builds the groups for all "
+                    "units.)"
+                )
+            return _node_groups(device)
         raise ValueError(
             f"sharding_strategy={strategy} expects process_group=(shard_group, "
             f"replicate_group) or a 2-D device_mesh, got {type(process_group).__name__}."
@@ -188,6 +237,11 @@ def _resolve_device(module: nn.Module, device_id) -> torch.device:
         raise ValueError(
             f"device_id={device_id!r}: cfsdp runs on 'cpu' or 'cuda' devices."
         )
+    if device.type == "cpu":
+        # every spelling of the one CPU ("cpu", "cpu:0", torch.device("cpu", 0)) is the
+        # device CPU tensors are on (torch's FSDP1 rejects the indexed ones; accelerate
+        # passes "cpu:0")
+        return torch.device("cpu")
     return device
 
 
@@ -395,8 +449,8 @@ class FullyShardedDataParallel(nn.Module):
         strategy = _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
                                backward_prefetch)
         device = _resolve_device(module, device_id)
-        strategy, group, replicate_group = self._init_process_group(
-            process_group, device_mesh, strategy, device, cpu_offload)
+        strategy, group, replicate_group, process_group = self._init_process_group(
+            process_group, device_mesh, strategy, device, cpu_offload, auto_wrap_policy)
         ignored_params, ignored_mods = self._init_ignored_states(
             module, ignored_modules, ignored_states, device, use_orig_params)
         self._init_core_state(module, strategy, group, replicate_group, device, device_mesh,
@@ -428,9 +482,14 @@ class FullyShardedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------- init
     def _init_process_group(self, process_group, device_mesh, strategy: ShardingStrategy,
-                            device: torch.device, cpu_offload):
-        """The shard and replicate groups; a strategy over one rank becomes NO_SHARD."""
-        group, replicate_group = _resolve_groups(process_group, device_mesh, strategy)
+                            device: torch.device, cpu_offload, auto_wrap_policy):
+        """The shard and replicate groups (a strategy over one rank becomes NO_SHARD), and
+        the ``process_group`` auto-wrapping passes to the units it creates: the groups a
+        hybrid root built itself, as torch shares them, else the argument."""
+        group, replicate_group = _resolve_groups(process_group, device_mesh, strategy, device,
+                                                 auto_wrap_policy is not None)
+        if strategy in _HYBRID and process_group is None and device_mesh is None:
+            process_group = (group, replicate_group)
         if cpu_offload is not None and cpu_offload.offload_params and device.type != "cpu":
             # On a CPU compute device the shards and gradients already live on the
             # CPU and the optimizer steps there, which is all offloading means.
@@ -444,7 +503,7 @@ class FullyShardedDataParallel(nn.Module):
             strategy = ShardingStrategy.NO_SHARD
             if replicate_group is not None and replicate_group.size() > 1:
                 group, replicate_group = replicate_group, None
-        return strategy, group, replicate_group
+        return strategy, group, replicate_group, process_group
 
     def _init_ignored_states(self, module: nn.Module, ignored_modules, ignored_states,
                              device: torch.device, use_orig_params: bool):

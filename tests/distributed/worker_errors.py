@@ -221,6 +221,30 @@ def process_group_and_device_mesh(ctx):
     f.raise_if_any()
 
 
+@h.subtest
+def device_id_spellings(ctx):
+    """Every spelling of the CPU as device_id wraps and trains as device_id=None (torch's FSDP1
+    rejects "cpu:0", which accelerate passes)."""
+    f = Failures(ctx)
+    results = {}
+    for dev in (None, "cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0)):
+        torch.manual_seed(0)
+        model = CFSDP(Net(), process_group=ctx.pg, device_id=dev)
+        if model.compute_device != torch.device("cpu"):
+            f.items.append(f"device_id={dev!r}: compute_device {model.compute_device}")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + ctx.rank)
+        loss = model(torch.randn(2, 4)).square().sum()
+        loss.backward()
+        opt.step()
+        results[str(dev)] = (loss.item(), [p.detach().clone() for p in model.parameters()])
+    want = results["None"]
+    for dev, (loss, params) in results.items():
+        if loss != want[0] or not all(torch.equal(a, b) for a, b in zip(params, want[1])):
+            f.items.append(f"device_id={dev}: trains differently from device_id=None")
+    f.raise_if_any()
+
+
 def tp_model(ctx):
     """A model whose Linear layers went through torch's tensor parallelism (DTensor parameters)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -277,17 +301,6 @@ def optimizer_built_after_wrapping_is_fine(ctx):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     f.ok("cfsdp", opt.step)
-    f.raise_if_any()
-
-
-@h.subtest(grid={"strategy": [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]})
-def hybrid_without_groups(ctx, strategy):
-    """Hybrid sharding with process_group=None: torch derives node-local groups from the GPU
-    count; cfsdp needs them given (a 2-D device_mesh or a group tuple) and says so."""
-    f = Failures(ctx)
-    f.expect("cfsdp", NotImplementedError,
-             lambda: CFSDP(Net(), sharding_strategy=strategy, device_id=torch.device("cpu")),
-             "sharding_strategy", strategy.name, "device_mesh")
     f.raise_if_any()
 
 

@@ -81,6 +81,60 @@ def strategy_parity(ctx, strategy, use_orig_params: bool, how: str):
     run_parity(ctx, "transformer", use_orig_params, "adamw", wrap_root, fsdp_kwargs=kw, steps=6)
 
 
+@h.subtest(grid={"strategy": list(HYBRID), "local_world_size": [2, 4], "use_orig_params": [False, True]})
+def hybrid_default_groups(ctx, strategy, local_world_size: int, use_orig_params: bool):
+    """HYBRID_SHARD / _HYBRID_SHARD_ZERO2 with process_group=None and an auto-wrap policy: the
+    root builds torch's intra-node (shard) and inter-node (replicate) groups itself, a CPU
+    host's ranks (LOCAL_WORLD_SIZE) being its node, and shares them with every unit.  Oracle:
+    torch FSDP1 given the same groups from torch's own builder (bitwise) and the single
+    process.  torch itself with process_group=None sizes a node by the accelerator count, 1 on
+    CPU: it shards over one rank, switches to NO_SHARD and never all-reduces across ranks, so
+    each rank trains alone (its signature is asserted below, so a torch fix is noticed).
+    LOCAL_WORLD_SIZE=2 at W=4 stands for 2 hosts x 2 ranks (torchrun sets it per host)."""
+    if ctx.world_size < 4:
+        return
+    import os
+
+    from torch.distributed.fsdp._init_utils import _init_intra_and_inter_node_groups
+
+    old = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    try:
+        groups = _init_intra_and_inter_node_groups(dist.distributed_c10d._get_default_group(),
+                                                   local_world_size)
+        kw = dict(process_group=groups, sharding_strategy=strategy,
+                  auto_wrap_policy=make_policy("module"))
+        run_parity(ctx, "transformer", use_orig_params, "adamw", wrap_root, fsdp_kwargs=kw,
+                   cfsdp_kwargs={"process_group": None}, steps=4)
+        if local_world_size == 2 and strategy is SS.HYBRID_SHARD and not use_orig_params:
+            t = TorchFSDP(build("transformer"), sharding_strategy=strategy, device_id=CPU,
+                          auto_wrap_policy=make_policy("module"))
+            if not (t.sharding_strategy is SS.NO_SHARD and t.process_group.size() == 1):
+                raise AssertionError("torch's HYBRID_SHARD with process_group=None on CPU no "
+                                     "longer shards over one rank: revisit cfsdp's groups")
+    finally:
+        if old is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = old
+
+
+@h.subtest
+def hybrid_manual_wrap_needs_groups(ctx):
+    """Without an auto-wrap policy the units could not share groups: torch's ValueError."""
+    errs = []
+    for w in (TorchFSDP, CFSDP):
+        try:
+            w(build("seq"), sharding_strategy=SS.HYBRID_SHARD, device_id=CPU)
+        except ValueError as e:
+            errs.append(str(e))
+        else:
+            errs.append(None)
+    t, c = errs
+    if t is None or c is None or t not in c:
+        raise AssertionError(f"torch: {t!r}; cfsdp: {c!r} (must contain torch's message)")
+
+
 @h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True], "kind": ["transformer", "odd"]})
 def no_sync_accumulation(ctx, strategy, use_orig_params: bool, kind: str):
     """Micro-batches under no_sync() then one synchronising backward, also mixed with plain
