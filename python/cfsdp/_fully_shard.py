@@ -45,6 +45,11 @@ def _nyi(what: str) -> NotImplementedError:
     )
 
 
+class MeshError(AssertionError, ValueError):
+    """A mesh ``fully_shard`` cannot use: torch raises ``AssertionError`` (a 2-D mesh without
+    dimension names); cfsdp's error is one, and a ``ValueError`` (bad input)."""
+
+
 class AppliedTwiceError(AssertionError, ValueError):
     """``fully_shard`` applied twice to one module: torch raises ``AssertionError``;
     cfsdp's error is one (and a ``ValueError``, the natural type for bad input)."""
@@ -427,6 +432,11 @@ def fully_shard(
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise MeshError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified (cfsdp: e.g. "
+            "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard')))"
+        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):

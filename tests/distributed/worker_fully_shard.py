@@ -1342,6 +1342,11 @@ BAD_INPUT: dict[str, tuple[Callable, tuple]] = {
     "scalar_parameter": (
         lambda impl, ctx, mesh: impl.fully_shard(ScalarParam(), mesh=mesh),
         ("same", ["gain"], ["sub.gain"])),
+    "mesh_2d_without_names": (
+        lambda impl, ctx, mesh: impl.fully_shard(
+            nn.Linear(5, 3), mesh=DeviceMesh("cpu", torch.arange(WORLD).view(WORLD // 2, 2)))
+        if WORLD % 2 == 0 else None,
+        ("same", ["mesh_dim_names"], [])),
     "container_without_forward": (
         lambda impl, ctx, mesh: impl.fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh),
         ("same", ["forward"], [])),
