@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -27,6 +28,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import Shard
 
 import torch.distributed.fsdp as _torch_fsdp
+from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
+from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
+from torch.distributed._composable.contract import RegistryItem as _RegistryItem
+from torch.distributed._composable.contract import _get_registry
 
 from ._docs import adopt_class_docs, adopt_function_doc
 from ._runtime.chunk_unit import ChunkUnit
@@ -78,8 +83,9 @@ class _FSState:
             return
         if len(self.modules) > 1:
             raise RuntimeError(
-                f"fully_shard requires a single root module but got {len(self.modules)} modules "
-                "from one fully_shard([...]) call: apply fully_shard to their parent as well."
+                f"FSDP requires a single root module but got {self.modules} (cfsdp: "
+                f"{len(self.modules)} modules from one fully_shard([...]) call ran forward first; "
+                "apply fully_shard to their parent as well and run forward through it)"
             )
         states: list[_FSState] = []
         for name, m in module.named_modules():
@@ -88,8 +94,10 @@ class _FSState:
                 continue
             if s is not self and s.ustate.is_root is not None:
                 raise RuntimeError(
-                    f"fully_shard state has already been lazily initialized for '{name}'; "
-                    "fully_shard requires running forward through the root module first."
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires "
+                    "running forward through the root module first (cfsdp: a forward through "
+                    f"'{name}' alone made it a root; run the first forward through the model's "
+                    "root module)"
                 )
             states.append(s)
         # as torch: one original parameter in two units (weights tied across fully_shard
@@ -114,7 +122,16 @@ class _FSState:
         for s in states:  # take over parameters materialised or replaced since fully_shard
             if s.unit is not None:
                 s.unit.reset_sharded_params()
-                s.unit.check_materialised()
+        for s in states:  # as torch, unit by unit, the root's first
+            on_meta = s.unit.meta_param_names(module) if s.unit is not None else []
+            if not on_meta:
+                continue
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values."
+            )
         lazy_init_root(st, [s.ustate for s in states], BACKWARD_PRE, False)
         for s in states:
             s.ustate.fs_state = s  # type: ignore[attr-defined]
@@ -277,13 +294,21 @@ class FSDPModule:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """``hook(reduced)`` on each unit's reduced gradient shard (in ``reduce_dtype``,
         before any post-divide) of this module's unit: after the HSDP all-reduce, or
-        after the reduce-scatter on a 1-D mesh.  cfsdp runs it synchronously in backward, so
-        ``stream`` orders nothing on CPU ranks."""
+        after the reduce-scatter on a 1-D mesh.  cfsdp runs it synchronously in backward,
+        with ``stream`` (if given) as the device's current stream, as torch does."""
         u = _state(self).unit  # this module's unit only, as torch
         if u is None:
             return
         if stream is not None and u.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")
+        if stream is not None:
+            device_module = torch.get_device_module(u.device)
+            inner = hook
+
+            def hook(output: torch.Tensor) -> None:
+                with device_module.stream(stream):
+                    inner(output)
+
         u.all_reduce_hook = hook
 
     def reset_iter_state(self) -> None:
@@ -365,8 +390,9 @@ def _managed(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Module], l
     seen: set[nn.Module] = set()
 
     def dfs(m: nn.Module) -> None:
-        if m not in roots and getattr(m, _STATE_ATTR, None) is not None:
-            return
+        if m not in roots and (getattr(m, _STATE_ATTR, None) is not None
+                               or "replicate" in (_get_registry(m) or ())):
+            return  # another unit's, or torch's replicate's (as torch skips them)
         seen.add(m)
         for c in m.children():
             if c not in seen:
@@ -419,11 +445,12 @@ def fully_shard(
                     f"fully_shard cannot be applied to {type(m).__name__}: {where} is already "
                     "wrapped by cfsdp.FullyShardedDataParallel. Use one face per model."
                 )
-        if getattr(m, _STATE_ATTR, None) is not None:
+        if getattr(m, _STATE_ATTR, None) is not None or "fully_shard" in (_get_registry(m) or ()):
             raise AppliedTwiceError(
                 "Each distinct composable distributed API can only be applied to a module "
-                f"once. fully_shard was already applied to {type(m).__name__}; apply it once "
-                "per module (fully_shard([a, b]) groups several modules in one unit)."
+                f"once. fully_shard has already been applied to the following module:\n{m}\n"
+                "(cfsdp: apply it once per module; fully_shard([a, b]) groups several modules "
+                "in one unit)"
             )
     if dp_mesh_dims is not None:
         raise _nyi("dp_mesh_dims")
@@ -483,8 +510,9 @@ def fully_shard(
         check_plain_param(p, fqn, "fully_shard")
         if p.dim() == 0:
             raise ValueError(
-                f"fully_shard doesn't support scalar parameters. Change '{fqn}' to a 1D "
-                "tensor with numel equal to 1."
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {occ[0][1]} to a 1D tensor with numel equal to 1. (cfsdp: the parameter "
+                f"is '{fqn}'; e.g. nn.Parameter(torch.tensor([v])), or pass it in ignored_params.)"
             )
         if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
@@ -533,6 +561,10 @@ def fully_shard(
     state = _FSState(modules, unit, name, reshard_after_forward, mp_policy)
     for m in modules:
         setattr(m, _STATE_ATTR, state)
+        # torch's composable registry (_composable.contract): fully_shard.state(m), and
+        # torch's own checks (replicate refuses a fully_shard module) see this call
+        m.__dict__.setdefault(_REGISTRY_KEY, OrderedDict())["fully_shard"] = _RegistryItem()
+        m.__dict__.setdefault(_STATE_KEY, OrderedDict())[fully_shard] = state
         m.register_forward_pre_hook(functools.partial(_pre_hook, state), prepend=True, with_kwargs=True)
         m.register_forward_hook(functools.partial(_post_hook, state), prepend=False)
         _swap_class(m)
@@ -542,6 +574,15 @@ def fully_shard(
             m._register_load_state_dict_pre_hook(functools.partial(_to_sharded_hook, state))
             m.register_load_state_dict_post_hook(functools.partial(_post_load_hook, state))
     return module
+
+
+def _state_of(module: nn.Module) -> Optional[_FSState]:
+    """``fully_shard.state(module)``: the state of the ``fully_shard`` call that ``module``
+    was given to (one per call, shared by its modules), or None, as torch's contract API."""
+    return module.__dict__.setdefault(_STATE_KEY, {}).get(fully_shard)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
 def _pre_hook(state: _FSState, module: nn.Module, args: tuple, kwargs: dict):

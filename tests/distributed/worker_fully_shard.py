@@ -1506,6 +1506,132 @@ def broadcast_from_rank0_wrong_shape(ctx):
             raise AssertionError(f"'{n}' changed although the load was refused")
 
 
+class PlainMLP(nn.Module):
+    """Parameters only (no buffers): a model a rank-0 checkpoint can be broadcast into."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(7, 9)
+        self.blocks = nn.ModuleList(MLPBlock(9) for _ in range(2))
+        self.out = nn.Linear(9, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.in_proj(x))
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@h.subtest
+def meta_init_rank0_broadcast_assign(ctx):
+    """torch's recipe (test_rank0_broadcast_meta_device_init): fully_shard on the meta device,
+    then load_state_dict(assign=True) of DTensors distribute_tensor builds from rank 0's
+    broadcast full tensors; then train.  Same parameters and losses as torch's FSDP2."""
+    mesh = mesh_1d(ctx)
+    full = {}
+    if ctx.rank == 0:
+        torch.manual_seed(42)
+        full = PlainMLP().state_dict()
+    data = batches("mlp", 3, ctx.world_size)
+    runs = {}
+    for impl in (TORCH, CFSDP):
+        with torch.device("meta"):
+            model = PlainMLP()
+        for b in model.blocks:
+            impl.fully_shard(b, mesh=mesh)
+        impl.fully_shard(model, mesh=mesh)
+        sharded = {}
+        for name, meta in model.state_dict().items():
+            t = full[name].detach().clone() if ctx.rank == 0 else torch.empty(meta.size(), dtype=meta.dtype)
+            dist.broadcast(t, src=0)
+            sharded[name] = nn.Parameter(distribute_tensor(t, meta.device_mesh, meta.placements))
+        model.load_state_dict(sharded, assign=True)
+        bad = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) or p.device.type != "cpu"]
+        if bad:
+            raise AssertionError(f"{impl.name}: parameters not materialised DTensors after the load: {bad}")
+        opt = wp.make_optim("adamw", model.parameters())
+        losses = run_steps(impl, Scenario(), model, opt, data, ctx.rank, [])
+        runs[impl.name] = (losses, {n: local(p).detach().clone() for n, p in model.named_parameters()})
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(runs["cfsdp"][0], runs["torch"][0])):
+        mm.tensors(f"loss #{i}", a, b)
+    for n, v in runs["torch"][1].items():
+        mm.tensors(f"local param {n} after training", runs["cfsdp"][1].get(n), v)
+    mm.raise_if_any()
+
+
+@h.subtest
+def meta_params_left_are_named(ctx):
+    """A forward with parameters still on the meta device: torch's RuntimeError, naming every
+    one of them by FQN under the root (cfsdp's message contains torch's)."""
+    msgs = {}
+    for impl in (TORCH, CFSDP):
+        with torch.device("meta"):
+            model = PlainMLP()
+        for b in model.blocks:
+            impl.fully_shard(b, mesh=mesh_1d(ctx))
+        impl.fully_shard(model, mesh=mesh_1d(ctx))
+        msgs[impl.name] = str(_raised(lambda: model(torch.randn(2, 7))))
+    t = msgs["torch"]
+    if "still on meta device" not in t or msgs["cfsdp"] != t and t not in msgs["cfsdp"]:
+        raise AssertionError(f"torch: {t}\ncfsdp: {msgs['cfsdp']}")
+
+
+@h.subtest
+def state_per_call(ctx):
+    """fully_shard.state(module): one state object per call, shared by its modules; None for
+    a module no call was given (torch's composable contract)."""
+    for impl in (TORCH, CFSDP):
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+        impl.fully_shard([model[0], model[1]], mesh=mesh_1d(ctx))
+        impl.fully_shard(model, mesh=mesh_1d(ctx))
+        st = impl.fully_shard.state
+        if not (st(model[0]) is st(model[1]) and st(model) is not st(model[0])
+                and st(model) is not None and st(model[2]) is None):
+            raise AssertionError(f"{impl.name}: states {st(model[0])}, {st(model[1])}, "
+                                 f"{st(model)}, {st(model[2])}")
+
+
+@h.subtest
+def replicate_child_stays_replicated(ctx):
+    """A child given to torch's replicate() (DDP) under a fully_shard parent is left alone by
+    the parent's unit, as torch does: its parameters stay plain, DDP all-reduces them, and
+    training matches torch's FSDP2 + replicate bit for bit."""
+    from torch.distributed._composable.replicate import replicate
+
+    data = batches("mlp", 3, ctx.world_size)
+    runs = {}
+    for impl in (TORCH, CFSDP):
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3))
+        replicate(model[0])
+        impl.fully_shard(model[2], mesh=mesh_1d(ctx))
+        impl.fully_shard(model, mesh=mesh_1d(ctx))
+        if isinstance(model[0].weight, DTensor):
+            raise AssertionError(f"{impl.name}: the replicated child's weight became a DTensor")
+        opt = wp.make_optim("sgd", model.parameters())
+        runs[impl.name] = run_steps(impl, Scenario(), model, opt, data, ctx.rank, [])
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(runs["cfsdp"], runs["torch"])):
+        mm.tensors(f"loss #{i}", a, b)
+    mm.raise_if_any()
+
+
+@h.subtest
+def all_reduce_hook_stream(ctx):
+    """set_all_reduce_hook(hook, stream=s): the hook runs with s as the current stream."""
+    used = {}
+    for impl in (TORCH, CFSDP):
+        model = impl.fully_shard(nn.Linear(4, 4), mesh=mesh_1d(ctx))
+        s = torch.cpu.Stream()
+        seen = []
+        model.set_all_reduce_hook(lambda out: seen.append(torch.cpu.current_stream()), stream=s)
+        model(torch.randn(2, 4)).sum().backward()
+        used[impl.name] = bool(seen) and seen[0] == s
+    if used["torch"] and not used["cfsdp"]:
+        raise AssertionError(f"the hook did not run on the given stream: {used}")
+
+
 class TwoDtypes(nn.Module):
     def __init__(self):
         super().__init__()

@@ -353,11 +353,10 @@ class ChunkUnit(UnshardStates):
             return
         if self.shard.is_meta:
             if len(replaced) != len(self.params):
-                missing = next(q.fqn for q in self.params if id(q) not in replaced)
-                raise RuntimeError(
-                    f"fully_shard: parameter '{missing}' is still on the meta device; "
-                    "materialise the whole module (module.to_empty(device=...)) before use."
-                )
+                # some are materialised, others not yet (load_state_dict(assign=True) runs
+                # this hook after each module): taken over when all are, or refused at the
+                # first forward, naming the ones left (meta_param_names)
+                return
             dev = next(iter(replaced.values())).to_local().device
             self.device = dev
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=dev)
@@ -392,12 +391,17 @@ class ChunkUnit(UnshardStates):
             return True
         return q.local_numel > 0 and local.data_ptr() != mine.data_ptr()
 
-    def check_materialised(self) -> None:
-        if self.shard.is_meta:
-            raise RuntimeError(
-                f"fully_shard: parameter '{self.params[0].fqn}' is still on the meta device; "
-                "call module.to_empty(device=...) and initialise it before the first forward."
-            )
+    def meta_param_names(self, root: nn.Module) -> list[str]:
+        """The FQNs (under ``root``) of this unit's parameters still on the meta device."""
+        if not self.shard.is_meta:
+            return []
+        names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+        out = []
+        for q in self.params:
+            cur = q.module._parameters.get(q.name)
+            if cur is None or cur.is_meta:
+                out.append(names.get(id(cur), q.fqn))
+        return out
 
     # ------------------------------------------------------- unshard/reshard
     def _start_unshard(self):
