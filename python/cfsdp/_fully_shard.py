@@ -209,6 +209,20 @@ class FSDPModule:
     def __deepcopy__(self, memo):
         raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.to(...)``, ``.double()``, ``.half()``, ``to_empty``: as torch, reshard
+        first (the sharded parameters are the registered ones), apply, then the unit takes
+        over what changed: new values, new parameter objects, or a new dtype."""
+        s = _state(self)
+        if s.unit is not None:
+            s.check_idle("module._apply (to / double / half / to_empty)")
+            s.unit.reshard()
+        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if s.unit is not None:
+            with torch.no_grad():
+                s.unit.reset_sharded_params()
+        return ret
+
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """All-gather this module's parameters (``async_op=True``: return a handle to
         ``wait()`` on, and the forward waits for it if not waited before)."""
@@ -539,15 +553,10 @@ def fully_shard(
             "tensor, neither gathered nor reduced), register it as a buffer, or give the "
             "parameters of one call one dtype (see the compatibility table in README.md)."
         )
-    param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
-    orig = next(iter(dtypes)) if dtypes else None
-    if reduce_dtype == param_dtype:
-        reduce_dtype = None
-    if param_dtype == orig:
-        param_dtype = None
     unit = None
     if entries:
-        unit = ChunkUnit(entries, mesh, shard_group, replicate_group, device, param_dtype, reduce_dtype)
+        unit = ChunkUnit(entries, mesh, shard_group, replicate_group, device,
+                         mp_policy.param_dtype, mp_policy.reduce_dtype)
         unit.post_forward_group = post_forward_group
         for _, _, fqn, p, _ in entries:  # an optimizer still holding them fails at step()
             mark_replaced(p, fqn, FULLY_SHARD)

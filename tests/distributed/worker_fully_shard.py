@@ -1632,6 +1632,61 @@ def all_reduce_hook_stream(ctx):
         raise AssertionError(f"the hook did not run on the given stream: {used}")
 
 
+@h.subtest(grid={"when": ["before_training", "between_steps"]})
+def to_dtype(ctx, when: str):
+    """model.to(torch.float64) after fully_shard: the units follow module._apply (new shard
+    dtype, forward and gradients in float64), the optimizer built after the cast.  Before the
+    first forward: bit for bit torch's FSDP2.  Between training steps torch 2.13 fails at the
+    next forward ("Expected out tensor to have dtype double, but got float"), so the oracle is
+    the single process cast at the same step (fp64 from there on: rtol 1e-6)."""
+    cast_at = 0 if when == "before_training" else 2
+    data = batches("mlp", 4, ctx.world_size)
+
+    def run(model, shard):
+        if shard is not None:
+            for b in model.blocks:
+                shard(b, mesh=mesh_1d(ctx))
+            shard(model, mesh=mesh_1d(ctx))
+        opt, losses = None, []
+        for step, step_data in enumerate(data):
+            if step == cast_at:
+                model.to(torch.float64)
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            if opt is None:
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            dt = next(model.parameters()).dtype
+            if shard is None:  # the single process: every rank's chunk, mean loss
+                loss = sum(loss_fn("mlp", model(x.to(dt)), y.to(dt)) for x, y in step_data[0])
+                loss = loss / ctx.world_size
+            else:
+                x, y = step_data[0][ctx.rank]
+                loss = loss_fn("mlp", model(x.to(dt)), y.to(dt))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses, [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+
+    mm = wp.Mismatches(ctx)
+    got = run(build("mlp"), CFSDP.fully_shard)
+    if when == "before_training":
+        want = run(build("mlp"), TORCH.fully_shard)
+        for i, (a, b) in enumerate(zip(got[0], want[0])):
+            mm.tensors(f"loss #{i}", a, b)
+        for i, (a, b) in enumerate(zip(got[1], want[1])):
+            mm.tensors(f"parameter #{i} after training", a, b)
+    else:
+        err = _raised(lambda: run(build("mlp"), TORCH.fully_shard))
+        mm.check(err is not None and "dtype double" in str(err),
+                 f"torch's FSDP2 now handles .to(float64) between steps ({err!r}): use it as the oracle")
+        ref = run(build("mlp"), None)
+        for i, (a, b) in enumerate(zip(got[1], ref[1])):
+            mm.check(a.dtype == torch.float64, f"parameter #{i} is {a.dtype}")
+            mm.tensors(f"parameter #{i} vs the single process", a, b, exact=False, b_name="ref",
+                       rtol=1e-6, atol=1e-7)
+    mm.raise_if_any()
+
+
 class TwoDtypes(nn.Module):
     def __init__(self):
         super().__init__()

@@ -136,8 +136,8 @@ class ChunkUnit(UnshardStates):
         group: dist.ProcessGroup,
         replicate_group: Optional[dist.ProcessGroup],
         device: torch.device,
-        param_dtype: Optional[torch.dtype],
-        reduce_dtype: Optional[torch.dtype],
+        mp_param_dtype: Optional[torch.dtype],
+        mp_reduce_dtype: Optional[torch.dtype],
     ):
         self.mesh = mesh
         self.group = group
@@ -147,10 +147,8 @@ class ChunkUnit(UnshardStates):
         self.device = device
         self.placements = (Shard(0),) if replicate_group is None else (Replicate(), Shard(0))
         dtype = entries[0][3].dtype
-        self.dtype = dtype
-        self.param_dtype = param_dtype or dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.uses_mp = self.param_dtype != dtype
+        self._mp_dtypes = (mp_param_dtype, mp_reduce_dtype)
+        self._set_dtypes(dtype)
         self.keep_low_precision_grads = False
         self.gradient_divide_factor: Optional[float] = None
         self.force_sum_reduction = False
@@ -211,6 +209,20 @@ class ChunkUnit(UnshardStates):
         self.update_divide_factors()
 
     # ------------------------------------------------------------------ init
+    def _set_dtypes(self, dtype: torch.dtype) -> None:
+        """The shard's dtype and torch's mixed-precision rules for it: a policy
+        ``param_dtype`` equal to the parameters' dtype (or a non-floating unit) means no
+        cast, and a ``reduce_dtype`` equal to ``param_dtype`` means none either."""
+        param_dtype, reduce_dtype = self._mp_dtypes
+        if reduce_dtype == param_dtype:
+            reduce_dtype = None
+        if param_dtype == dtype or not dtype.is_floating_point:
+            param_dtype = None
+        self.dtype = dtype
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.uses_mp = self.param_dtype != dtype
+
     def update_divide_factors(self) -> None:
         dp = self.world_size * (self.replicate_group.size() if self.replicate_group is not None else 1)
         self.pre_divide, self.post_divide, self.reduce_op, self.replicate_op = gradient_divide(
@@ -341,16 +353,12 @@ class ChunkUnit(UnshardStates):
                         f"{self.placements} on {self.mesh}. Load values sharded the unit's way "
                         "(e.g. distribute_tensor(full, mesh, placements) with the unit's mesh)."
                     )
-                if local.dtype != self.dtype:
-                    raise NotImplementedError(
-                        f"fully_shard: parameter '{q.fqn}' was replaced by a {local.dtype} "
-                        f"parameter; the unit holds {self.dtype}. Changing a unit's dtype after "
-                        "fully_shard is not supported yet: load values of the unit's dtype, or "
-                        "change the dtype before fully_shard."
-                    )
                 replaced[id(q)] = cur
         if not replaced:
             return
+        new_dtypes = {cur.dtype for cur in replaced.values()}
+        if new_dtypes != {self.dtype}:
+            self._retype(replaced, new_dtypes)
         if self.shard.is_meta:
             if len(replaced) != len(self.params):
                 # some are materialised, others not yet (load_state_dict(assign=True) runs
@@ -382,13 +390,39 @@ class ChunkUnit(UnshardStates):
             q.sharded = cur
         self._bind_sharded_params()
 
+    def _retype(self, replaced: dict, new_dtypes: set) -> None:
+        """``module.to(dtype)`` (``.double()``, ``.half()``) changed the parameters' dtype:
+        the unit becomes a unit of that dtype (a new shard buffer, the values copied in
+        by ``reset_sharded_params``; the mixed-precision rules applied anew), as torch's
+        FSDP2 follows ``module._apply``."""
+        if len(new_dtypes) != 1 or len(replaced) != len(self.params):
+            kept = [q.fqn for q in self.params if id(q) not in replaced]
+            raise NotImplementedError(
+                f"fully_shard: the parameters of one unit now have dtypes "
+                f"{sorted(map(str, new_dtypes))}{' and ' + str(self.dtype) + ' (' + ', '.join(kept) + ')' if kept else ''}; "
+                "a unit holds one dtype. Change the dtype of every parameter of the module "
+                "given to fully_shard together (module.to(dtype)), or before fully_shard."
+            )
+        dtype = new_dtypes.pop()
+        if self.saved_grad is not None or self._buf is not None:
+            raise AssertionError("cfsdp: a unit changes dtype only while sharded and idle")
+        self._set_dtypes(dtype)
+        self.update_divide_factors()
+        self._pub = None  # gradients of the old dtype are the user's
+        if not self.shard.is_meta:
+            self.shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+        else:
+            self.shard = torch.empty(self.shard_numel, dtype=dtype, device="meta")
+        self._new_natural()
+        self.refresh_requires_grad_flat()
+
     def _moved(self, q: "ChunkParam") -> bool:
         """Whether our own parameter's local tensor was swapped (``module._apply``,
         e.g. ``to_empty``, may assign ``param.data`` in place)."""
         local = q.sharded._local_tensor
         mine = self._local_view(self.shard, q)
-        if local.device != mine.device:
-            return True
+        if local.device != mine.device or local.dtype != mine.dtype:
+            return True  # (a rank holding no rows of it sees a new dtype, not a new address)
         return q.local_numel > 0 and local.data_ptr() != mine.data_ptr()
 
     def meta_param_names(self, root: nn.Module) -> list[str]:
