@@ -34,6 +34,7 @@ from torch.distributed._composable.contract import RegistryItem as _RegistryItem
 from torch.distributed._composable.contract import _get_registry
 
 from ._docs import adopt_class_docs, adopt_function_doc
+from ._runtime.chunk_group import chunk_units
 from ._runtime.chunk_unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
@@ -348,10 +349,7 @@ class FSDPModule:
             s.fs_state._to_run.clear()
             u = s.unit
             if u is not None:
-                u.reshard()
-                u.saved_grad = None
-                u.flat_param.grad = None
-                u.grad_unsharded = False
+                u.drop_iteration()
 
 
 class UnshardHandle:
@@ -542,21 +540,11 @@ def fully_shard(
             if pl is not None and not (isinstance(pl, Shard) and pl.dim in (0, -p.dim())):
                 raise _nyi(f"shard_placement_fn returning {pl} for '{fqn}' (only Shard(0))")
         entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
-    dtypes = {p.dtype for p, _ in params}
-    if len(dtypes) > 1:
-        first = entries[0]
-        other = next(e for e in entries if e[3].dtype != first[3].dtype)
-        raise NotImplementedError(
-            "cfsdp.fully_shard: parameters of several dtypes in one fully_shard call are not "
-            f"implemented yet: '{other[2]}' is {other[3].dtype} while '{first[2]}' is "
-            f"{first[3].dtype}. Pass that parameter in ignored_params (it then stays a plain "
-            "tensor, neither gathered nor reduced), register it as a buffer, or give the "
-            "parameters of one call one dtype (see the compatibility table in README.md)."
-        )
-    unit = None
-    if entries:
-        unit = ChunkUnit(entries, mesh, shard_group, replicate_group, device,
-                         mp_policy.param_dtype, mp_policy.reduce_dtype)
+    # one chunk unit, or one per dtype when the call's parameters have several
+    unit = chunk_units(entries, lambda es: ChunkUnit(
+        es, mesh, shard_group, replicate_group, device, mp_policy.param_dtype,
+        mp_policy.reduce_dtype))
+    if unit is not None:
         unit.post_forward_group = post_forward_group
         for _, _, fqn, p, _ in entries:  # an optimizer still holding them fails at step()
             mark_replaced(p, fqn, FULLY_SHARD)

@@ -1693,6 +1693,79 @@ class TwoDtypes(nn.Module):
         self.a = nn.Linear(3, 3)
         self.b = nn.Linear(3, 3).double()
 
+    def forward(self, x):
+        return self.a(x) + self.b(x.double()).float()
+
+
+class FrozenOtherDtypes(nn.Module):
+    """torch's test_mixed_dtypes_no_grad_param, trained: frozen float8 and int64 parameters
+    beside trainable fp32 ones, in one fully_shard call."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_fp8 = nn.Parameter(torch.randn(8, 7).to(torch.float8_e4m3fn), requires_grad=False)
+        self.count = nn.Parameter(torch.arange(5, dtype=torch.int64), requires_grad=False)
+        self.lin = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.lin(x @ self.w_fp8.float().T[:7, :7] * 0.01) + self.count.sum().float() * 1e-3
+
+
+@h.subtest
+def mixed_dtypes_frozen(ctx):
+    """One call over float8 and int64 (frozen) and fp32 (trainable) parameters: bit for bit
+    torch's FSDP2 (which all-gathers the dtypes' bytes together; cfsdp per dtype)."""
+    data = batches("mlp", 3, ctx.world_size)
+    runs = {}
+    for impl in (TORCH, CFSDP):
+        torch.manual_seed(0)
+        model = impl.fully_shard(FrozenOtherDtypes(), mesh=mesh_1d(ctx))
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        losses = run_steps(impl, Scenario(), model, opt, data, ctx.rank, [])
+        runs[impl.name] = (losses, {n: local(p).detach().clone() for n, p in model.named_parameters()})
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(runs["cfsdp"][0], runs["torch"][0])):
+        mm.tensors(f"loss #{i}", a, b)
+    for n, v in runs["torch"][1].items():
+        c = runs["cfsdp"][1].get(n)
+        mm.check(c is not None and c.dtype == v.dtype and torch.equal(c.view(torch.uint8), v.view(torch.uint8)),
+                 f"local {n} after training differs from torch's")
+    mm.raise_if_any()
+
+
+@h.subtest
+def mixed_dtypes_trainable(ctx):
+    """Trainable fp32 and fp64 parameters in one call: torch's FSDP2 refuses them at the first
+    backward ("FSDP expects uniform original parameter dtype"); cfsdp reduces each dtype's
+    gradients.  Oracle: the single process."""
+    data = batches("mlp", 3, ctx.world_size)
+    torch.manual_seed(0)
+    ref = TwoDtypes()
+    model = copy.deepcopy(ref)
+    CFSDP.fully_shard(model, mesh=mesh_1d(ctx))
+    t_err = _raised(lambda: run_steps(TORCH, Scenario(), TORCH.fully_shard(
+        copy.deepcopy(ref), mesh=mesh_1d(ctx)), torch.optim.SGD(ref.parameters(), lr=0.05),
+        data[:1], ctx.rank, []))
+    mm = wp.Mismatches(ctx)
+    mm.check(t_err is not None and "uniform original parameter dtype" in str(t_err),
+             f"torch FSDP2 now trains mixed dtypes ({t_err!r}): use it as the oracle")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step_data in data:
+        x, y = step_data[0][ctx.rank][0][:, :3], step_data[0][ctx.rank][1]
+        loss = loss_fn("mlp", model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sum(loss_fn("mlp", ref(xr[:, :3]), yr) for xr, yr in step_data[0]) / ctx.world_size
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        mm.check(p.dtype == q.dtype, f"{n}: dtype {p.dtype}, the module's {q.dtype}")
+        mm.tensors(f"{n} vs the single process", p.full_tensor(), q.detach(), exact=False, b_name="ref")
+    mm.raise_if_any()
+
 
 NOT_IMPLEMENTED = {
     # what cfsdp does not do yet: a NotImplementedError naming it (README lists each)
@@ -1701,7 +1774,6 @@ NOT_IMPLEMENTED = {
     "shard_placement_fn_shard1": (
         lambda mesh: CFSDP.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
         "shard_placement_fn"),
-    "several_dtypes": (lambda mesh: CFSDP.fully_shard(TwoDtypes(), mesh=mesh), "'b.weight' is torch.float64"),
 }
 
 

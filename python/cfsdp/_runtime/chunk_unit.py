@@ -570,6 +570,13 @@ class ChunkUnit(UnshardStates):
             hook_grad_ready(self)
             self._hooked = True
 
+    def drop_iteration(self) -> None:
+        """reset_iter_state: reshard and drop what the failed iteration accumulated."""
+        self.reshard()
+        self.saved_grad = None
+        self.flat_param.grad = None
+        self.grad_unsharded = False
+
     def before_forward(self) -> None:
         self.refresh_requires_grad()
         self._forget_dropped_grads()

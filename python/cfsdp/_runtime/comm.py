@@ -88,6 +88,9 @@ SHM_ENV = "CFSDP_SHM"
 SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
 DEFAULT_SLOT_BYTES = 1 << 20
 _SHM_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
+# what every backend's all-gather takes as it is; other dtypes (float8, ...) travel as bytes
+_PG_DTYPES = frozenset((*_SHM_DTYPES, torch.int8, torch.uint8, torch.int16, torch.int32,
+                        torch.int64, torch.bool))
 _STORE_PREFIX = "cfsdp_shm"
 
 
@@ -359,6 +362,8 @@ def all_gather(
     # name warns); look it up per call so torch>=2.9 works and tools that patch
     # torch.distributed (our collective-order test) see the call.
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if out.dtype not in _PG_DTYPES:  # e.g. float8: a byte copy, as torch's FSDP2 does it
+        out, shard = out.view(torch.uint8), shard.view(torch.uint8)
     work = ag(out, shard, group=group, async_op=async_op)
     _pg_issued(group, work)
     return Pending(work, out, shard)
