@@ -124,3 +124,31 @@ def test_one_rank_training_matches_torch(face):
     assert list(params) == list(ref_params)
     for k in params:
         assert torch.equal(params[k], ref_params[k]), k
+
+
+def _contract_members() -> list[str]:
+    from cfsdp._runtime.base import UnitContract
+
+    names = [n for n in vars(UnitContract) if not n.startswith("_")]
+    names += list(getattr(UnitContract, "__annotations__", {}))
+    return sorted(set(names))
+
+
+@pytest.mark.parametrize("face", ["wrapper", "fully_shard"])
+def test_both_unit_kinds_meet_the_contract(face):
+    """Every member of base.UnitContract (the calls the hooks and PendingReduce make, the
+    attributes they read) exists on a live unit of each kind, methods callable."""
+    from cfsdp._runtime.base import UnitContract
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    if face == "wrapper":
+        unit = cfsdp.FullyShardedDataParallel(model)._state.unit
+    else:
+        unit = cfsdp.fully_shard(model)._cfsdp_fs_state.unit
+    missing = [n for n in _contract_members() if not hasattr(unit, n)]
+    assert not missing, f"{type(unit).__name__} lacks {missing}"
+    not_callable = [n for n in vars(UnitContract)
+                    if not n.startswith("_") and callable(getattr(UnitContract, n))
+                    and not isinstance(vars(UnitContract)[n], property)
+                    and not callable(getattr(unit, n))]
+    assert not not_callable, not_callable

@@ -26,8 +26,9 @@ Every unit kind also shares the unshard state machine of :class:`UnshardStates`
 (:func:`alloc_storage`, :func:`free_storage`), :func:`set_grad`, the view plans of
 [Note: bulk binding] (:func:`views_or_none`), and the sharded half of a finished
 reduction (:func:`accumulate_sharded`).  A new unit kind (tensor-parallel chunks, say)
-subclasses :class:`UnshardStates` and meets :class:`UnitContract`; mypy checks both
-existing kinds against it (see the bottom of ``chunk_unit.py``).
+subclasses :class:`UnshardStates` and meets :class:`UnitContract`; a type checker can check
+it statically, and ``tests/unit/test_single_rank.py`` checks both existing kinds' live units
+against every member of it.
 
 This module also holds the one traversal that finds a model's wrapper units
 (:func:`wrappers_in`), so layers below the faces find them without importing a face.
