@@ -33,7 +33,8 @@ the process group:
    when the group's first collective is issued (``uses_shm`` does the same);
 3. every tensor of the call is a contiguous CPU tensor of one dtype among
    float32, float64, bfloat16, float16;
-4. the reduction (``op``) is SUM or AVG (anything else: the process group).
+4. the reduction (``op``) is SUM or AVG (anything else: the process group);
+5. no ``TorchDispatchMode`` is active (see Visibility).
 
 Set-up is lazy and collective-safe (all ranks of a group issue collectives in
 the same order): on the group's first collective, through the default store
@@ -62,6 +63,14 @@ local equivalent at once (a copy, the chunk copy, the scale), in either
 implementation.  ``fully_shard`` on one process, or the shard dimension of an
 HSDP mesh with one rank per shard group, then pays no collective at all.
 
+Visibility.  Every function runs inside a ``torch.profiler`` range named
+``cfsdp::<function>`` (``cfsdp::all_gather``, ``cfsdp::reduce_scatter_pack``, ...) while
+the profiler is on, whichever transport it takes.  A ``TorchDispatchMode`` (torch's
+``CommDebugMode``, ...) sees torch's collective ops only, so while one is active every
+call takes the process group, one-rank groups included: the mode then counts cfsdp's
+collectives under torch's own ops (``c10d._allgather_base_``, ``_reduce_scatter_base_``,
+``allreduce_``), exactly as it counts torch's FSDP's.
+
 Twin.  Under ``CFSDP_IMPL=python`` (the pure-Python twins) every call takes
 the process group: the process group is the shared-memory transport's twin,
 and tests/distributed/test_shm.py compares the two on the same data; the sum
@@ -72,6 +81,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import functools
 import os
 import secrets
 import socket
@@ -277,18 +287,23 @@ def _shm_ok(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and t.dtype in _SHM_DTYPES
 
 
+def _dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (e.g. ``CommDebugMode``) is on: see Visibility."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
              other: Optional[torch.Tensor] = None) -> Optional[_GroupState]:
-    """The group's state if this call goes through shared memory (rules 3 and 4 of
+    """The group's state if this call goes through shared memory (rules 3 to 5 of
     the module doc: ``tensors`` of one eligible dtype, ``other`` eligible in its own
-    dtype, ``op`` SUM or AVG), else None, after draining the group's shared-memory
-    queue, so the process-group op comes after every earlier one."""
+    dtype, ``op`` SUM or AVG, no dispatch mode), else None, after draining the group's
+    shared-memory queue, so the process-group op comes after every earlier one."""
     st = _state(group)
     shm = st.shm
     if shm is None or shm.closed:
         return None
     dtype = tensors[0].dtype
-    if (all(_shm_ok(t) and t.dtype == dtype for t in tensors)
+    if (not _dispatch_mode_active() and all(_shm_ok(t) and t.dtype == dtype for t in tensors)
             and (other is None or _shm_ok(other)) and _is_sum_or_avg(op) is not None):
         if st.last_pg is not None:
             st.last_pg.wait()
@@ -324,8 +339,27 @@ def _shm_scale(st: _GroupState, avg: bool, scale: Optional[float]) -> float:
 
 
 def _solo(group: dist.ProcessGroup) -> bool:
-    """A group of one rank: its collectives are local (see "One rank")."""
-    return group.size() == 1
+    """A group of one rank: its collectives are local (see "One rank"), unless a
+    dispatch mode wants to see them (see Visibility)."""
+    return group.size() == 1 and not _dispatch_mode_active()
+
+
+def _traced(name: str):
+    """Run the collective inside a profiler range ``cfsdp::<name>`` while the profiler is
+    on (one flag check otherwise): see Visibility."""
+    label = f"cfsdp::{name}"
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if not torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs)
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return deco
 
 
 def _scaled(work: Optional[Any], out: torch.Tensor, scale: Optional[float], async_op: bool,
@@ -342,6 +376,7 @@ def _scaled(work: Optional[Any], out: torch.Tensor, scale: Optional[float], asyn
 # --------------------------------------------------------------------------------------
 
 
+@_traced("all_gather")
 def all_gather(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Pending:
@@ -375,6 +410,7 @@ def pack_plan(plan) -> bytes:
     return array.array("q", [int(v) for entry in plan for v in entry]).tobytes()
 
 
+@_traced("all_gather_unpack")
 def all_gather_unpack(
     natural: torch.Tensor, shard: torch.Tensor, plan, plan_bytes: bytes,
     group: dist.ProcessGroup, async_op: bool,
@@ -408,6 +444,7 @@ def all_gather_unpack(
     return p
 
 
+@_traced("reduce_scatter_pack")
 def reduce_scatter_pack(
     out: torch.Tensor, natural: torch.Tensor, plan, plan_bytes: bytes, divisor: float,
     group: dist.ProcessGroup, async_op: bool, op=dist.ReduceOp.SUM,
@@ -436,6 +473,7 @@ def reduce_scatter_pack(
     return reduce_scatter(out, inp, group, async_op, op=op)
 
 
+@_traced("reduce_scatter")
 def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
     op=dist.ReduceOp.SUM, scale: Optional[float] = None,
@@ -461,6 +499,7 @@ def reduce_scatter(
     return _scaled(work, out, scale, async_op, inp)
 
 
+@_traced("all_reduce")
 def all_reduce(
     t: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op=dist.ReduceOp.SUM,
     scale: Optional[float] = None,
@@ -482,6 +521,7 @@ def all_reduce(
     return _scaled(work, t, scale, async_op)
 
 
+@_traced("broadcast")
 def broadcast(
     t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup, async_op: bool = False
 ) -> Pending:
