@@ -548,7 +548,7 @@ def _to_sharded_hook(state: _FSState, *args: Any, **kwargs: Any) -> None:
 
 
 def _post_load_hook(state: _FSState, *args: Any, **kwargs: Any) -> None:
-    state.unit.reset_sharded_params()
+    state.unit.reset_sharded_params(wait_for_rest=True)  # the unit's other modules may load next
 
 
 def _swap_class(module: nn.Module) -> None:

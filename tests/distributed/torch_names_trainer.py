@@ -8,7 +8,8 @@ it while torch is unpatched (torch's objects) and one after ``cfsdp.patch_torch(
 and compares what they compute.  Both faces: the FSDP1 wrapper with an auto-wrap policy and
 torch's static API (``fsdp_modules``, ``state_dict_type``, ``optim_state_dict``,
 ``optim_state_dict_to_load``, ``clip_grad_norm_``), and ``fully_shard`` per block then on the
-root, with ``FSDPModule`` methods and ``register_fsdp_forward_method``.
+root, with ``FSDPModule`` methods and ``register_fsdp_forward_method``, also from the meta
+device as accelerate shards.
 
 Sizes are chosen so no world size here divides them: chunks are padded and at 4 ranks some
 ranks hold empty shards.
@@ -21,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.fsdp import fully_shard as composable_fully_shard
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.fsdp import (
     FSDPModule,
     FullOptimStateDictConfig,
@@ -142,6 +144,19 @@ def shard_fsdp2(model: Net, mesh: DeviceMesh) -> Net:
     if not isinstance(model, FSDPModule):
         raise AssertionError(f"{type(model).__name__} is not torch's FSDPModule name's class")
     register_fsdp_forward_method(model, "score")
+    return model
+
+
+def shard_fsdp2_from_meta(model: Net, mesh: DeviceMesh) -> Net:
+    """As accelerate's FSDP2 path with ``cpu_ram_efficient_loading`` (its launcher's default):
+    the model goes to the meta device, is sharded there, and takes its values back through
+    ``load_state_dict(assign=True)`` of DTensors made by ``distribute_tensor`` (the root unit's
+    parameters live in two modules, ``inp`` and ``out``: loaded one after the other)."""
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = shard_fsdp2(model.to(torch.device("meta")), mesh)
+    sharded = {k: distribute_tensor(full[k], v.device_mesh, v.placements)
+               for k, v in model.state_dict().items()}
+    model.load_state_dict(sharded, assign=True)
     return model
 
 

@@ -203,10 +203,11 @@ def fsdp1(ctx: h.Context, use_orig_params: bool) -> None:
     all_same(ctx, results)
 
 
-@h.subtest
-def fully_shard(ctx: h.Context) -> None:
+@h.subtest(grid={"from_meta": [False, True]})
+def fully_shard(ctx: h.Context, from_meta: bool) -> None:
     """fully_shard per block then the root (two torch names), a registered forward method,
-    unshard/reshard, the DTensor state dicts."""
+    unshard/reshard, the DTensor state dicts; ``from_meta``: sharded on the meta device and
+    loaded with ``load_state_dict(assign=True)``, as accelerate does."""
     mesh = DeviceMesh.from_group(ctx.pg, "cpu")
     data = patched.batches(ctx.rank, STEPS + 1)
 
@@ -218,7 +219,8 @@ def fully_shard(ctx: h.Context) -> None:
         return model
 
     def via(t):
-        return t, lambda m: t.shard_fsdp2(m, mesh)
+        shard = t.shard_fsdp2_from_meta if from_meta else t.shard_fsdp2
+        return t, lambda m: shard(m, mesh)
 
     contenders = {"torch": via(torch_names), "patched": via(patched),
                   "by_name": (patched, by_name_shard)}

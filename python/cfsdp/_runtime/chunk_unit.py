@@ -310,7 +310,7 @@ class ChunkUnit(UnshardStates):
             self._unsharded_occ = self._per_occurrence(self._unsharded_t)
         _core.dict_set(self._occ_params, self._occ_keys, self._unsharded_occ)
 
-    def reset_sharded_params(self) -> None:
+    def reset_sharded_params(self, wait_for_rest: bool = False) -> None:
         """Take over parameters that replaced ours or their data (``to_empty`` after
         meta-device construction, ``load_state_dict(assign=True)``, a user's
         ``setattr``): copy their local values into the shard (allocating it if it was
@@ -319,7 +319,10 @@ class ChunkUnit(UnshardStates):
         torch's FSDP2 keeps them: an optimizer built from ``model.parameters()`` after
         ``to_empty`` steps the very parameters the unit uses.  A parameter object the
         unit stops using is marked, so an optimizer still holding it fails at ``step``
-        (see ``replaced``)."""
+        (see ``replaced``).  ``wait_for_rest`` (from a module's load post-hook: a
+        ``load_state_dict`` reaches the unit's modules one after the other): a unit on the
+        meta device whose parameters are replaced only in part waits for the rest, where
+        it would raise."""
         if self._buf is not None:
             return  # unsharded: the registered parameters are the full views
         replaced = {}
@@ -353,6 +356,8 @@ class ChunkUnit(UnshardStates):
             return
         if self.shard.is_meta:
             if len(replaced) != len(self.params):
+                if wait_for_rest:
+                    return
                 missing = next(q.fqn for q in self.params if id(q) not in replaced)
                 raise RuntimeError(
                     f"fully_shard: parameter '{missing}' is still on the meta device; "
