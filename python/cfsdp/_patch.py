@@ -35,7 +35,7 @@ the modules that define them: ``FullyShardedDataParallel``'s methods call
 torch's ``fully_shard`` builds ``FSDP<Cls>`` classes on ``FSDPModule``.  Rebinding those globals
 would turn torch's FSDP, still usable through references taken before the patch (cfsdp's own
 ``_TorchFSDP`` checks, a reference run in a test), into a hybrid that finds cfsdp's wrappers
-instead of its own: silently wrong.  So the modules' ``__dict__`` is never written.  Instead
+instead of its own (tried: torch's FSDP1 ``state_dict()`` then fails).  So the modules' ``__dict__`` is never written.  Instead
 each module's ``__class__`` becomes a subclass of its class (assignment of a module's class is
 supported since Python 3.5) whose ``__getattribute__`` answers the patched names with cfsdp's
 objects.  Attribute access from outside (``import``, ``getattr``, ``from m import *``) goes
@@ -55,7 +55,8 @@ at import (``TORCH_IMPORTERS``: pipelining's stage and schedules, ``replicate_wi
 ``torch.distributed.checkpoint.state_dict``, ...) are imported by ``patch_torch()`` before it
 patches anything, so they hold torch's objects however late the program first uses them:
 their code calls torch's FSDP internals, which cfsdp's objects do not have.  So
-``torch.distributed.pipelining`` treats a cfsdp model as a plain module, and
+``torch.distributed.pipelining`` treats a cfsdp model as a plain module (read from its source,
+not tested), and
 ``torch.distributed.checkpoint.state_dict`` tests ``isinstance(m, torch's FSDP)`` (cfsdp routes
 its steps for cfsdp models anyway: ``cfsdp/checkpoint/state_dict.py``).  Code of torch that
 looks a patched name up at call time (``torch._dynamo``'s guard serialisation reads
