@@ -7,6 +7,8 @@ Switch a training script with one import::
 Public names mirror ``torch.distributed.fsdp.__all__`` (torch 2.13); configs and
 enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
 (default) or ``"python"`` (``CFSDP_IMPL=python``, the pure-Python twins).
+``cfsdp.patch_torch()`` (or ``python -m cfsdp.run script.py``) points torch's own FSDP names at
+cfsdp's, for code you cannot edit.
 """
 
 from ._core import backend
@@ -39,6 +41,7 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from ._patch import patch_torch, unpatch_torch  # torch's FSDP names -> cfsdp's (code you cannot edit)
 from . import wrap  # noqa: E402  (as torch.distributed.fsdp.wrap after importing the package)
 from . import optim  # noqa: E402  (cfsdp.optim: fused Adam/AdamW/SGD over flat shards)
 from .checkpoint import state_dict as _checkpoint_state_dict  # noqa: E402

@@ -596,7 +596,7 @@ def _to_sharded_hook(state: _FSState, *args: Any, **kwargs: Any) -> None:
 
 
 def _post_load_hook(state: _FSState, *args: Any, **kwargs: Any) -> None:
-    state.unit.reset_sharded_params()
+    state.unit.reset_sharded_params()  # a partly loaded meta unit waits for the rest
 
 
 def _swap_class(module: nn.Module) -> None:

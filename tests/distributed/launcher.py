@@ -112,10 +112,13 @@ def launch(
     args: Sequence[str] = (),
     timeout: float = DEFAULT_TIMEOUT_S,
     env: dict[str, str] | None = None,
+    module: bool = False,
 ) -> RunResult:
-    script = Path(script)
-    if not script.is_absolute():
-        script = HERE / script
+    """``module``: ``script`` is a module name, run as ``torchrun -m script [args]``."""
+    if not module:
+        script = Path(script)
+        if not script.is_absolute():
+            script = HERE / script
     env = dict(env or {})
     if nproc >= 3 and SHM_ENV not in env and SHM_ENV not in os.environ:
         # [Note: shm at 3+ ranks] The parity suites compare with torch's FSDP on gloo bit
@@ -134,6 +137,7 @@ def launch(
         str(nproc),
         "--max_restarts",
         "0",
+        *(["-m"] if module else []),
         str(script),
         *args,
     ]
@@ -206,9 +210,10 @@ def run_worker(
     args: Sequence[str] = (),
     timeout: float = DEFAULT_TIMEOUT_S,
     env: dict[str, str] | None = None,
+    module: bool = False,
 ) -> RunResult:
     """Run ``script`` on ``nproc`` ranks; fail the calling test unless it exits 0."""
-    res = launch(script, nproc, args=args, timeout=timeout, env=env)
+    res = launch(script, nproc, args=args, timeout=timeout, env=env, module=module)
     msg = failure_message(res)
     if msg is not None:
         pytest.fail(msg, pytrace=False)

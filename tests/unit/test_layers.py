@@ -29,7 +29,7 @@ PKG = "cfsdp"
 LAYERS: list[tuple[str, list[str]]] = [
     ("faces", ["cfsdp", "cfsdp.fully_sharded_data_parallel", "cfsdp._fully_shard", "cfsdp.optim",
                "cfsdp.optim.*", "cfsdp.checkpoint", "cfsdp.checkpoint.*", "cfsdp.parallel",
-               "cfsdp.parallel.*"]),
+               "cfsdp.parallel.*", "cfsdp._patch", "cfsdp.run"]),
     ("state dicts", ["cfsdp._state_dict", "cfsdp._optim_state_dict"]),
     ("runtime", ["cfsdp._runtime", "cfsdp._runtime.*"]),
     ("bottom", ["cfsdp._fqn", "cfsdp._docs", "cfsdp.api", "cfsdp.wrap", "cfsdp._core", "cfsdp._C",

@@ -331,7 +331,9 @@ class ChunkUnit(UnshardStates):
         torch's FSDP2 keeps them: an optimizer built from ``model.parameters()`` after
         ``to_empty`` steps the very parameters the unit uses.  A parameter object the
         unit stops using is marked, so an optimizer still holding it fails at ``step``
-        (see ``replaced``)."""
+        (see ``replaced``).  A unit on the meta device whose parameters are replaced only
+        in part (``load_state_dict`` reaches its modules one after the other) waits for
+        the rest; the first forward names any left on the meta device."""
         if self._buf is not None:
             return  # unsharded: the registered parameters are the full views
         replaced = {}

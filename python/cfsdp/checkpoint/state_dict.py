@@ -50,6 +50,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+# bound at import: under cfsdp.patch_torch() a lookup at call time would give cfsdp's class
+from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
@@ -132,11 +135,8 @@ def _cfsdp_wrappers(model: nn.Module) -> list:
 
 
 def _check_supported(model: nn.Module, options: StateDictOptions) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     for name, m in model.named_modules():
-        if isinstance(m, TorchFSDP):
+        if isinstance(m, _TorchFSDP):
             raise ValueError(
                 f"{name or 'the model'} is torch's FullyShardedDataParallel inside a model wrapped "
                 "with cfsdp: use one FSDP implementation for the whole model."
