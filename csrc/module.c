@@ -12,11 +12,26 @@
  * allocates or frees tensor memory and the caller keeps it alive.
  * The module uses multi-phase initialisation (PEP 489) and keeps no state,
  * so it is safe in sub-interpreters and has no mutable globals.
+ *
+ * The boundary's contract (tests/unit/test_fuzz_c.py holds every entry point
+ * to it).  An address and the numel that says how long its buffer is are
+ * *promised*: C cannot check them, and trusts them once they are ints in
+ * range (an address is an int, no __index__, in [0, 2**63); NULL only with
+ * nothing to touch).  Every other argument is *checked*, whatever it is:
+ * codes, plans, ranges' order, offsets, ranks, world sizes and the sizes that
+ * bound allocations (cfsdp.h's CF_MAX_*), scales, flags, types.  Converting
+ * an argument may run Python code (an __index__), so nothing is read from a
+ * Python object after code ran that could change it: sequences are read
+ * through a snapshot (cf_py_rows), and what a queued shared-memory op reads
+ * is owned by its ShmWork (its copy of the plan) until the op is done.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -71,20 +86,131 @@ static int cf_py_int64(PyObject *obj, const char *what, int64_t *out)
     return 0;
 }
 
-/* Convert an int address (e.g. Tensor.data_ptr()) to a pointer. */
+/* Convert an int address (e.g. Tensor.data_ptr()) to a pointer: an int (no
+ * __index__: no Python code runs) in [0, 2**63); ValueError for a negative or larger
+ * one.  0, or -1 with an exception. */
 static int cf_py_addr(PyObject *obj, const char *what, void **out)
 {
-    void *p;
+    long long v;
+    int overflow;
     if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s must be an int address, not %.100s", what,
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    p = PyLong_AsVoidPtr(obj);
-    if (p == NULL && PyErr_Occurred())
+    v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred())
         return -1;
-    *out = p;
+    if (overflow != 0 || v < 0 || (unsigned long long)v > (unsigned long long)UINTPTR_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s must be an address in [0, 2**63), got a %s int",
+                     what, overflow > 0 || v >= 0 ? "too large" : "negative");
+        return -1;
+    }
+    *out = (void *)(uintptr_t)v;
     return 0;
+}
+
+/*
+ * Sequences.  A Python sequence argument is read through a snapshot: a tuple of its
+ * items (PySequence_Fast's list is copied), held while the items are converted.
+ * Converting an item may run Python code (its __index__), which could otherwise
+ * clear or resize the list being read and leave C reading freed slots.
+ */
+
+/* The snapshot of `obj`: a new tuple reference, or NULL with TypeError `msg`. */
+static PyObject *cf_py_snapshot(PyObject *obj, const char *msg)
+{
+    PyObject *fast = PySequence_Fast(obj, msg), *tuple;
+    if (fast == NULL || PyTuple_CheckExact(fast))
+        return fast;
+    tuple = PySequence_Tuple(fast);
+    Py_DECREF(fast);
+    return tuple;
+}
+
+/* One column of a row sequence: an int64 (cf_py_int64) or an address (cf_py_addr,
+ * stored as its integer value). */
+typedef struct {
+    const char *name;
+    bool addr;
+} cf_py_col;
+
+/* How cf_py_rows reads a sequence argument. */
+typedef struct {
+    const char *seq_msg;  /* TypeError if the argument is not a sequence */
+    const char *row_msg;  /* TypeError if a row is not a sequence; NULL: flat (one value a row) */
+    const char *row_name; /* ValueError "<row_name> <i> must be <shape>, got <k> items" */
+    const char *shape;
+    Py_ssize_t width;     /* values a row (1 when flat) */
+    cf_py_col cols[4];
+} cf_py_rows_spec;
+
+/* Convert one value of column `c` into *out; 0, or -1 with an exception. */
+static int cf_py_cell(PyObject *v, const cf_py_col *c, int64_t *out)
+{
+    void *p;
+    if (!c->addr)
+        return cf_py_int64(v, c->name, out);
+    if (cf_py_addr(v, c->name, &p) < 0)
+        return -1;
+    *out = (int64_t)(uintptr_t)p;
+    return 0;
+}
+
+/*
+ * Read the sequence argument `obj` as `spec` describes, each row through its own
+ * snapshot too, into a malloc'd array of *n x spec->width int64 (row-major) that the
+ * caller frees (NULL when *n is 0).  0, or -1 with an exception (and nothing to free).
+ */
+static int cf_py_rows(PyObject *obj, const cf_py_rows_spec *spec, int64_t **out, size_t *n)
+{
+    PyObject *seq = cf_py_snapshot(obj, spec->seq_msg);
+    Py_ssize_t count, w = spec->width;
+    int64_t *v = NULL;
+
+    *out = NULL;
+    *n = 0;
+    if (seq == NULL)
+        return -1;
+    count = PyTuple_GET_SIZE(seq);
+    if (count > 0) {
+        v = malloc((size_t)count * (size_t)w * sizeof *v); /* < the tuple's own size */
+        if (v == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyTuple_GET_ITEM(seq, i), *row;
+        int ok = 1;
+        if (spec->row_msg == NULL) {
+            if (cf_py_cell(item, &spec->cols[0], &v[i]) < 0)
+                goto fail;
+            continue;
+        }
+        row = cf_py_snapshot(item, spec->row_msg);
+        if (row == NULL)
+            goto fail;
+        if (PyTuple_GET_SIZE(row) != w) {
+            PyErr_Format(PyExc_ValueError, "%s %zd must be %s, got %zd items", spec->row_name,
+                         i, spec->shape, PyTuple_GET_SIZE(row));
+            ok = 0;
+        }
+        for (Py_ssize_t j = 0; ok && j < w; j++)
+            ok = cf_py_cell(PyTuple_GET_ITEM(row, j), &spec->cols[j], &v[i * w + j]) == 0;
+        Py_DECREF(row);
+        if (!ok)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    *out = v;
+    *n = (size_t)count;
+    return 0;
+
+fail:
+    Py_DECREF(seq);
+    free(v);
+    return -1;
 }
 
 /* 0 if both are cf_dtype codes, else -1 with ValueError set. */
@@ -131,6 +257,9 @@ PyDoc_STRVAR(cf_py_plan_layout_doc,
 "cfsdp._ref.plan_layout_lists.  ValueError for a negative numel,\n"
 "align_numel < 0 or world_size < 1; OverflowError if sizes overflow int64.");
 
+static const cf_py_rows_spec cf_py_numels_spec = {
+    "numels must be a sequence of ints", NULL, NULL, NULL, 1, {{"numel", false}}};
+
 static PyObject *cf_py_plan_layout(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *seq = NULL, *result = NULL, *offsets_t = NULL, *slices_t = NULL;
@@ -147,25 +276,20 @@ static PyObject *cf_py_plan_layout(PyObject *module, PyObject *const *args, Py_s
     if (cf_py_int64(args[1], "align_numel", &align_numel) < 0 ||
         cf_py_int64(args[2], "world_size", &world_size) < 0)
         return NULL;
-    seq = PySequence_Fast(args[0], "numels must be a sequence of ints");
+    /* the sizes are bounded (cf_layout_slices_len) before anything is converted */
+    seq = cf_py_snapshot(args[0], cf_py_numels_spec.seq_msg);
     if (seq == NULL)
         return NULL;
-    n = (size_t)PySequence_Fast_GET_SIZE(seq);
+    n = (size_t)PyTuple_GET_SIZE(seq);
     CF_CHECK_GOTO(cf_layout_slices_len(n, world_size, &n_slices, &err), st, fail);
-
-    numels = malloc((n ? n : 1) * sizeof *numels);
+    if (cf_py_rows(seq, &cf_py_numels_spec, &numels, &n) < 0)
+        goto done;
     offsets = malloc((n ? n : 1) * sizeof *offsets);
-    if (n_slices > SIZE_MAX / sizeof *slices) {
-        CF_CHECK_GOTO(cf_err_set(&err, CF_EOVERFLOW, "layout is too large"), st, fail);
-    }
-    slices = malloc((n_slices ? n_slices : 1) * sizeof *slices);
-    if (numels == NULL || offsets == NULL || slices == NULL) {
+    slices = malloc((n_slices ? n_slices : 1) * sizeof *slices); /* <= 3 * CF_MAX_PIECES */
+    if (offsets == NULL || slices == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (size_t i = 0; i < n; i++)
-        if (cf_py_int64(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i), "numel", &numels[i]) < 0)
-            goto done;
 
     Py_BEGIN_ALLOW_THREADS
     st = cf_layout_plan(numels, n, align_numel, world_size, offsets, &flat_numel,
@@ -209,10 +333,16 @@ PyDoc_STRVAR(cf_py_shard_fill_doc,
 "ValueError for negative sizes/offsets or NULL addresses; OverflowError\n"
 "if an end offset or byte size overflows.");
 
+static const cf_py_rows_spec cf_py_srcs_spec = {
+    "srcs must be a sequence of (addr, numel, offset)",
+    "each src must be a (addr, numel, offset) tuple", "src", "(addr, numel, offset)", 3,
+    {{"src_addr", true}, {"src_numel", false}, {"flat_offset", false}}};
+
 static PyObject *cf_py_shard_fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *seq = NULL, *result = NULL;
+    PyObject *result = NULL;
     cf_copy_src *srcs = NULL;
+    int64_t *rows = NULL;
     void *dst;
     int64_t dst_numel, elem_size, shard_start;
     size_t n;
@@ -226,38 +356,18 @@ static PyObject *cf_py_shard_fill(PyObject *module, PyObject *const *args, Py_ss
     if (cf_py_addr(args[0], "dst_addr", &dst) < 0 ||
         cf_py_int64(args[1], "dst_numel", &dst_numel) < 0 ||
         cf_py_int64(args[2], "elem_size", &elem_size) < 0 ||
-        cf_py_int64(args[3], "shard_start", &shard_start) < 0)
+        cf_py_int64(args[3], "shard_start", &shard_start) < 0 ||
+        cf_py_rows(args[4], &cf_py_srcs_spec, &rows, &n) < 0)
         return NULL;
-    seq = PySequence_Fast(args[4], "srcs must be a sequence of (addr, numel, offset)");
-    if (seq == NULL)
-        return NULL;
-    n = (size_t)PySequence_Fast_GET_SIZE(seq);
     srcs = malloc((n ? n : 1) * sizeof *srcs);
     if (srcs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (size_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i),
-                                         "each src must be a (addr, numel, offset) tuple");
-        void *addr;
-        int ok;
-        if (item == NULL)
-            goto done;
-        if (PySequence_Fast_GET_SIZE(item) != 3) {
-            PyErr_Format(PyExc_ValueError,
-                         "src %zu must be (addr, numel, offset), got %zd items", i,
-                         PySequence_Fast_GET_SIZE(item));
-            Py_DECREF(item);
-            goto done;
-        }
-        ok = cf_py_addr(PySequence_Fast_GET_ITEM(item, 0), "src_addr", &addr) == 0 &&
-             cf_py_int64(PySequence_Fast_GET_ITEM(item, 1), "src_numel", &srcs[i].numel) == 0 &&
-             cf_py_int64(PySequence_Fast_GET_ITEM(item, 2), "flat_offset", &srcs[i].offset) == 0;
-        Py_DECREF(item);
-        if (!ok)
-            goto done;
-        srcs[i].addr = addr;
+        srcs[i].addr = (const void *)(uintptr_t)rows[3 * i];
+        srcs[i].numel = rows[3 * i + 1];
+        srcs[i].offset = rows[3 * i + 2];
     }
 
     Py_BEGIN_ALLOW_THREADS
@@ -270,10 +380,16 @@ static PyObject *cf_py_shard_fill(PyObject *module, PyObject *const *args, Py_ss
     result = Py_NewRef(Py_None);
 
 done:
-    Py_XDECREF(seq);
+    free(rows);
     free(srcs);
     return result;
 }
+
+static const cf_py_rows_spec cf_py_plan_spec = {
+    "plan must be a sequence of (nat_off, numel, chunk_numel, shard_off) tuples",
+    "each plan entry must be a tuple (nat_off, numel, chunk_numel, shard_off)", "plan param",
+    "(nat_off, numel, chunk_numel, shard_off)", 4,
+    {{"nat_off", false}, {"numel", false}, {"chunk_numel", false}, {"shard_off", false}}};
 
 /*
  * Parse a unit's plan from its three arguments: `params_obj`, a sequence of
@@ -284,58 +400,32 @@ done:
 static int cf_py_chunk_plan(PyObject *params_obj, PyObject *world_size, PyObject *shard_numel,
                             cf_chunk_plan *plan, cf_chunk_param **params)
 {
-    PyObject *seq;
     cf_chunk_param *out;
+    int64_t *rows;
     size_t n;
 
     *params = NULL;
     if (cf_py_int64(world_size, "world_size", &plan->world_size) < 0 ||
-        cf_py_int64(shard_numel, "shard_numel", &plan->shard_numel) < 0)
+        cf_py_int64(shard_numel, "shard_numel", &plan->shard_numel) < 0 ||
+        cf_py_rows(params_obj, &cf_py_plan_spec, &rows, &n) < 0)
         return -1;
-    seq = PySequence_Fast(params_obj, "plan must be a sequence of "
-                                      "(nat_off, numel, chunk_numel, shard_off) tuples");
-    if (seq == NULL)
-        return -1;
-    n = (size_t)PySequence_Fast_GET_SIZE(seq);
     out = malloc((n ? n : 1) * sizeof *out);
     if (out == NULL) {
+        free(rows);
         PyErr_NoMemory();
-        goto fail;
+        return -1;
     }
     for (size_t i = 0; i < n; i++) {
-        cf_chunk_param *p = &out[i];
-        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i),
-                                         "each plan entry must be a tuple "
-                                         "(nat_off, numel, chunk_numel, shard_off)");
-        int ok;
-        if (item == NULL)
-            goto fail;
-        if (PySequence_Fast_GET_SIZE(item) != 4) {
-            PyErr_Format(PyExc_ValueError,
-                         "plan param %zu must be (nat_off, numel, chunk_numel, shard_off), "
-                         "got %zd items", i, PySequence_Fast_GET_SIZE(item));
-            Py_DECREF(item);
-            goto fail;
-        }
-        ok = cf_py_int64(PySequence_Fast_GET_ITEM(item, 0), "nat_off", &p->nat_off) == 0 &&
-             cf_py_int64(PySequence_Fast_GET_ITEM(item, 1), "numel", &p->numel) == 0 &&
-             cf_py_int64(PySequence_Fast_GET_ITEM(item, 2), "chunk_numel",
-                         &p->chunk_numel) == 0 &&
-             cf_py_int64(PySequence_Fast_GET_ITEM(item, 3), "shard_off", &p->shard_off) == 0;
-        Py_DECREF(item);
-        if (!ok)
-            goto fail;
+        out[i].nat_off = rows[4 * i];
+        out[i].numel = rows[4 * i + 1];
+        out[i].chunk_numel = rows[4 * i + 2];
+        out[i].shard_off = rows[4 * i + 3];
     }
-    Py_DECREF(seq);
+    free(rows);
     plan->params = out;
     plan->n_params = n;
     *params = out;
     return 0;
-
-fail:
-    Py_DECREF(seq);
-    free(out);
-    return -1;
 }
 
 PyDoc_STRVAR(cf_py_chunk_unpack_doc,
@@ -578,12 +668,16 @@ PyDoc_STRVAR(cf_py_shm_reduce_doc,
 "online CPUs) threads above CHUNK_PARALLEL_BYTES.  ValueError for an unknown\n"
 "dtype code, no sources, negative numel or a NULL address.");
 
+static const cf_py_rows_spec cf_py_src_addrs_spec = {
+    "src_addrs must be a sequence of int addresses", NULL, NULL, NULL, 1, {{"src_addr", true}}};
+
 static PyObject *cf_py_shm_reduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *seq;
     const void *srcs[CF_SHM_MAX_WORLD];
+    int64_t *addrs;
     void *dst;
-    int64_t numel, code, max_threads, n;
+    int64_t numel, code, max_threads;
+    size_t n;
     double scale;
     cf_err err;
     cf_status st;
@@ -599,25 +693,17 @@ static PyObject *cf_py_shm_reduce(PyObject *module, PyObject *const *args, Py_ss
     scale = PyFloat_AsDouble(args[4]);
     if (scale == -1.0 && PyErr_Occurred())
         return NULL;
-    seq = PySequence_Fast(args[1], "src_addrs must be a sequence of int addresses");
-    if (seq == NULL)
+    if (cf_py_rows(args[1], &cf_py_src_addrs_spec, &addrs, &n) < 0)
         return NULL;
-    n = (int64_t)PySequence_Fast_GET_SIZE(seq);
     if (n < 1 || n > CF_SHM_MAX_WORLD) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "number of sources must be in [1, %d], got %lld",
-                     CF_SHM_MAX_WORLD, (long long)n);
+        free(addrs);
+        PyErr_Format(PyExc_ValueError, "number of sources must be in [1, %d], got %zu",
+                     CF_SHM_MAX_WORLD, n);
         return NULL;
     }
-    for (int64_t j = 0; j < n; j++) {
-        void *p;
-        if (cf_py_addr(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)j), "src_addr", &p) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        srcs[j] = p;
-    }
-    Py_DECREF(seq);
+    for (size_t j = 0; j < n; j++)
+        srcs[j] = (const void *)(uintptr_t)addrs[j];
+    free(addrs);
     if (code < 0 || code >= CF_DTYPE_COUNT) {
         cf_err_set(&err, CF_EINVAL, "unknown dtype code %lld; expected 0..%d", (long long)code,
                    CF_DTYPE_COUNT - 1);
@@ -625,7 +711,7 @@ static PyObject *cf_py_shm_reduce(PyObject *module, PyObject *const *args, Py_ss
     }
 
     Py_BEGIN_ALLOW_THREADS
-    st = cf_shm_reduce(dst, srcs, n, numel, (int)code, scale, max_threads, &err);
+    st = cf_shm_reduce(dst, srcs, (int64_t)n, numel, (int)code, scale, max_threads, &err);
     Py_END_ALLOW_THREADS
     if (st != CF_OK)
         return cf_py_raise(&err);
@@ -682,34 +768,49 @@ static PyObject *cf_py_shm_segment_bytes(PyObject *module, PyObject *const *args
     return PyLong_FromSize_t(cf_shm_segment_bytes(w, s));
 }
 
+/* One rank's view.  `g` is set to NULL (under the GIL) when it is closed, so no new
+ * call starts on it; a call that uses g with the GIL released (wait_attached) counts
+ * itself in `busy`, and the shutdown aborts it and waits for it before unmapping. */
 typedef struct {
     PyObject_HEAD
     cf_shm_group *g; /* NULL once closed */
-    cf_queue *q;
+    cf_queue *q;     /* freed with the object (ShmWork objects hold the group) */
     PyObject *work_type;
+    _Atomic int busy;
 } cf_py_shm_group;
 
+/* A queued op.  It holds what the worker reads until the op is done: the tensors
+ * (`keep`) and its own copy of the chunk plan.  Several threads may wait() on it at
+ * once; the last one to return (`waiters`, under the GIL) releases the op. */
 typedef struct {
     PyObject_HEAD
     cf_py_shm_group *group; /* keeps the queue alive */
     cf_queue_op *op;        /* NULL once released */
     PyObject *keep;         /* the tensors, until the op is done */
+    cf_chunk_param *plan;   /* the op's plan (NULL: none), until the op is done */
     PyObject *error;        /* the op's message (str) once it failed */
+    int waiters;
     int op_code;
 } cf_py_shm_work;
 
 /* Stop the worker (the running op fails with "group closed") and unmap. */
 static void cf_py_shm_group_shutdown(cf_py_shm_group *self)
 {
-    if (self->g == NULL)
+    cf_shm_group *g = self->g;
+    if (g == NULL)
         return;
-    Py_BEGIN_ALLOW_THREADS
-    cf_shm_group_abort(self->g);
-    cf_queue_stop(self->q);
-    cf_shm_group_close(self->g);
-    Py_END_ALLOW_THREADS
     self->g = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    cf_shm_group_abort(g); /* a wait_attached in flight returns at once... */
+    while (atomic_load(&self->busy) > 0)
+        sched_yield(); /* ...and is gone before g is unmapped */
+    cf_queue_stop(self->q);
+    cf_shm_group_close(g);
+    Py_END_ALLOW_THREADS
 }
+
+static const cf_py_rows_spec cf_py_granks_spec = {
+    "global_ranks must be a sequence of ints", NULL, NULL, NULL, 1, {{"global rank", false}}};
 
 static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -719,8 +820,9 @@ static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObjec
     int create;
     long long world, rank, slot;
     double timeout_s;
-    PyObject *granks_obj, *seq = NULL, *module, *work_type;
-    int64_t granks[CF_SHM_MAX_WORLD];
+    PyObject *granks_obj, *module, *work_type;
+    int64_t *granks;
+    size_t n_granks;
     char qlabel[128];
     cf_py_shm_group *self = NULL;
     cf_shm_group *g = NULL;
@@ -737,27 +839,20 @@ static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObjec
                      CF_SHM_MAX_WORLD, world);
         return NULL;
     }
-    seq = PySequence_Fast(granks_obj, "global_ranks must be a sequence of ints");
-    if (seq == NULL)
+    if (cf_py_rows(granks_obj, &cf_py_granks_spec, &granks, &n_granks) < 0)
         return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != (Py_ssize_t)world) {
-        PyErr_Format(PyExc_ValueError, "global_ranks has %zd entries, expected world_size %lld",
-                     PySequence_Fast_GET_SIZE(seq), world);
-        Py_DECREF(seq);
+    if (n_granks != (size_t)world) {
+        PyErr_Format(PyExc_ValueError, "global_ranks has %zu entries, expected world_size %lld",
+                     n_granks, world);
+        free(granks);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < (Py_ssize_t)world; i++)
-        if (cf_py_int64(PySequence_Fast_GET_ITEM(seq, i), "global rank", &granks[i]) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    Py_DECREF(seq);
     module = PyType_GetModule(type);
-    if (module == NULL)
+    work_type = module == NULL ? NULL : PyObject_GetAttrString(module, "ShmWork");
+    if (work_type == NULL) {
+        free(granks);
         return NULL;
-    work_type = PyObject_GetAttrString(module, "ShmWork");
-    if (work_type == NULL)
-        return NULL;
+    }
 
     snprintf(qlabel, sizeof qlabel, "cfsdp shm group '%s'", label);
     Py_BEGIN_ALLOW_THREADS
@@ -769,6 +864,7 @@ static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObjec
             cf_shm_group_close(g);
     }
     Py_END_ALLOW_THREADS
+    free(granks); /* cf_shm_group_open copied them */
     if (st != CF_OK) {
         Py_DECREF(work_type);
         return cf_py_shm_raise(&err);
@@ -785,6 +881,7 @@ static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObjec
     self->g = g;
     self->q = q;
     self->work_type = work_type;
+    atomic_init(&self->busy, 0);
     return (PyObject *)self;
 }
 
@@ -820,48 +917,68 @@ PyDoc_STRVAR(cf_py_shm_group_wait_attached_doc,
 
 static PyObject *cf_py_shm_group_wait_attached(PyObject *obj, PyObject *unused)
 {
-    cf_shm_group *g = cf_py_shm_open_group((cf_py_shm_group *)obj);
+    cf_py_shm_group *self = (cf_py_shm_group *)obj;
+    cf_shm_group *g = cf_py_shm_open_group(self);
     cf_err err;
     cf_status st;
     (void)unused;
     if (g == NULL)
         return NULL;
+    if (atomic_fetch_add(&self->busy, 1) > 0) {
+        atomic_fetch_sub(&self->busy, 1);
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cfsdp shm: wait_attached() is already running in another thread");
+        return NULL;
+    }
     cf_err_init(&err);
     Py_BEGIN_ALLOW_THREADS
     st = cf_shm_group_wait_attached(g, &err);
+    atomic_fetch_sub(&self->busy, 1); /* before the GIL: close() may be waiting for it */
     Py_END_ALLOW_THREADS
     if (st != CF_OK)
         return cf_py_shm_raise(&err);
     Py_RETURN_NONE;
 }
 
-/* Validate and queue one collective; a new ShmWork. */
+/* Validate and queue one collective; a new ShmWork.  Takes a->plan (malloc'd by
+ * cf_py_shm_plan, or NULL): the work frees it once the op is done, or it is freed here
+ * if nothing is queued. */
 static PyObject *cf_py_shm_enqueue(cf_py_shm_group *self, cf_shm_args *a, PyObject *keep)
 {
     cf_shm_group *g = cf_py_shm_open_group(self);
     PyTypeObject *wt = (PyTypeObject *)self->work_type;
-    cf_py_shm_work *w;
+    cf_chunk_param *plan = (cf_chunk_param *)a->plan;
+    cf_py_shm_work *w = NULL;
     cf_queue_op *op;
     cf_err err;
-    if (g == NULL)
-        return NULL;
     cf_err_init(&err);
-    if (cf_shm_check(g, a, &err) != CF_OK)
-        return cf_py_shm_raise(&err);
+    if (g == NULL)
+        goto fail;
+    if (cf_shm_check(g, a, &err) != CF_OK) {
+        cf_py_shm_raise(&err);
+        goto fail;
+    }
     w = (cf_py_shm_work *)wt->tp_alloc(wt, 0);
     if (w == NULL)
-        return NULL;
+        goto fail;
     if (cf_queue_submit(self->q, a, sizeof *a, &op, &err) != CF_OK) {
-        Py_DECREF(w);
-        return cf_py_shm_raise(&err);
+        cf_py_shm_raise(&err);
+        goto fail;
     }
     Py_INCREF(self);
     w->group = self;
     w->op = op;
     w->keep = Py_NewRef(keep);
+    w->plan = plan;
     w->error = NULL;
+    w->waiters = 0;
     w->op_code = a->op;
     return (PyObject *)w;
+
+fail:
+    Py_XDECREF(w); /* its group is NULL: nothing of an op to release */
+    free(plan);
+    return NULL;
 }
 
 /* Parse (dst_addr, src_addr, numel, dtype_code) into a; 0 or -1. */
@@ -914,30 +1031,35 @@ PyDoc_STRVAR(cf_py_shm_group_all_gather_unpack_doc,
 "elements at src land in the natural buffer (natural_numel) by the plan, a\n"
 "bytes object of int64 (nat_off, numel, chunk_numel, shard_off) quadruples\n"
 "(world_size: the group's, shard_numel: numel).  The rank-major buffer is\n"
-"never built.  `keep` (which must hold `plan`) is held until the op is done.");
+"never built.  The op reads its own copy of the plan; `keep` is held until\n"
+"the op is done.");
 
-/* A plan argument (bytes of int64 quadruples) into a->plan / a->n_plan; 0 or -1.
- * Bytes are immutable and the op's `keep` holds them, so the pointer stays
- * valid after the buffer view is released. */
+/* A plan argument (bytes of int64 quadruples) copied into a->plan (malloc'd, for
+ * cf_py_shm_enqueue to hand to the op's ShmWork: the worker reads the op's own copy,
+ * whatever the caller does with the bytes) and a->n_plan; 0 or -1. */
 static int cf_py_shm_plan(PyObject *obj, cf_shm_args *a)
 {
-    Py_buffer view;
+    Py_ssize_t len;
+    cf_chunk_param *copy;
     if (!PyBytes_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "plan must be bytes of int64 quadruples, not %.100s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
-        return -1;
-    if (view.len % (Py_ssize_t)sizeof(cf_chunk_param) != 0) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "plan has %zd bytes, not a multiple of %zu", view.len,
+    len = PyBytes_GET_SIZE(obj);
+    if (len % (Py_ssize_t)sizeof(cf_chunk_param) != 0) {
+        PyErr_Format(PyExc_ValueError, "plan has %zd bytes, not a multiple of %zu", len,
                      sizeof(cf_chunk_param));
         return -1;
     }
-    a->plan = (const cf_chunk_param *)view.buf;
-    a->n_plan = (int64_t)(view.len / (Py_ssize_t)sizeof(cf_chunk_param));
-    PyBuffer_Release(&view);
+    copy = malloc(len > 0 ? (size_t)len : 1);
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(copy, PyBytes_AS_STRING(obj), (size_t)len);
+    a->plan = copy;
+    a->n_plan = (int64_t)(len / (Py_ssize_t)sizeof(cf_chunk_param));
     return 0;
 }
 
@@ -976,7 +1098,7 @@ PyDoc_STRVAR(cf_py_shm_group_reduce_scatter_pack_doc,
 "quadruples, as all_gather_unpack's), cast to dtype after dividing by divisor,\n"
 "piece by piece straight into the shared slots; dst (numel) = scale * sum\n"
 "over ranks of this rank's block.  The rank-major buffer is never built.\n"
-"`keep` (which must hold `plan`) is held until the op is done.");
+"The op reads its own copy of the plan; `keep` is held until the op is done.");
 
 static PyObject *cf_py_shm_group_reduce_scatter_pack(PyObject *obj, PyObject *const *args,
                                                      Py_ssize_t nargs)
@@ -990,11 +1112,13 @@ static PyObject *cf_py_shm_group_reduce_scatter_pack(PyObject *obj, PyObject *co
         cf_py_addr(args[3], "natural_addr", &nat) < 0 ||
         cf_py_int64(args[4], "natural_numel", &a.natural_numel) < 0 ||
         cf_py_int64(args[5], "natural_dtype_code", &ncode) < 0 ||
-        cf_py_int64(args[9], "max_threads", &a.max_threads) < 0 || cf_py_shm_plan(args[8], &a) < 0)
+        cf_py_int64(args[9], "max_threads", &a.max_threads) < 0)
         return NULL;
     a.divisor = PyFloat_AsDouble(args[6]);
+    if (a.divisor == -1.0 && PyErr_Occurred())
+        return NULL;
     a.scale = PyFloat_AsDouble(args[7]);
-    if ((a.divisor == -1.0 || a.scale == -1.0) && PyErr_Occurred())
+    if ((a.scale == -1.0 && PyErr_Occurred()) || cf_py_shm_plan(args[8], &a) < 0) /* last: malloc */
         return NULL;
     a.src = nat;
     a.dtype = code >= 0 && code < CF_DTYPE_COUNT ? (int)code : -1;
@@ -1192,13 +1316,15 @@ static PyType_Spec cf_py_shm_group_spec = {
     .slots = cf_py_shm_group_slots,
 };
 
-/* Drop the op reference and the kept objects once the op is done. */
+/* Drop the op reference, the plan and the kept objects once the op is done. */
 static void cf_py_shm_work_release(cf_py_shm_work *self)
 {
     if (self->op != NULL) {
         cf_queue_op_release(self->group->q, self->op);
         self->op = NULL;
     }
+    free(self->plan);
+    self->plan = NULL;
     Py_CLEAR(self->keep);
 }
 
@@ -1214,20 +1340,23 @@ PyDoc_STRVAR(cf_py_shm_work_wait_doc,
 static PyObject *cf_py_shm_work_wait(PyObject *obj, PyObject *unused)
 {
     cf_py_shm_work *self = (cf_py_shm_work *)obj;
+    cf_queue_op *op = self->op;
     cf_err err;
     cf_status st = CF_OK;
     (void)unused;
     cf_err_init(&err);
-    if (self->op != NULL) {
+    if (op != NULL) {
+        self->waiters++; /* the op stays until every waiter is back */
         Py_BEGIN_ALLOW_THREADS
-        st = cf_queue_wait(self->group->q, self->op, &err);
+        st = cf_queue_wait(self->group->q, op, &err);
         Py_END_ALLOW_THREADS
-        if (st != CF_OK) { /* kept for later waits */
+        self->waiters--;
+        if (st != CF_OK && self->error == NULL) /* kept for later waits */
             self->error = PyUnicode_FromString(err.msg);
-            if (self->error == NULL)
-                return NULL;
-        }
-        cf_py_shm_work_release(self);
+        if (self->waiters == 0)
+            cf_py_shm_work_release(self);
+        if (st != CF_OK && self->error == NULL)
+            return NULL; /* the message could not be kept */
     }
     if (self->error != NULL) {
         PyErr_SetObject(PyExc_RuntimeError, self->error);
@@ -1346,10 +1475,13 @@ static int cf_py_shm_exec(PyObject *m)
 /*
  * The ranges argument: an object exposing a C-contiguous buffer of int64
  * (format 'q' or 'l' with 8-byte items; e.g. array.array('q')) holding
- * start, len pairs, read in place, or a sequence of (start, len) pairs,
- * copied into a malloc'd array.  On success *ranges points at the pairs,
- * *n is their count and the caller calls cf_py_optim_ranges_release; -1
- * with an exception set otherwise.
+ * start, len pairs, or a sequence of (start, len) pairs (read through
+ * cf_py_rows' snapshot).  Either way the pairs are copied into a malloc'd
+ * array before the GIL is released, so another thread writing the buffer
+ * cannot change them between the checks and the loops (and an odd-offset
+ * buffer is read with memcpy).  On success *ranges points at the pairs, *n
+ * is their count and the caller calls cf_py_optim_ranges_release; -1 with an
+ * exception set otherwise.
  */
 typedef struct {
     Py_buffer view;
@@ -1366,10 +1498,15 @@ static void cf_py_optim_ranges_release(cf_py_optim_ranges_hold *h)
     h->owned = NULL;
 }
 
+static const cf_py_rows_spec cf_py_ranges_spec = {
+    "ranges must be an int64 buffer or a sequence of (start, len) pairs",
+    "each range must be a (start, len) pair", "range", "(start, len)", 2,
+    {{"range start", false}, {"range len", false}}};
+
 static int cf_py_optim_ranges(PyObject *obj, cf_py_optim_ranges_hold *h,
                               const cf_optim_range **ranges, size_t *n)
 {
-    PyObject *seq;
+    int64_t *rows;
     size_t count;
 
     h->have_view = 0;
@@ -1392,49 +1529,37 @@ static int cf_py_optim_ranges(PyObject *obj, cf_py_optim_ranges_hold *h,
             cf_py_optim_ranges_release(h);
             return -1;
         }
-        *ranges = h->view.buf;
-        *n = (size_t)(h->view.len / (Py_ssize_t)sizeof(cf_optim_range));
+        count = (size_t)(h->view.len / (Py_ssize_t)sizeof(cf_optim_range));
+        h->owned = malloc((count ? count : 1) * sizeof *h->owned);
+        if (h->owned == NULL) {
+            cf_py_optim_ranges_release(h);
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (count > 0)
+            memcpy(h->owned, h->view.buf, count * sizeof *h->owned);
+        PyBuffer_Release(&h->view);
+        h->have_view = 0;
+        *ranges = h->owned;
+        *n = count;
         return 0;
     }
-    seq = PySequence_Fast(obj, "ranges must be an int64 buffer or a sequence of "
-                               "(start, len) pairs");
-    if (seq == NULL)
+    if (cf_py_rows(obj, &cf_py_ranges_spec, &rows, &count) < 0)
         return -1;
-    count = (size_t)PySequence_Fast_GET_SIZE(seq);
     h->owned = malloc((count ? count : 1) * sizeof *h->owned);
     if (h->owned == NULL) {
-        Py_DECREF(seq);
+        free(rows);
         PyErr_NoMemory();
         return -1;
     }
     for (size_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i),
-                                         "each range must be a (start, len) pair");
-        int ok;
-        if (item == NULL)
-            goto fail;
-        if (PySequence_Fast_GET_SIZE(item) != 2) {
-            PyErr_Format(PyExc_ValueError, "range %zu must be (start, len), got %zd items", i,
-                         PySequence_Fast_GET_SIZE(item));
-            Py_DECREF(item);
-            goto fail;
-        }
-        ok = cf_py_int64(PySequence_Fast_GET_ITEM(item, 0), "range start",
-                         &h->owned[i].start) == 0 &&
-             cf_py_int64(PySequence_Fast_GET_ITEM(item, 1), "range len", &h->owned[i].len) == 0;
-        Py_DECREF(item);
-        if (!ok)
-            goto fail;
+        h->owned[i].start = rows[2 * i];
+        h->owned[i].len = rows[2 * i + 1];
     }
-    Py_DECREF(seq);
+    free(rows);
     *ranges = h->owned;
     *n = count;
     return 0;
-
-fail:
-    Py_DECREF(seq);
-    cf_py_optim_ranges_release(h);
-    return -1;
 }
 
 /* A float argument; 0 on success, -1 with an exception set. */
@@ -1692,10 +1817,12 @@ static PyObject *cf_py_dict_pop(PyObject *module, PyObject *const *args, Py_ssiz
         cf_py_check_dicts(args[0], n, "dict_pop") < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PyTuple_GET_ITEM(args[0], i), *k = PyTuple_GET_ITEM(args[1], i);
-        int has = PyDict_Contains(d, k);
-        if (has < 0 || (has && PyDict_DelItem(d, k) < 0))
-            return NULL;
+        /* one lookup: a key's __eq__ may change the dict between two */
+        if (PyDict_DelItem(PyTuple_GET_ITEM(args[0], i), PyTuple_GET_ITEM(args[1], i)) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                return NULL;
+            PyErr_Clear();
+        }
     }
     Py_RETURN_NONE;
 }
@@ -1956,7 +2083,9 @@ static int cf_py_exec(PyObject *m)
         PyModule_AddIntConstant(m, "DTYPE_FP16", CF_DTYPE_FP16) < 0 ||
         PyModule_AddIntConstant(m, "CHUNK_PARALLEL_BYTES", (long)CF_CHUNK_PARALLEL_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_THREADS", CF_MAX_THREADS) < 0 ||
-        PyModule_AddIntConstant(m, "OPTIM_PARALLEL_BYTES", (long)CF_OPTIM_PARALLEL_BYTES) < 0)
+        PyModule_AddIntConstant(m, "OPTIM_PARALLEL_BYTES", (long)CF_OPTIM_PARALLEL_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_WORLD_SIZE", CF_MAX_WORLD_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_PIECES", (long)CF_MAX_PIECES) < 0)
         return -1;
     return cf_py_shm_exec(m);
 }
