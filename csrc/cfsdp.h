@@ -8,10 +8,10 @@
  * (a plain struct on the caller's stack: no globals, so the core is
  * re-entrant and safe to call with the GIL released).  CF_CHECK propagates a
  * failing status to the caller; CF_CHECK_GOTO jumps to the function's single
- * cleanup label.  Only module.c turns a cf_err into a Python exception:
- * CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError, CF_ENOMEM ->
- * MemoryError, CF_ERUNTIME -> RuntimeError (shm.c, queue.c: a failed system
- * call, a timeout, a peer that failed).
+ * cleanup label.  Only cf_py_raise (bind_args.c) turns a cf_err into a
+ * Python exception: CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError,
+ * CF_ENOMEM -> MemoryError, CF_ERUNTIME -> RuntimeError (shm.c, queue.c: a
+ * failed system call, a timeout, a peer that failed).
  */
 #ifndef CFSDP_H
 #define CFSDP_H

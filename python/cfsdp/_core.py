@@ -437,7 +437,7 @@ def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> array.array:
     return flat
 
 
-# Bulk binding (C: csrc/module.c's bulk-binding block, twin: cfsdp._ref.bind): one
+# Bulk binding (C: csrc/bind_bulk.c, twin: cfsdp._ref.bind): one
 # pass over tuples a unit builds once, instead of a Python loop per parameter in
 # the hooks.  No tensor data is touched, so the C versions serve every device.
 _B = _C if _C is not None else _ref
