@@ -125,40 +125,33 @@ _has_storage = torch._C._has_storage
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _check_storage(t: torch.Tensor) -> None:
-    """``ValueError`` unless the storage of ``t`` (a plain strided CPU tensor with
-    storage) holds every element ``t`` addresses."""
-    n = t.numel()
-    if n == 0:
-        return
-    last = t.storage_offset() + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
-    need = (last + 1) * t.element_size()
-    have = t.untyped_storage().nbytes()
-    if need > have:
-        raise ValueError(
-            f"cfsdp: a {t.dtype} tensor of shape {tuple(t.shape)} at storage offset "
-            f"{t.storage_offset()} needs {need} bytes of storage but its storage has {have} "
-            "(freed or shrunk with untyped_storage().resize_()?); neither the C core nor "
-            "torch can read it: keep its storage allocated while cfsdp uses it"
-        )
+def _storage_error(t: torch.Tensor, need: int, have: int) -> ValueError:
+    return ValueError(
+        f"cfsdp: a {t.dtype} tensor of shape {tuple(t.shape)} at storage offset "
+        f"{t.storage_offset()} needs {need} bytes of storage but its storage has {have} "
+        "(freed or shrunk with untyped_storage().resize_()?); neither the C core nor "
+        "torch can read it: keep its storage allocated while cfsdp uses it"
+    )
 
 
 def c_tensor_ok(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory may cross into C as (address, numel, dtype code): the
     rule of the module doc, also the shared-memory collectives' (``cfsdp._runtime.comm``;
     nothing in it depends on an address, so it picks the same route on every rank).
-    ``ValueError`` for a CPU tensor whose storage cannot hold it."""
-    if type(t) not in _PLAIN or t.device.type != "cpu" or t.layout != torch.strided:
+    ``ValueError`` for a CPU tensor whose storage cannot hold it.  On the hot path of
+    every call: cheap checks first, no Python loop for a contiguous tensor."""
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided:
         return False
     if not _has_storage(t) or _functorch_wrapped(t):
         return False
-    _check_storage(t)
-    return (
-        t.dtype in DTYPE_CODES
-        and t.is_contiguous()
-        and not t.is_neg()
-        and (t.numel() == 0 or t.data_ptr() != 0)
-    )
+    contiguous, n = t.is_contiguous(), t.numel()
+    if n:
+        span = n if contiguous else 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+        need = (t.storage_offset() + span) * t.element_size()
+        have = t.untyped_storage().nbytes()
+        if need > have:
+            raise _storage_error(t, need, have)
+    return contiguous and t.dtype in DTYPE_CODES and not t.is_neg() and (n == 0 or t.data_ptr())
 
 
 def _c_ok(*tensors: torch.Tensor) -> bool:

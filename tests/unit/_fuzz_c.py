@@ -228,31 +228,33 @@ class H:
         """A buffer of exactly nbytes, at an odd address now and then."""
         return Buf(nbytes, self.draw(st.sampled_from([0, 0, 0, 0, 1, 2, 3, 4, 6])))
 
-    def seq(self, items, kinds=("list", "list", "list", "tuple", "gen", "sub")):
+    def seq(self, items, bad=hostile, kinds=("list", "list", "list", "tuple", "gen", "sub")):
         """A sequence argument of `items` (specs): a list, tuple, generator or list
-        subclass; hostile, an entry that empties or grows the list when read, an item
-        replaced by anything, or not a sequence at all."""
+        subclass; hostile, an entry that empties or grows the list when read (and reads
+        as 0: less than any promise), an item replaced by one from `bad` (what the items
+        may be instead: anything for checked values, refused ones for promised), or not a
+        sequence at all."""
         items = list(items)
         if self.bad() and items:
             i = self.draw(st.integers(0, len(items) - 1))
-            items[i] = Evil(self.draw(st.sampled_from([0, 1, 4])),
-                            self.draw(st.sampled_from(["clear", "grow"])))
+            items[i] = Evil(0, self.draw(st.sampled_from(["clear", "grow"])))
         if self.bad() and items:
-            items[self.draw(st.integers(0, len(items) - 1))] = self.draw(hostile)
+            items[self.draw(st.integers(0, len(items) - 1))] = self.draw(bad)
         if self.bad():
             return self.draw(st.one_of(junk, anyint))
         return Seq(self.draw(st.sampled_from(kinds)), items)
 
     def row(self, values):
-        """A row of a sequence argument: a tuple (a list when hostile, whose entries may
-        empty it), of the right length unless hostile."""
-        values = [self.checked(v) for v in values]
+        """A row of a sequence argument, of `values` (specs, already drawn as checked or
+        promised): a tuple, or hostile, of the wrong length, or a list with an entry that
+        empties it when read (reading as 0)."""
+        values = list(values)
         if self.bad():
             values = values[: self.draw(st.integers(0, len(values)))] + \
                 self.draw(st.lists(st.just(0), max_size=1))
         if self.bad() and values:
             values[self.draw(st.integers(0, len(values) - 1))] = Evil(
-                self.draw(st.sampled_from([0, 1])), self.draw(st.sampled_from(["clear", "grow"])))
+                0, self.draw(st.sampled_from(["clear", "grow"])))
             return Seq("list", values)
         return Seq("tuple", values)
 
@@ -319,9 +321,9 @@ def _shard_fill(draw):
     srcs = []
     for _ in range(draw(st.integers(0, 4))):
         m = draw(st.integers(0, 12))
-        srcs.append(h.row([h.addr(h.buf(m * esz)), h.promise(m), st.integers(0, 40)]))
+        srcs.append(h.row([h.addr(h.buf(m * esz)), h.promise(m), h.checked(st.integers(0, 40))]))
     return (h.addr(h.buf(n * esz)), h.promise(n), h.promise(esz), h.checked(st.integers(0, 30)),
-            h.seq(srcs))
+            h.seq(srcs, bad=junk))
 
 
 @st.composite
@@ -346,7 +348,8 @@ def chunk_unit(draw):
 
 
 def plan_spec(h, rows):
-    return h.seq([h.row(r) for r in rows])
+    """A plan argument (checked: any value may be anything)."""
+    return h.seq([h.row([h.checked(v) for v in r]) for r in rows])
 
 
 @plain("chunk_unpack")
@@ -405,7 +408,7 @@ def _shm_reduce(draw):
     code, n = h.checked(st.integers(0, 3)), draw(st.integers(0, 40))
     k = draw(st.sampled_from([1, 2, 2, 3, 5, 257]))
     srcs = [h.addr(h.buf(n * esz_of(code))) for _ in range(k)]
-    return h.addr(h.buf(n * esz_of(code))), h.seq(srcs), h.promise(n), code, h.fl(), \
+    return h.addr(h.buf(n * esz_of(code))), h.seq(srcs, bad=bad_addr), h.promise(n), code, h.fl(), \
         h.checked(st.integers(1, 4))
 
 
@@ -452,7 +455,7 @@ def ranges_spec(draw, h, elems):
         return ("odd", flat)  # an int64 memoryview at an odd address
     if form == "other" and h.bad():
         return ("array", draw(st.sampled_from(["i", "d", "b"])), flat)
-    return h.seq([h.row(list(p)) for p in pairs])
+    return h.seq([h.row(list(p)) for p in pairs], bad=junk)
 
 
 def materialise_ranges(call, spec):
