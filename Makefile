@@ -5,7 +5,11 @@
 # nothing of the core, are left out, see `test`); the normal in-place extension of
 # the editable install is never touched, so it keeps working during and after the
 # run.  pytest runs with
-# --capture=sys so a sanitizer report (written to fd 2) reaches the log.
+# --capture=sys so a sanitizer report (written to fd 2) reaches the log, and Python
+# allocates with malloc (PYTHONMALLOC=malloc), so C reading a freed Python object (a
+# plan, a list slot) or past a bytearray is an ASan report, not a read of pymalloc's
+# arena.  tests/unit/test_fuzz_c.py runs its fuzz of every C entry point in this pass,
+# in child processes that inherit this environment.
 
 # Every target sets up what it needs on a fresh machine: a virtual environment
 # in .venv with torch==2.13.0 (always pinned: an unpinned torch pulls a CUDA
@@ -21,7 +25,7 @@ export OMP_NUM_THREADS ?= 1
 SAN_DIR := build/sanitize
 SAN_LIB := $(abspath $(SAN_DIR)/lib)
 SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
-	ASAN_OPTIONS=detect_leaks=0 \
+	ASAN_OPTIONS=detect_leaks=0 PYTHONMALLOC=malloc \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PYTHONPATH=$(SAN_LIB)$${PYTHONPATH:+:$$PYTHONPATH}
 

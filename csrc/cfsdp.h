@@ -8,10 +8,10 @@
  * (a plain struct on the caller's stack: no globals, so the core is
  * re-entrant and safe to call with the GIL released).  CF_CHECK propagates a
  * failing status to the caller; CF_CHECK_GOTO jumps to the function's single
- * cleanup label.  Only module.c turns a cf_err into a Python exception:
- * CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError, CF_ENOMEM ->
- * MemoryError, CF_ERUNTIME -> RuntimeError (shm.c, queue.c: a failed system
- * call, a timeout, a peer that failed).
+ * cleanup label.  Only cf_py_raise (bind_args.c) turns a cf_err into a
+ * Python exception: CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError,
+ * CF_ENOMEM -> MemoryError, CF_ERUNTIME -> RuntimeError (shm.c, queue.c: a
+ * failed system call, a timeout, a peer that failed).
  */
 #ifndef CFSDP_H
 #define CFSDP_H
@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 /* Dtype codes; must match cfsdp._core.DTYPE_CODES. */
 typedef enum {
@@ -98,6 +99,46 @@ static inline size_t cf_dtype_size(int code)
     default: return 0;
     }
 }
+
+/*
+ * Bounds every entry point enforces before it allocates or loops, so that no
+ * argument makes the core allocate or run without limit: a world size is at
+ * most CF_MAX_WORLD_SIZE ranks, and a layout or chunk plan describes at most
+ * CF_MAX_PIECES (rank, parameter) pieces (world_size * parameters; layout.c
+ * returns 3 int64 per piece, chunk.c visits each piece).  A larger model is
+ * wrapped into more units.  The twins enforce the same bounds.
+ */
+#define CF_MAX_WORLD_SIZE 65536
+#define CF_MAX_PIECES ((int64_t)1 << 22)
+
+/*
+ * Alignment-safe element access: element i of the array at p, loaded or stored
+ * with memcpy.  gcc and clang compile these to plain (unaligned) moves and
+ * still vectorise the loops around them, so a loop written with them runs as
+ * fast as one through a typed pointer, and is correct, with no undefined
+ * behaviour, at any address.  Every typed loop of the core reads and writes
+ * through them (reduce.c, norm.c, shm.c; chunk.c's casts are reduce.c's
+ * loops), so a buffer at an odd address is fine, but optim.c's: its fused
+ * loops (AVX2 intrinsics) take fp32-aligned buffers and refuse others.  The
+ * shared-memory collectives in particular must take any address: their route
+ * (shared memory or the process group, cfsdp._runtime.comm) has to be the
+ * same on every rank, so it cannot depend on one rank's addresses.
+ */
+#define CF_DEFINE_ACCESS(NAME, T)                                                \
+    static inline T cf_load_##NAME(const void *p, size_t i)                     \
+    {                                                                            \
+        T v;                                                                     \
+        memcpy(&v, (const unsigned char *)p + i * sizeof v, sizeof v);          \
+        return v;                                                                \
+    }                                                                            \
+    static inline void cf_store_##NAME(void *p, size_t i, T v)                  \
+    {                                                                            \
+        memcpy((unsigned char *)p + i * sizeof v, &v, sizeof v);                \
+    }
+CF_DEFINE_ACCESS(f32, float)
+CF_DEFINE_ACCESS(f64, double)
+CF_DEFINE_ACCESS(u16, uint16_t)
+#undef CF_DEFINE_ACCESS
 
 /* Overflow-checked int64 arithmetic for non-negative operands. */
 static inline int cf_add_i64_overflows(int64_t a, int64_t b, int64_t *out)

@@ -13,7 +13,8 @@
  *
  * Plan invariants (checked by cf_chunk_check, in this order, each error
  * naming the parameter index; the twin raises the same messages):
- *   world_size >= 1, shard_numel >= 0; the four numbers of every parameter
+ *   1 <= world_size <= CF_MAX_WORLD_SIZE, n_params * world_size <=
+ *   CF_MAX_PIECES (cfsdp.h), shard_numel >= 0; the four numbers of every parameter
  *   are >= 0; numel <= world_size * chunk_numel (every element has a rank);
  *   [shard_off, shard_off + chunk_numel) lies in the shard and non-empty
  *   chunks come in order without overlap; [nat_off, nat_off + numel) lies
@@ -105,12 +106,22 @@ static cf_status cf_chunk_check_params(const cf_chunk_plan *plan, int64_t natura
     return CF_OK;
 }
 
-/* The plan's world size and shard numel. */
+/* The plan's world size and shard numel; at most CF_MAX_PIECES pieces (cfsdp.h), so a
+ * call visits a bounded number of (rank, parameter) pairs. */
 static cf_status cf_chunk_check_dims(const cf_chunk_plan *plan, cf_err *err)
 {
     if (plan->world_size < 1)
         return cf_err_set(err, CF_EINVAL, "world_size must be >= 1, got %lld",
                           (long long)plan->world_size);
+    if (plan->world_size > CF_MAX_WORLD_SIZE)
+        return cf_err_set(err, CF_EINVAL, "world_size must be <= %d, got %lld",
+                          CF_MAX_WORLD_SIZE, (long long)plan->world_size);
+    if (plan->n_params > (size_t)(CF_MAX_PIECES / plan->world_size))
+        return cf_err_set(err, CF_EINVAL,
+                          "a plan of %zu parameters over %lld ranks has more than %lld "
+                          "(rank, parameter) pieces; wrap the model into smaller units",
+                          plan->n_params, (long long)plan->world_size,
+                          (long long)CF_MAX_PIECES);
     if (plan->shard_numel < 0)
         return cf_err_set(err, CF_EINVAL, "shard_numel must be >= 0, got %lld",
                           (long long)plan->shard_numel);
@@ -128,7 +139,8 @@ int64_t cf_chunk_rank_len(const cf_chunk_param *p, int64_t k)
     return cf_chunk_len(p, k);
 }
 
-/* Check a buffer: numel >= 0, non-NULL if non-empty, bytes fit size_t. */
+/* Check a buffer: numel >= 0, non-NULL if non-empty, bytes fit size_t (any address:
+ * the casts are reduce.c's alignment-safe loops). */
 static cf_status cf_chunk_check_buffer(const char *what, const void *addr, int64_t numel,
                                        size_t esz, cf_err *err)
 {

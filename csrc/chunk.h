@@ -40,7 +40,8 @@ typedef struct {
  *
  * Errors, all found before any byte is written: CF_EINVAL for a plan that
  * cf_chunk_pack would also reject (see chunk.c: message names the parameter
- * index), elem_size < 1, a buffer numel that does not match, a negative
+ * index; world_size and the plan's length within the bounds of cfsdp.h),
+ * elem_size < 1, a buffer numel that does not match, a negative
  * numel or a NULL address with numel > 0; CF_EOVERFLOW if a byte size does
  * not fit.  Uses up to cf_num_threads(max_threads) threads above
  * CF_CHUNK_PARALLEL_BYTES.  The buffers must not overlap.  Needs no GIL.
@@ -61,6 +62,7 @@ cf_status cf_chunk_unpack(void *natural, int64_t natural_numel, const void *gath
  *
  * Errors, all found before any byte is written: as cf_chunk_unpack, plus an
  * unknown dtype code and 0 <= rank_lo <= rank_hi <= world_size not holding.
+ * Buffers may be at any address (the casts load and store alignment-safe).
  * Threads as cf_chunk_unpack.  The buffers must not overlap.  Needs no GIL.
  */
 cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dtype,
@@ -69,7 +71,8 @@ cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dty
                         double divisor, int64_t max_threads, cf_err *err);
 
 /*
- * Validate a plan on its own (world_size >= 1, shard_numel >= 0, every
+ * Validate a plan on its own (world_size and n_params within the bounds of
+ * cfsdp.h, shard_numel >= 0, every
  * parameter as cf_chunk_unpack checks it against a natural buffer of
  * natural_numel elements).  For callers that copy pieces of a plan's
  * gathered buffer themselves (the shared-memory all-gather's copy-out).

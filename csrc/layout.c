@@ -14,25 +14,35 @@
  * Invariants of the output: offsets are non-decreasing and aligned (when
  * align_numel > 0); across ranks the slices of a parameter cover
  * [0, numel) exactly once; world_size * shard_numel >= flat_numel.
- * Workload: called once per unit at wrap time; O(world_size * n_params).
- * All arithmetic is int64 with explicit overflow checks.
+ * Workload: called once per unit at wrap time; O(world_size * n_params),
+ * bounded by CF_MAX_WORLD_SIZE and CF_MAX_PIECES (cfsdp.h) before anything
+ * is allocated.  All arithmetic is int64 with explicit overflow checks.
  */
 #include "layout.h"
+
+/* world_size in [1, CF_MAX_WORLD_SIZE] and at most CF_MAX_PIECES (rank, parameter)
+ * pieces (the bounds of cfsdp.h). */
+static cf_status cf_layout_check_dims(size_t n_params, int64_t world_size, cf_err *err)
+{
+    if (world_size < 1)
+        return cf_err_set(err, CF_EINVAL, "world_size must be >= 1, got %lld",
+                          (long long)world_size);
+    if (world_size > CF_MAX_WORLD_SIZE)
+        return cf_err_set(err, CF_EINVAL, "world_size must be <= %d, got %lld",
+                          CF_MAX_WORLD_SIZE, (long long)world_size);
+    if (n_params > (size_t)(CF_MAX_PIECES / world_size))
+        return cf_err_set(err, CF_EINVAL,
+                          "a layout of %zu parameters over %lld ranks has more than %lld "
+                          "(rank, parameter) pieces; wrap the model into smaller units",
+                          n_params, (long long)world_size, (long long)CF_MAX_PIECES);
+    return CF_OK;
+}
 
 cf_status cf_layout_slices_len(size_t n_params, int64_t world_size, size_t *out_len,
                                cf_err *err)
 {
-    size_t per_rank, total;
-    if (world_size < 1)
-        return cf_err_set(err, CF_EINVAL, "world_size must be >= 1, got %lld",
-                          (long long)world_size);
-    if ((uint64_t)world_size > (uint64_t)SIZE_MAX ||
-        cf_mul_size_overflows(n_params, 3, &per_rank) ||
-        cf_mul_size_overflows(per_rank, (size_t)world_size, &total))
-        return cf_err_set(err, CF_EOVERFLOW,
-                          "layout of %zu parameters over %lld ranks is too large",
-                          n_params, (long long)world_size);
-    *out_len = total;
+    CF_CHECK(cf_layout_check_dims(n_params, world_size, err));
+    *out_len = n_params * 3 * (size_t)world_size; /* <= 3 * CF_MAX_PIECES */
     return CF_OK;
 }
 
@@ -52,9 +62,7 @@ cf_status cf_layout_plan(const int64_t *numels, size_t n_params, int64_t align_n
     int64_t total = 0, shard, padded;
     size_t i, k = 0;
 
-    if (world_size < 1)
-        return cf_err_set(err, CF_EINVAL, "world_size must be >= 1, got %lld",
-                          (long long)world_size);
+    CF_CHECK(cf_layout_check_dims(n_params, world_size, err));
     if (align_numel < 0)
         return cf_err_set(err, CF_EINVAL, "align_numel must be >= 0, got %lld",
                           (long long)align_numel);

@@ -9,7 +9,8 @@
 /*
  * Number of int64 entries of the `slices` array for `n_params` parameters
  * and `world_size` ranks (3 per rank and parameter).  Fails with CF_EINVAL
- * if world_size < 1 and CF_EOVERFLOW if the count does not fit in size_t.
+ * unless 1 <= world_size <= CF_MAX_WORLD_SIZE and n_params * world_size <=
+ * CF_MAX_PIECES (cfsdp.h), so the count is at most 3 * CF_MAX_PIECES.
  */
 cf_status cf_layout_slices_len(size_t n_params, int64_t world_size, size_t *out_len,
                                cf_err *err);
@@ -24,7 +25,8 @@ cf_status cf_layout_slices_len(size_t n_params, int64_t world_size, size_t *out_
  * triples (param_start, numel, shard_offset) -- (0, 0, 0) where a parameter
  * has nothing in a rank's shard.  `*flat_numel` and `*shard_numel` receive
  * the padded flat size and the per-rank shard size.  Errors: CF_EINVAL for a
- * negative numel, align_numel < 0 or world_size < 1; CF_EOVERFLOW if any
+ * negative numel, align_numel < 0, or world_size and n_params outside the
+ * bounds of cf_layout_slices_len; CF_EOVERFLOW if any
  * offset or world_size * shard_numel exceeds INT64_MAX.  On error the output
  * arrays are unspecified.  Pure function; needs no GIL.
  */

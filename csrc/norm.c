@@ -46,27 +46,27 @@ typedef double (*cf_norm_loop)(const void *src, size_t n, double p);
 #define CF_NTERM_P2(v) ((v) * (v))
 #define CF_NTERM_PG(v) pow(fabs(v), p)
 
-#define CF_NT_FP32 float
-#define CF_NT_FP64 double
-#define CF_NT_BF16 uint16_t
-#define CF_NT_FP16 uint16_t
+/* Element i of a D-typed buffer, alignment-safe (cfsdp.h). */
+#define CF_NGET_FP32(p, i) cf_load_f32(p, i)
+#define CF_NGET_FP64(p, i) cf_load_f64(p, i)
+#define CF_NGET_BF16(p, i) cf_load_u16(p, i)
+#define CF_NGET_FP16(p, i) cf_load_u16(p, i)
 
 /* sum |x|^p for dtype D and term kind K, in the lane order of norm.h. */
 #define CF_DEFINE_SUM(D, K)                                                       \
-    static double cf_norm_sum_##D##_##K(const void *src_, size_t n, double p)     \
+    static double cf_norm_sum_##D##_##K(const void *src, size_t n, double p)      \
     {                                                                             \
-        const CF_NT_##D *src = src_;                                              \
         double acc[CF_NORM_LANES] = {0};                                          \
         double total = 0.0;                                                       \
         size_t i = 0, j;                                                          \
         (void)p;                                                                  \
         for (; n - i >= CF_NORM_LANES; i += CF_NORM_LANES)                        \
             for (j = 0; j < CF_NORM_LANES; j++) {                                 \
-                double v = CF_NLD_##D(src[i + j]);                                \
+                double v = CF_NLD_##D(CF_NGET_##D(src, i + j));                   \
                 acc[j] += CF_NTERM_##K(v);                                        \
             }                                                                     \
         for (j = 0; i + j < n; j++) {                                             \
-            double v = CF_NLD_##D(src[i + j]);                                    \
+            double v = CF_NLD_##D(CF_NGET_##D(src, i + j));                       \
             acc[j] += CF_NTERM_##K(v);                                            \
         }                                                                         \
         for (j = 0; j < CF_NORM_LANES; j++)                                       \
@@ -77,21 +77,20 @@ typedef double (*cf_norm_loop)(const void *src, size_t n, double p);
 /* max |x| for dtype D; NaN if any element is NaN, 0 if n == 0.  Lanes as for the sum
  * (a max is exact in any order; the lanes only let the loop vectorise). */
 #define CF_DEFINE_MAX(D)                                                          \
-    static double cf_norm_max_##D(const void *src_, size_t n, double p)           \
+    static double cf_norm_max_##D(const void *src, size_t n, double p)            \
     {                                                                             \
-        const CF_NT_##D *src = src_;                                              \
         double m[CF_NORM_LANES] = {0}, best = 0.0;                                \
         int nan[CF_NORM_LANES] = {0}, any_nan = 0;                                \
         size_t i = 0, j;                                                          \
         (void)p;                                                                  \
         for (; n - i >= CF_NORM_LANES; i += CF_NORM_LANES)                        \
             for (j = 0; j < CF_NORM_LANES; j++) {                                 \
-                double a = fabs(CF_NLD_##D(src[i + j]));                          \
+                double a = fabs(CF_NLD_##D(CF_NGET_##D(src, i + j)));             \
                 m[j] = a > m[j] ? a : m[j];                                       \
                 nan[j] |= a != a;                                                 \
             }                                                                     \
         for (j = 0; i + j < n; j++) {                                             \
-            double a = fabs(CF_NLD_##D(src[i + j]));                              \
+            double a = fabs(CF_NLD_##D(CF_NGET_##D(src, i + j)));                 \
             m[j] = a > m[j] ? a : m[j];                                           \
             nan[j] |= a != a;                                                     \
         }                                                                         \
@@ -102,10 +101,10 @@ typedef double (*cf_norm_loop)(const void *src, size_t n, double p);
         return any_nan ? (double)NAN : best;                                      \
     }
 
-#define CF_DEFINE_FOR_DTYPE(D) \
-    CF_DEFINE_SUM(D, P1)       \
-    CF_DEFINE_SUM(D, P2)       \
-    CF_DEFINE_SUM(D, PG)       \
+#define CF_DEFINE_FOR_DTYPE(D)                                                    \
+    CF_DEFINE_SUM(D, P1)                                                          \
+    CF_DEFINE_SUM(D, P2)                                                          \
+    CF_DEFINE_SUM(D, PG)                                                          \
     CF_DEFINE_MAX(D)
 
 CF_DEFINE_FOR_DTYPE(FP32)
@@ -115,7 +114,7 @@ CF_DEFINE_FOR_DTYPE(FP16)
 
 enum { CF_NORM_P1, CF_NORM_P2, CF_NORM_PG, CF_NORM_INF, CF_NORM_KINDS };
 
-#define CF_NORM_ROW(D) \
+#define CF_NORM_ROW(D)                                                            \
     {cf_norm_sum_##D##_P1, cf_norm_sum_##D##_P2, cf_norm_sum_##D##_PG, cf_norm_max_##D}
 
 /* [dtype code][kind], in cf_dtype order; read-only. */

@@ -23,7 +23,8 @@
  * inf).  Zero elements (padding) leave the statistic unchanged.
  * Errors (nothing is read before the checks): CF_EINVAL for an unknown dtype
  * code, numel < 0, a NULL address with numel > 0, or p that is not > 0
- * (NaN included); CF_EOVERFLOW if numel bytes do not fit in size_t.
+ * (NaN included); CF_EOVERFLOW if numel bytes do not fit in size_t.  `src`
+ * may be at any address (alignment-safe loads, cfsdp.h).
  * Needs no GIL.
  */
 cf_status cf_norm_partial(const void *src, int dtype, int64_t numel, double p, double *out,

@@ -290,8 +290,8 @@ typedef struct {
     const char *name;
 } cf_optim_buf;
 
-/* Every used buffer is non-NULL, its span [lo, hi) of fp32 elements fits the
- * address space, and no two spans overlap (the loops use restrict). */
+/* Every used buffer is non-NULL and fp32-aligned, its span [lo, hi) of fp32 elements
+ * fits the address space, and no two spans overlap (the loops use restrict). */
 static cf_status cf_optim_check_bufs(const cf_optim_buf *bufs, size_t n,
                                      const cf_optim_extent *ext, cf_err *err)
 {
@@ -308,6 +308,9 @@ static cf_status cf_optim_check_bufs(const cf_optim_buf *bufs, size_t n,
         if (bufs[i].addr == NULL)
             return cf_err_set(err, CF_EINVAL, "%s: NULL address with %lld elements to step",
                               bufs[i].name, (long long)ext->total);
+        if (a % _Alignof(float) != 0)
+            return cf_err_set(err, CF_EINVAL, "%s: address %p is not aligned to its 4-byte "
+                              "elements", bufs[i].name, bufs[i].addr);
         if (a > UINTPTR_MAX - (uintptr_t)hi_b)
             return cf_err_set(err, CF_EOVERFLOW, "%s: address + %lld bytes overflows",
                               bufs[i].name, (long long)hi_b);

@@ -49,7 +49,8 @@ typedef struct {
  * The caller guarantees every range of every buffer is memory it owns.
  * Errors, found before any element is written: CF_EINVAL for dtype other than
  * CF_DTYPE_FP32, a NULL buffer (max_exp_avg_sq only when amsgrad) with
- * elements to step, a negative start or length, ranges out of order or
+ * elements to step, a buffer address that is not a multiple of 4, a
+ * negative start or length, ranges out of order or
  * overlapping, the buffers' spans overlapping each other, step < 1;
  * CF_EOVERFLOW if an end or byte offset does not fit; CF_ENOMEM if the
  * threads' index cannot be allocated.  Uses up to cf_num_threads(max_threads)

@@ -59,18 +59,21 @@ typedef void (*cf_reduce_loop)(void *dst, const void *src, size_t n, double divi
 #define CF_ADD_BF16(a, b) cf_f32_to_bf16(cf_bf16_to_f32(a) + cf_bf16_to_f32(b))
 #define CF_ADD_FP16(a, b) cf_f32_to_f16(cf_f16_to_f32(a) + cf_f16_to_f32(b))
 
-#define CF_T_FP32 float
-#define CF_T_FP64 double
-#define CF_T_BF16 uint16_t
-#define CF_T_FP16 uint16_t
+/* Alignment-safe access to element i of a D-typed buffer (cfsdp.h). */
+#define CF_GET_FP32(p, i) cf_load_f32(p, i)
+#define CF_GET_FP64(p, i) cf_load_f64(p, i)
+#define CF_GET_BF16(p, i) cf_load_u16(p, i)
+#define CF_GET_FP16(p, i) cf_load_u16(p, i)
+#define CF_PUT_FP32(p, i, v) cf_store_f32(p, i, v)
+#define CF_PUT_FP64(p, i, v) cf_store_f64(p, i, v)
+#define CF_PUT_BF16(p, i, v) cf_store_u16(p, i, v)
+#define CF_PUT_FP16(p, i, v) cf_store_u16(p, i, v)
 
-/* One loop function for dst dtype D and src dtype S. */
+/* One loop function for dst dtype D and src dtype S; buffers at any address. */
 #define CF_DEFINE_LOOP(D, S)                                                          \
-    static void cf_reduce_loop_##D##_##S(void *dst_, const void *src_, size_t n,      \
+    static void cf_reduce_loop_##D##_##S(void *dst, const void *src, size_t n,        \
                                          double divisor, bool divide, bool accumulate) \
     {                                                                                 \
-        CF_T_##D *dst = dst_;                                                         \
-        const CF_T_##S *src = src_;                                                   \
         const float dvf = (float)divisor;                                             \
         const double dvd = divisor;                                                   \
         size_t i;                                                                     \
@@ -78,23 +81,25 @@ typedef void (*cf_reduce_loop)(void *dst, const void *src, size_t n, double divi
         (void)dvd;                                                                    \
         if (divide && accumulate) {                                                   \
             for (i = 0; i < n; i++)                                                   \
-                dst[i] = CF_ADD_##D(dst[i], CF_CAST_##D(CF_DIV_##S(CF_LD_##S(src[i])))); \
+                CF_PUT_##D(dst, i, CF_ADD_##D(CF_GET_##D(dst, i),                     \
+                           CF_CAST_##D(CF_DIV_##S(CF_LD_##S(CF_GET_##S(src, i))))));  \
         } else if (divide) {                                                          \
             for (i = 0; i < n; i++)                                                   \
-                dst[i] = CF_CAST_##D(CF_DIV_##S(CF_LD_##S(src[i])));                  \
+                CF_PUT_##D(dst, i, CF_CAST_##D(CF_DIV_##S(CF_LD_##S(CF_GET_##S(src, i))))); \
         } else if (accumulate) {                                                      \
             for (i = 0; i < n; i++)                                                   \
-                dst[i] = CF_ADD_##D(dst[i], CF_CAST_##D(CF_LD_##S(src[i])));          \
+                CF_PUT_##D(dst, i, CF_ADD_##D(CF_GET_##D(dst, i),                     \
+                           CF_CAST_##D(CF_LD_##S(CF_GET_##S(src, i)))));              \
         } else {                                                                      \
             for (i = 0; i < n; i++)                                                   \
-                dst[i] = CF_CAST_##D(CF_LD_##S(src[i]));                              \
+                CF_PUT_##D(dst, i, CF_CAST_##D(CF_LD_##S(CF_GET_##S(src, i))));       \
         }                                                                             \
     }
 
-#define CF_DEFINE_LOOPS_FOR_DST(D) \
-    CF_DEFINE_LOOP(D, FP32)        \
-    CF_DEFINE_LOOP(D, FP64)        \
-    CF_DEFINE_LOOP(D, BF16)        \
+#define CF_DEFINE_LOOPS_FOR_DST(D)                                                    \
+    CF_DEFINE_LOOP(D, FP32)                                                           \
+    CF_DEFINE_LOOP(D, FP64)                                                           \
+    CF_DEFINE_LOOP(D, BF16)                                                           \
     CF_DEFINE_LOOP(D, FP16)
 
 CF_DEFINE_LOOPS_FOR_DST(FP32)
@@ -102,8 +107,8 @@ CF_DEFINE_LOOPS_FOR_DST(FP64)
 CF_DEFINE_LOOPS_FOR_DST(BF16)
 CF_DEFINE_LOOPS_FOR_DST(FP16)
 
-#define CF_LOOP_ROW(D)                                                    \
-    {cf_reduce_loop_##D##_FP32, cf_reduce_loop_##D##_FP64,                \
+#define CF_LOOP_ROW(D)                                                                \
+    {cf_reduce_loop_##D##_FP32, cf_reduce_loop_##D##_FP64,                            \
      cf_reduce_loop_##D##_BF16, cf_reduce_loop_##D##_FP16}
 
 /* [dst code][src code], in cf_dtype order; read-only. */

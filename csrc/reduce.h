@@ -13,7 +13,8 @@
  * rounding exactly as torch's op sequence (see reduce.c).  `dst_dtype` and
  * `src_dtype` are cf_dtype codes.  Errors (checked before any write):
  * CF_EINVAL for an unknown dtype code, numel < 0 or a NULL address with
- * numel > 0; CF_EOVERFLOW if numel bytes do not fit in size_t.  `src` may
+ * numel > 0; CF_EOVERFLOW if numel bytes do not fit in size_t.  Buffers
+ * may be at any address (alignment-safe loads, cfsdp.h).  `src` may
  * be `dst` itself (same dtype, in place); any other overlap is the caller's
  * error.  Needs no GIL.
  */

@@ -147,6 +147,18 @@ struct cf_shm_group {
 #define CF_SHM_ST_FP64(v) (v)
 #define CF_SHM_ST_BF16(v) cf_f32_to_bf16(v)
 #define CF_SHM_ST_FP16(v) cf_f32_to_f16(v)
+/* alignment-safe access to element i (cfsdp.h): the caller's buffers may be anywhere */
+#define CF_SHM_GET_FP32(p, i) cf_load_f32(p, i)
+#define CF_SHM_GET_FP64(p, i) cf_load_f64(p, i)
+#define CF_SHM_GET_BF16(p, i) cf_load_u16(p, i)
+#define CF_SHM_GET_FP16(p, i) cf_load_u16(p, i)
+#define CF_SHM_PUT_FP32(p, i, v) cf_store_f32(p, i, v)
+#define CF_SHM_PUT_FP64(p, i, v) cf_store_f64(p, i, v)
+#define CF_SHM_PUT_BF16(p, i, v) cf_store_u16(p, i, v)
+#define CF_SHM_PUT_FP16(p, i, v) cf_store_u16(p, i, v)
+/* element i of a D buffer in its accumulator type, and back */
+#define CF_SHM_LOAD(D, p, i) CF_SHM_LD_##D(CF_SHM_GET_##D(p, i))
+#define CF_SHM_STORE(D, p, i, v) CF_SHM_PUT_##D(p, i, CF_SHM_ST_##D(v))
 #define CF_SHM_T_FP32 float
 #define CF_SHM_T_FP64 double
 #define CF_SHM_T_BF16 uint16_t
@@ -160,44 +172,44 @@ struct cf_shm_group {
  * One sum loop per dtype.  Two sources (the common W = 2) fuse load, add,
  * scale and store in one loop; more go through a block accumulator in L1,
  * added source by source (the same left-to-right order).  Plain indexed
- * loops that gcc -O3 vectorises (no FP contraction: -std=c11).
+ * loops that gcc -O3 vectorises (no FP contraction: -std=c11), with
+ * alignment-safe loads and stores, so the buffers may be at any address.
  */
 #define CF_SHM_DEFINE_SUM(D)                                                              \
-    static void cf_shm_sum_##D(void *dst_, const void *const *srcs_, int k, size_t n,     \
+    static void cf_shm_sum_##D(void *dst, const void *const *srcs, int k, size_t n,       \
                                double scale)                                              \
     {                                                                                     \
-        CF_SHM_T_##D *dst = dst_;                                                         \
-        const CF_SHM_T_##D *const *srcs = (const CF_SHM_T_##D *const *)srcs_;             \
+        const size_t esz = sizeof(CF_SHM_T_##D);                                          \
         const CF_SHM_A_##D s = (CF_SHM_A_##D)scale;                                       \
         const int scaled = scale != 1.0;                                                  \
         CF_SHM_A_##D acc[CF_SHM_BLOCK];                                                   \
         if (k == 2) {                                                                     \
-            const CF_SHM_T_##D *a = srcs[0], *b = srcs[1];                                \
+            const void *a = srcs[0], *b = srcs[1];                                        \
             if (scaled)                                                                   \
                 for (size_t i = 0; i < n; i++)                                            \
-                    dst[i] = CF_SHM_ST_##D((CF_SHM_LD_##D(a[i]) + CF_SHM_LD_##D(b[i])) * s); \
+                    CF_SHM_STORE(D, dst, i, (CF_SHM_LOAD(D, a, i) + CF_SHM_LOAD(D, b, i)) * s); \
             else                                                                          \
                 for (size_t i = 0; i < n; i++)                                            \
-                    dst[i] = CF_SHM_ST_##D(CF_SHM_LD_##D(a[i]) + CF_SHM_LD_##D(b[i]));    \
+                    CF_SHM_STORE(D, dst, i, CF_SHM_LOAD(D, a, i) + CF_SHM_LOAD(D, b, i)); \
             return;                                                                       \
         }                                                                                 \
         for (size_t i0 = 0; i0 < n; i0 += CF_SHM_BLOCK) {                                 \
             size_t m = n - i0 < CF_SHM_BLOCK ? n - i0 : CF_SHM_BLOCK;                     \
-            const CF_SHM_T_##D *a = srcs[0] + i0;                                         \
-            CF_SHM_T_##D *d = dst + i0;                                                   \
+            const unsigned char *a = (const unsigned char *)srcs[0] + i0 * esz;           \
+            unsigned char *d = (unsigned char *)dst + i0 * esz;                           \
             for (size_t i = 0; i < m; i++)                                                \
-                acc[i] = CF_SHM_LD_##D(a[i]);                                             \
+                acc[i] = CF_SHM_LOAD(D, a, i);                                            \
             for (int j = 1; j < k; j++) {                                                 \
-                const CF_SHM_T_##D *b = srcs[j] + i0;                                     \
+                const unsigned char *b = (const unsigned char *)srcs[j] + i0 * esz;       \
                 for (size_t i = 0; i < m; i++)                                            \
-                    acc[i] += CF_SHM_LD_##D(b[i]);                                        \
+                    acc[i] += CF_SHM_LOAD(D, b, i);                                       \
             }                                                                             \
             if (scaled)                                                                   \
                 for (size_t i = 0; i < m; i++)                                            \
-                    d[i] = CF_SHM_ST_##D(acc[i] * s);                                     \
+                    CF_SHM_STORE(D, d, i, acc[i] * s);                                    \
             else                                                                          \
                 for (size_t i = 0; i < m; i++)                                            \
-                    d[i] = CF_SHM_ST_##D(acc[i]);                                         \
+                    CF_SHM_STORE(D, d, i, acc[i]);                                        \
         }                                                                                 \
     }
 
@@ -456,13 +468,14 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
         return cf_err_set(err, CF_EINVAL,
                           "rank %lld is not valid for world_size %lld (the creator is rank 0)",
                           (long long)rank, (long long)world_size);
-    if (slot_bytes < CF_SHM_MIN_SLOT_PER_RANK * world_size || slot_bytes % CF_SHM_LINE != 0)
+    if (slot_bytes < CF_SHM_MIN_SLOT_PER_RANK * world_size || slot_bytes % CF_SHM_LINE != 0 ||
+        slot_bytes > CF_SHM_MAX_SLOT_BYTES)
         return cf_err_set(err, CF_EINVAL,
-                          "slot_bytes must be a multiple of %d and >= %d x world_size = %lld, "
-                          "got %lld",
+                          "slot_bytes must be a multiple of %d in [%d x world_size = %lld, "
+                          "%lld], got %lld",
                           CF_SHM_LINE, CF_SHM_MIN_SLOT_PER_RANK,
                           (long long)(CF_SHM_MIN_SLOT_PER_RANK * world_size),
-                          (long long)slot_bytes);
+                          (long long)CF_SHM_MAX_SLOT_BYTES, (long long)slot_bytes);
     if (!(timeout_s > 0) || !isfinite(timeout_s))
         return cf_err_set(err, CF_EINVAL, "timeout must be a positive number of seconds, got %g",
                           timeout_s);

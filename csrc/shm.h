@@ -37,6 +37,8 @@ typedef enum {
 #define CF_SHM_MAX_WORLD 256
 /* The smallest data slot half (bytes per rank per buffer) per rank of the group. */
 #define CF_SHM_MIN_SLOT_PER_RANK 128
+/* The largest data slot half: a segment is at most 2 x CF_SHM_MAX_WORLD x this. */
+#define CF_SHM_MAX_SLOT_BYTES ((int64_t)1 << 30)
 
 /* Name of an op code ("all_gather", ...), "?" for an unknown one. */
 const char *cf_shm_op_name(int op);
@@ -56,7 +58,8 @@ void cf_shm_reduce_run(void *dst, const void *const *srcs, int nsrc, size_t n, i
 /*
  * Checked and threaded cf_shm_reduce_run: CF_EINVAL for an unknown dtype,
  * nsrc outside [1, CF_SHM_MAX_WORLD], numel < 0 or a NULL address with numel
- * > 0; CF_EOVERFLOW if the byte size does not fit.  Splits the loop over up
+ * > 0; CF_EOVERFLOW if the byte size does not fit.  Buffers may be at any
+ * address (alignment-safe loads, cfsdp.h).  Splits the loop over up
  * to cf_num_threads(max_threads) threads above CF_CHUNK_PARALLEL_BYTES moved.
  */
 cf_status cf_shm_reduce(void *dst, const void *const *srcs, int64_t nsrc, int64_t numel,
@@ -81,7 +84,9 @@ size_t cf_shm_segment_bytes(int64_t world_size, int64_t slot_bytes);
  * Open one rank's view of a segment.  create: shm_open(name, O_CREAT|O_EXCL),
  * size it and write its header (rank must then be 0); else attach to an
  * existing segment and check its header (world size and slot size must
- * match).  `name` is a POSIX shm name ("/cfsdp-..."); `label` names the
+ * match; slot_bytes is a multiple of 64 in [CF_SHM_MIN_SLOT_PER_RANK x
+ * world_size, CF_SHM_MAX_SLOT_BYTES]).  `name` is a POSIX shm name
+ * ("/cfsdp-..."); `label` names the
  * group in every error message; `global_ranks` (world_size entries, may be
  * NULL) names the ranks in messages.  Every wait of this group is bounded by
  * timeout_s seconds.  Errors: CF_EINVAL for bad arguments or a header that
@@ -140,8 +145,10 @@ typedef struct {
 
 /*
  * Validate a collective locally, before it is queued: known op and dtype,
- * numel >= 0 and its byte sizes fit, non-NULL buffers when numel > 0, root
- * in range, finite scale, and buffers that do not overlap -- except the
+ * numel >= 0 and its byte sizes fit, non-NULL buffers when numel > 0 (at
+ * any address: the sums and casts use alignment-safe loads), root in range,
+ * finite scale, a plan within the bounds of cfsdp.h, and buffers that do not
+ * overlap -- except the
  * overlaps FSDP uses: all_gather's src may be dst's own rank block exactly,
  * all_reduce's src may be dst exactly.  CF_EINVAL / CF_EOVERFLOW.
  */

@@ -8,6 +8,17 @@ backend, so CUDA tensors never reach C.
 
 Tensors cross into C as (address, numel, dtype code); the caller guarantees
 the memory stays alive for the duration of the call (C allocates nothing).
+What may cross is one rule, :func:`c_tensor_ok`: a plain ``torch.Tensor`` or
+``nn.Parameter`` (not a subclass: a ``DTensor``, a ``FakeTensor`` or any
+``__torch_dispatch__`` wrapper has no memory of its own at its address), on
+the CPU, strided and contiguous, of a C dtype, with no lazy negation bit, no
+functorch/functional wrapper, and real storage that holds it.  Anything else
+takes the twins' torch ops, so the result is the same either way (or torch's
+own error).  Any address is fine (the C loops load and store alignment-safe),
+but the fused optimizer steps' take fp32-aligned buffers only
+(``_optim_c_ok``).  A CPU tensor whose storage cannot hold it (freed or shrunk
+with ``untyped_storage().resize_()``) is a ``ValueError`` on every path:
+torch's own ops would read past the storage too.
 Calls that may split a large copy across threads (``chunk_pack``,
 ``chunk_unpack``) pass ``torch.get_num_threads()`` as the limit, so
 ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` bound the C core as they
@@ -17,6 +28,7 @@ bound torch (the core's own cap is ``_C.MAX_THREADS`` and the online CPUs).
 from __future__ import annotations
 
 import array
+import operator
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -108,11 +120,45 @@ def plan_layout(numels: Sequence[int], align_numel: int, world_size: int) -> Lay
     )
 
 
-def _c_ok(*tensors: torch.Tensor) -> bool:
-    return _C is not None and all(
-        t.device.type == "cpu" and t.is_contiguous() and t.dtype in DTYPE_CODES
-        for t in tensors
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_has_storage = torch._C._has_storage
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _storage_error(t: torch.Tensor, need: int, have: int) -> ValueError:
+    return ValueError(
+        f"cfsdp: a {t.dtype} tensor of shape {tuple(t.shape)} at storage offset "
+        f"{t.storage_offset()} needs {need} bytes of storage but its storage has {have} "
+        "(freed or shrunk with untyped_storage().resize_()?); neither the C core nor "
+        "torch can read it: keep its storage allocated while cfsdp uses it"
     )
+
+
+def c_tensor_ok(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory may cross into C as (address, numel, dtype code): the
+    rule of the module doc, also the shared-memory collectives' (``cfsdp._runtime.comm``;
+    nothing in it depends on an address, so it picks the same route on every rank).
+    ``ValueError`` for a CPU tensor whose storage cannot hold it.  On the hot path of
+    every call: cheap checks first, no Python loop for a contiguous tensor."""
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided:
+        return False
+    if not _has_storage(t) or _functorch_wrapped(t):
+        return False
+    contiguous, n = t.is_contiguous(), t.numel()
+    if n:
+        span = n if contiguous else 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+        need = (t.storage_offset() + span) * t.element_size()
+        have = t.untyped_storage().nbytes()
+        if need > have:
+            raise _storage_error(t, need, have)
+    return contiguous and t.dtype in DTYPE_CODES and not t.is_neg() and (n == 0 or t.data_ptr())
+
+
+def _c_ok(*tensors: torch.Tensor) -> bool:
+    """C takes the call: the core is on and every tensor may cross (each is checked
+    whatever the backend, so a broken storage fails the same way on the twins)."""
+    ok = all([c_tensor_ok(t) for t in tensors])
+    return _C is not None and ok
 
 
 def shard_fill(
@@ -322,8 +368,11 @@ def sgd_step_addrs(
 
 
 def _optim_c_ok(*tensors: Optional[torch.Tensor]) -> bool:
+    """C takes a fused step: fp32 1-D buffers that may cross, fp32-aligned (the fused
+    loops' one requirement of an address; the twin takes any)."""
     return _c_ok(*(t for t in tensors if t is not None)) and all(
-        t.dtype == torch.float32 and t.dim() == 1 for t in tensors if t is not None
+        t.dtype == torch.float32 and t.dim() == 1 and t.data_ptr() % 4 == 0
+        for t in tensors if t is not None
     )
 
 
@@ -335,7 +384,7 @@ def adam_step(
     else the twin (same contract: ``cfsdp._ref.optim.adam_step``).  The ranges
     must lie inside every buffer (checked here)."""
     ams = max_exp_avg_sq if hp.get("amsgrad") else None
-    _check_optim_ranges(ranges, param, grad, exp_avg, exp_avg_sq, ams)
+    ranges = _check_optim_ranges(ranges, param, grad, exp_avg, exp_avg_sq, ams)
     if _optim_c_ok(param, grad, exp_avg, exp_avg_sq, ams):
         adam_step_addrs(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
                         exp_avg_sq.data_ptr(), ams.data_ptr() if ams is not None else None,
@@ -350,7 +399,7 @@ def sgd_step(
 ) -> None:
     """One SGD step over ``ranges`` of flat 1-D buffers (see ``adam_step``)."""
     buf = momentum_buffer if hp.get("momentum") else None
-    _check_optim_ranges(ranges, param, grad, buf)
+    ranges = _check_optim_ranges(ranges, param, grad, buf)
     if _optim_c_ok(param, grad, buf):
         sgd_step_addrs(param.data_ptr(), grad.data_ptr(),
                        buf.data_ptr() if buf is not None else None, ranges, **hp)
@@ -371,15 +420,30 @@ def sgd_tensor(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optiona
     _ref.optim.sgd_tensor(param, grad, momentum_buffer, **hp)
 
 
-def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> None:
-    pairs = list(zip(ranges[0::2], ranges[1::2])) if isinstance(ranges, array.array) else ranges
-    end = max((int(s) + int(n) for s, n in pairs if int(n) > 0), default=0)
+def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> array.array:
+    """The ranges as one snapshot, ``array('q')`` of flat (start, len) pairs (every value
+    read once: what is checked here is what C reads), checked to lie inside every buffer."""
+    if isinstance(ranges, array.array):
+        flat = array.array("q", ranges)
+    else:
+        flat = array.array("q")
+        for i, pair in enumerate(ranges):
+            try:
+                pair = tuple(pair)
+            except TypeError:
+                raise TypeError("each range must be a (start, len) pair") from None
+            if len(pair) != 2:
+                raise ValueError(f"range {i} must be (start, len), got {len(pair)} items")
+            flat.append(operator.index(pair[0]))
+            flat.append(operator.index(pair[1]))
+    end = max((s + n for s, n in zip(flat[0::2], flat[1::2]) if n > 0), default=0)
     for t in bufs:
         if t is not None and end > t.numel():
             raise ValueError(f"ranges end at element {end}, past a buffer of {t.numel()} elements")
+    return flat
 
 
-# Bulk binding (C: csrc/module.c's bulk-binding block, twin: cfsdp._ref.bind): one
+# Bulk binding (C: csrc/bind_bulk.c, twin: cfsdp._ref.bind): one
 # pass over tuples a unit builds once, instead of a Python loop per parameter in
 # the hooks.  No tensor data is touched, so the C versions serve every device.
 _B = _C if _C is not None else _ref

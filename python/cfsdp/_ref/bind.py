@@ -1,4 +1,4 @@
-"""Twins of the C core's bulk-binding entry points (``csrc/module.c``).
+"""Twins of the C core's bulk-binding entry points (``csrc/bind_bulk.c``).
 
 The runtime keeps, per unit, tuples of the dicts, names and objects its hooks
 touch (module attributes, registered parameters, gradients) and makes one call

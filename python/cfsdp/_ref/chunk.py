@@ -15,7 +15,8 @@ per parameter, in order; with ``world_size`` and ``shard_numel`` it describes
 the unit.  Invariants, checked (in this order, naming the parameter index)
 by ``check_plan`` here and by the C core with the same messages:
 
-* ``world_size >= 1``, ``shard_numel >= 0``, the four numbers are ``>= 0``;
+* ``1 <= world_size <= MAX_WORLD_SIZE`` and ``len(plan) * world_size <= MAX_PIECES``
+  (``cfsdp._ref.layout``), ``shard_numel >= 0``, the four numbers are ``>= 0``;
 * ``numel <= world_size * chunk_numel`` (every element belongs to a rank);
 * the shard segment (the chunk) ``[shard_off, shard_off + chunk_numel)`` lies
   in the shard, and non-empty ones come in parameter order without overlap;
@@ -30,6 +31,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .layout import check_dims
+
 PlanEntry = tuple[int, int, int, int]  # (nat_off, numel, chunk_numel, shard_off)
 
 
@@ -43,8 +46,7 @@ def check_plan(
 ) -> None:
     """Raise ``ValueError`` unless the plan fits the buffers; see the module doc."""
     lo, hi = ranks
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_dims(len(plan), world_size, "plan")
     if shard_numel < 0:
         raise ValueError(f"shard_numel must be >= 0, got {shard_numel}")
     if not 0 <= lo <= hi <= world_size:

@@ -31,7 +31,8 @@ the process group:
 2. the group has at least 2 ranks, all on this host: hostname and
    ``/proc/sys/kernel/random/boot_id`` are exchanged once through the store
    when the group's first collective is issued (``uses_shm`` does the same);
-3. every tensor of the call is a contiguous CPU tensor of one dtype among
+3. every tensor of the call is a contiguous CPU tensor that may cross into C
+   (``_core.c_tensor_ok``: no ``DTensor`` or other subclass) of one dtype among
    float32, float64, bfloat16, float16;
 4. the reduction (``op``) is SUM or AVG (anything else: the process group);
 5. no ``TorchDispatchMode`` is active (see Visibility).
@@ -284,7 +285,7 @@ def _is_sum_or_avg(op) -> Optional[bool]:
 
 
 def _shm_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous() and t.dtype in _SHM_DTYPES
+    return _core.c_tensor_ok(t) and t.dtype in _SHM_DTYPES
 
 
 def _dispatch_mode_active() -> bool:
