@@ -188,7 +188,6 @@ CF_PY_DECLARE(dict_pop);
 CF_PY_DECLARE(attr_flags);
 CF_PY_DECLARE(attr_set);
 CF_PY_DECLARE(attr_get);
-CF_PY_DECLARE(sole_owner);
 CF_PY_DECLARE(shape_views);
 
 #endif /* CF_BIND_H */

@@ -1,6 +1,6 @@
 /*
  * bind_bulk.c -- the bulk binding of cfsdp._C: dict_set, dict_pop, attr_flags,
- * attr_set, attr_get, sole_owner, shape_views.  Twins: cfsdp._ref.bind.
+ * attr_set, attr_get, shape_views.  Twins: cfsdp._ref.bind.
  *
  * Design.  The runtime's per-step bookkeeping touches every parameter of a
  * unit: module attributes bound to forward views or to the registered
@@ -197,48 +197,6 @@ PyObject *cf_py_attr_get(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyTuple_SET_ITEM(out, i, v);
     }
     return out;
-}
-
-CF_PY_DOC(sole_owner,
-"sole_owner($module, objs, refs, /)\n"
-"--\n"
-"\n"
-"True when every object of the tuple `objs` is referenced by exactly `refs`\n"
-"Python references (the tuple's own included) and its tensor has one owner\n"
-"(`o._use_count() == 1`): nothing outside the caller's bookkeeping can see\n"
-"it, in Python or in C++.");
-
-PyObject *cf_py_sole_owner(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_ssize_t n;
-    int64_t refs;
-    PyObject *objs, *name;
-    const cf_py_arg table[] = {{"objs", CF_PY_TUPLE, &objs}, {"refs", CF_PY_I64, &refs}};
-    (void)module;
-    if (cf_py_parse("sole_owner", args, nargs, table, CF_PY_COUNT(table)) < 0)
-        return NULL;
-    n = PyTuple_GET_SIZE(objs);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (Py_REFCNT(PyTuple_GET_ITEM(objs, i)) != refs)
-            Py_RETURN_FALSE;
-    name = PyUnicode_InternFromString("_use_count");
-    if (name == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *c = PyObject_CallMethodNoArgs(PyTuple_GET_ITEM(objs, i), name);
-        long long v = c == NULL ? -1 : PyLong_AsLongLong(c);
-        Py_XDECREF(c);
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(name);
-            return NULL;
-        }
-        if (v != 1) {
-            Py_DECREF(name);
-            Py_RETURN_FALSE;
-        }
-    }
-    Py_DECREF(name);
-    Py_RETURN_TRUE;
 }
 
 CF_PY_DOC(shape_views,

@@ -43,7 +43,6 @@ static PyMethodDef cf_py_methods[] = {
     CF_PY_FASTCALL(attr_flags),
     CF_PY_FASTCALL(attr_set),
     CF_PY_FASTCALL(attr_get),
-    CF_PY_FASTCALL(sole_owner),
     CF_PY_FASTCALL(shape_views),
     {NULL, NULL, 0, NULL}};
 
@@ -97,9 +96,6 @@ static PyModuleDef_Slot cf_py_slots[] = {
     {Py_mod_exec, (void *)cf_py_exec},
 #if PY_VERSION_HEX >= 0x030C0000
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
-#endif
-#ifdef Py_GIL_DISABLED
-    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
 #endif
     {0, NULL}};
 

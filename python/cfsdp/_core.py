@@ -452,5 +452,4 @@ dict_pop = _B.dict_pop
 attr_flags = _B.attr_flags
 attr_set = _B.attr_set
 attr_get = _B.attr_get
-sole_owner = _B.sole_owner
 shape_views = _B.shape_views

@@ -642,8 +642,7 @@ def _run_objs(name, picks):
     return run
 
 
-for _name_, _picks in [("attr_flags", (1,)), ("attr_get", (1,)), ("attr_set", (1, 2)),
-                       ("sole_owner", (3,))]:
+for _name_, _picks in [("attr_flags", (1,)), ("attr_get", (1,)), ("attr_set", (1, 2))]:
     entry(_name_, "bind", _objs_name())(_run_objs(_name_, _picks))
 
 

@@ -43,34 +43,6 @@ def test_attr_flags_get_set(impl):
     assert impl.attr_get(ts, "grad") == (None, None, None)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_sole_owner(impl):
-    a, b = torch.zeros(3), torch.zeros(3)
-    objs = (a, b)
-    # a and b: the tuple and the local name each
-    assert impl.sole_owner(objs, 2)
-    assert not impl.sole_owner(objs, 1)
-    extra = [a]  # one more Python reference
-    assert not impl.sole_owner(objs, 2)
-    del extra
-    assert impl.sole_owner(objs, 2)
-    holder = torch.zeros(3, requires_grad=True)
-    holder.grad = b  # a C++ owner, no new Python reference
-    assert not impl.sole_owner(objs, 2)
-    holder.grad = None
-    assert impl.sole_owner(objs, 2)
-    assert impl.sole_owner((), 0)
-
-
-def test_c_and_twin_agree_on_sole_owner_counts():
-    objs = tuple(torch.zeros(1) for _ in range(4))
-    keep = [objs[1], objs[1], objs[3]]
-    for refs in range(4):
-        assert C.sole_owner(objs, refs) == R.sole_owner(objs, refs)
-    assert [C.sole_owner((o,), 2) for o in objs] == [R.sole_owner((o,), 2) for o in objs]
-    del keep
-
-
 BAD = [
     ("dict_set", ([], (), ()), TypeError, "dicts must be a tuple, not list"),
     ("dict_set", (({},), ("k", "l"), (1,)), ValueError, "dicts has 1 items but keys has 2"),
@@ -81,7 +53,6 @@ BAD = [
     ("attr_flags", ((torch.zeros(1),), "no_such"), AttributeError, "no_such"),
     ("attr_set", ((torch.zeros(1),), "grad", ()), ValueError, "objs has 1 items but values has 0"),
     ("attr_get", ([torch.zeros(1)], "grad"), TypeError, "objs must be a tuple, not list"),
-    ("sole_owner", ([], 1), TypeError, "objs must be a tuple, not list"),
 ]
 
 

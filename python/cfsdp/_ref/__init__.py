@@ -13,7 +13,7 @@ from .reduce import scale_cast_add
 from .norm import norm_partial
 from .shm import shm_memcpy, shm_reduce
 from .optim import adam_step, sgd_step
-from .bind import attr_flags, attr_get, attr_set, dict_pop, dict_set, shape_views, sole_owner
+from .bind import attr_flags, attr_get, attr_set, dict_pop, dict_set, shape_views
 
 __all__ = [
     "plan_layout_lists",
@@ -31,6 +31,5 @@ __all__ = [
     "attr_flags",
     "attr_set",
     "attr_get",
-    "sole_owner",
     "shape_views",
 ]

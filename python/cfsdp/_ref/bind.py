@@ -8,7 +8,6 @@ Python, with the same argument checks and messages.
 
 from __future__ import annotations
 
-import sys
 
 
 def _tuple(fname: str, what: str, obj) -> int:
@@ -77,18 +76,6 @@ def attr_get(objs: tuple, name: str) -> tuple:
     _tuple("attr_get", "objs", objs)
     _name("attr_get", name)
     return tuple(getattr(o, name) for o in objs)
-
-
-def sole_owner(objs: tuple, refs: int) -> bool:
-    """Every object has exactly ``refs`` Python references (the tuple's own
-    included) and its tensor one owner (``_use_count() == 1``)."""
-    _tuple("sole_owner", "objs", objs)
-    refs = int(refs)
-    for o in objs:
-        # getrefcount sees two more: the loop variable and its own argument
-        if sys.getrefcount(o) - 2 != refs:
-            return False
-    return all(o._use_count() == 1 for o in objs)
 
 
 def shape_views(chunks: tuple, index: tuple, shapes: tuple, trainable, occ_index: tuple) -> tuple:
