@@ -85,7 +85,7 @@ class _FSState:
             return
         if len(self.modules) > 1:
             raise RuntimeError(
-                f"FSDP requires a single root module but got {self.modules} (cfsdp: "
+                f"FSDP requires a single root module but got {tuple(self.modules)} (cfsdp: "
                 f"{len(self.modules)} modules from one fully_shard([...]) call ran forward first; "
                 "apply fully_shard to their parent as well and run forward through it)"
             )

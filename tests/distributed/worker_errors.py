@@ -553,6 +553,7 @@ SAME_AS_TORCH: dict[str, tuple[Callable[[Any, type], Any], tuple[str, ...]]] = {
     "get_different_settings": (lambda ctx, F: types_differ(ctx, F, get=True), ()),
     "local_state_dict_with_device_mesh": (local_with_mesh, ()),
     # loading model state dicts
+    "load_state_dict_none": (lambda ctx, F: nested(ctx, F).load_state_dict(None), ()),
     "load_full_missing_key": (lambda ctx, F: load_sd(ctx, F, SF, lambda sd: sd.pop("proj.weight")), ("proj.weight",)),
     "load_full_unexpected_key": (
         lambda ctx, F: load_sd(ctx, F, SF, lambda sd: sd.__setitem__("encoder.bogus", torch.zeros(1))),

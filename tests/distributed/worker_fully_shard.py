@@ -1344,6 +1344,20 @@ def _hsdp_hook_stream(impl, ctx, mesh):
     impl.fully_shard(nn.Linear(5, 3), mesh=hsdp).set_all_reduce_hook(lambda t: None, stream=torch.Stream("cpu"))
 
 
+def _two_roots(impl, ctx, mesh):
+    """fully_shard([a, b]) with no parent call: a forward through ``a`` finds two roots."""
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+    impl.fully_shard([model[0], model[1]], mesh=mesh)
+    model[0](torch.randn(2, 5))
+
+
+def _unit_ran_first(impl, ctx, mesh):
+    """A forward through a unit before the root's first forward made the unit a root."""
+    model = _sharded_pair(impl, mesh)
+    model[0](torch.randn(2, 5))
+    model(torch.randn(2, 5))
+
+
 def _class_repr_dropped(msg: str) -> str:
     """torch's message starts with the repr of its own FSDP<Cls> class (torch's module path),
     which cfsdp's FSDP<Cls> cannot repeat: compare what follows it."""
@@ -1432,6 +1446,8 @@ BAD_INPUT: dict[str, tuple[Callable, tuple]] = {
         ("same", ["reshard_after_forward"], [])),
     "deepcopy": (lambda impl, ctx, mesh: copy.deepcopy(_sharded_pair(impl, mesh)), ("same", ["deepcopy"], [])),
     "all_reduce_hook_stream_with_hsdp": (_hsdp_hook_stream, ("same", ["HSDP"], [])),
+    "two_roots_in_one_call": (_two_roots, ("same", ["single root"], [])),
+    "unit_forward_before_root": (_unit_ran_first, ("same", ["lazily initialized"], [])),
 }
 
 
