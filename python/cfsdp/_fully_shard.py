@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 
 import torch.distributed.fsdp as _torch_fsdp
 from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
@@ -84,7 +85,7 @@ class _FSState:
             return
         if len(self.modules) > 1:
             raise RuntimeError(
-                f"FSDP requires a single root module but got {self.modules} (cfsdp: "
+                f"FSDP requires a single root module but got {tuple(self.modules)} (cfsdp: "
                 f"{len(self.modules)} modules from one fully_shard([...]) call ran forward first; "
                 "apply fully_shard to their parent as well and run forward through it)"
             )
@@ -187,7 +188,9 @@ class _FSState:
 def _state(module: nn.Module) -> _FSState:
     s = getattr(module, _STATE_ATTR, None)
     if s is None:
-        raise AssertionError(f"No FSDP state found on {type(module).__name__}")
+        raise AssertionError(
+            f"No FSDP state found on {module} (cfsdp: call fully_shard on the module first.)"
+        )
     return s
 
 
@@ -269,11 +272,11 @@ class FSDPModule:
             _state(m).ustate.reshard_after_backward = bool(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        _check_fsdp_modules(modules)
+        _check_fsdp_modules(modules, "Expects FSDPModule but got {cls}: {m}")
         _state(self).ustate.forward_prefetch_states = [_state(m).ustate for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        _check_fsdp_modules(modules)
+        _check_fsdp_modules(modules, "Expects FSDPModule but got {cls}: {m}")
         _state(self).ustate.backward_prefetch_states = [_state(m).ustate for m in modules]
 
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -366,12 +369,18 @@ class UnshardHandle:
         self._state = None
 
 
-def _check_fsdp_modules(modules: Any) -> None:
+def _check_fsdp_modules(modules: Any, torch_message: str) -> None:
+    """Every entry a module ``fully_shard`` was applied to; ``torch_message`` is what
+    torch's check for the calling function says of a bad entry (``{cls}``, ``{m}``)."""
     if not isinstance(modules, (list, tuple)):
         raise ValueError(f"Expects list of FSDPModules but got {modules}")
-    for m in modules:
+    for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"Expects list of FSDPModules but got {type(m)}: {m}")
+            raise ValueError(
+                torch_message.format(cls=type(m), m=m)
+                + f" (cfsdp: entry {i} is a {type(m).__name__} that fully_shard was not applied "
+                "to; pass modules given to fully_shard.)"
+            )
 
 
 # The default group's 1-D mesh, made once per group and device type: every
@@ -424,6 +433,37 @@ def _managed(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Module], l
                 order.append(p)
             occurrences[p].append((m, name))
     return managed, [(p, occurrences[p]) for p in order]
+
+
+class PlacementError(NotImplementedError, ValueError):
+    """A ``shard_placement_fn`` result torch rejects as invalid (``ValueError``); cfsdp's
+    error for results it cannot use has been a ``NotImplementedError``, so it is both."""
+
+
+class ShardDimError(NotImplementedError, AssertionError):
+    """``Shard(dim)`` past the parameter's dimensions: torch raises ``AssertionError``;
+    cfsdp's error for placements it cannot use has been a ``NotImplementedError``."""
+
+
+def _check_placement(pl: Any, p: nn.Parameter, fqn: str, shard_size: int) -> Optional[NotImplementedError]:
+    """cfsdp shards on dim 0 only: a result torch rejects raises torch's error (with
+    cfsdp's note); one torch accepts is returned as cfsdp's ``NotImplementedError``, for
+    the caller to raise once no other parameter has an error torch would raise first."""
+    if pl is None or (isinstance(pl, Shard) and pl.dim in (0, -p.dim())):
+        return None
+    nyi = str(_nyi(f"shard_placement_fn returning {pl} for '{fqn}' (only Shard(0))"))
+    if not isinstance(pl, (Shard, ShardPlacementResult)):
+        raise PlacementError(f"Invalid shard_placement_fn result: {pl} (cfsdp: {nyi})")
+    if isinstance(pl, Shard):
+        dim = pl.dim + p.dim() if pl.dim < 0 else pl.dim
+        if dim >= p.dim():
+            raise ShardDimError(f"Shard dim {dim} is invalid for {p.dim()}D tensor: {p.shape} (cfsdp: {nyi})")
+        if dim > 0 and p.size(dim) % shard_size != 0:
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {dim}: {p.size()} (world size: "
+                f"{shard_size}) (cfsdp: {nyi})"
+            )
+    return NotImplementedError(nyi)
 
 
 def fully_shard(
@@ -517,15 +557,18 @@ def fully_shard(
     root_mod = modules[0]
     fqn_of = {p: n for n, p in root_mod.named_parameters(remove_duplicate=False)}
     entries = []
-    for p, occ in params:
-        fqn = fqn_of.get(p, occ[0][1])
-        check_plain_param(p, fqn, "fully_shard")
+    not_implemented: Optional[NotImplementedError] = None
+    for p, occ in params:  # as torch, every parameter before the per-parameter checks
         if p.dim() == 0:
             raise ValueError(
                 "fully_shard doesn't support scalar parameters. "
                 f"Change {occ[0][1]} to a 1D tensor with numel equal to 1. (cfsdp: the parameter "
-                f"is '{fqn}'; e.g. nn.Parameter(torch.tensor([v])), or pass it in ignored_params.)"
+                f"is '{fqn_of.get(p, occ[0][1])}'; e.g. nn.Parameter(torch.tensor([v])), or pass "
+                "it in ignored_params.)"
             )
+    for p, occ in params:
+        fqn = fqn_of.get(p, occ[0][1])
+        check_plain_param(p, fqn, "fully_shard")
         if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "
@@ -533,13 +576,15 @@ def fully_shard(
             )
         if not p.is_contiguous():
             raise NotImplementedError(
-                f"FSDP does not support non-contiguous parameters yet: '{fqn}' {p.shape} {p.stride()}"
+                f"FSDP does not support non-contiguous parameters yet: param.shape={p.shape} "
+                f"param.stride()={p.stride()} (cfsdp: the parameter is '{fqn}'; make it "
+                "contiguous before fully_shard, e.g. nn.Parameter(p.contiguous()).)"
             )
         if shard_placement_fn is not None:
-            pl = shard_placement_fn(p)
-            if pl is not None and not (isinstance(pl, Shard) and pl.dim in (0, -p.dim())):
-                raise _nyi(f"shard_placement_fn returning {pl} for '{fqn}' (only Shard(0))")
+            not_implemented = not_implemented or _check_placement(shard_placement_fn(p), p, fqn, shard_size)
         entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
+    if not_implemented is not None:
+        raise not_implemented
     # one chunk unit, or one per dtype when the call's parameters have several
     unit = chunk_units(entries, lambda es: ChunkUnit(
         es, mesh, shard_group, replicate_group, device, mp_policy.param_dtype,
@@ -632,7 +677,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     the modules already share one context."""
     if not modules:
         raise ValueError(f"Expects list of FSDPModules but got {modules}")
-    _check_fsdp_modules(modules)
+    _check_fsdp_modules(modules, "Expects list of FSDPModules but got {m}")
 
 
 # help() shows torch's documentation of the mirrored API, then cfsdp's notes

@@ -95,9 +95,10 @@ class _View:
             )
         uops = {w._use_orig_params for w in self.wrappers}
         if len(uops) != 1:
-            raise ValueError(
+            raise OptimStateDictError(
+                "Not all FSDP modules have the same _use_orig_params value (cfsdp: "
                 f"FullyShardedDataParallel.{what}: all wrappers of the model must share "
-                "use_orig_params, but both True and False are used."
+                "use_orig_params, but both True and False are used.)"
             )
         self.use_orig_params = uops.pop()
         for w in self.wrappers:
@@ -168,6 +169,12 @@ class _View:
         return {pid: self.entry(p, what) for pid, p in enumerate(params)}
 
 
+class OptimStateDictError(AssertionError, ValueError):
+    """Bad input torch's FSDP1 rejects with an ``AssertionError`` (mixed
+    ``use_orig_params``, a parameter group without ``"params"``, a bad key type);
+    cfsdp's error has been a ``ValueError``, so it is both."""
+
+
 def _params_from_optim_input(model_params: list, optim_input) -> list:
     """torch's deprecated ``optim_input``: a list of parameters or of param groups;
     None means the model's ``parameters()``."""
@@ -185,7 +192,10 @@ def _params_from_optim_input(model_params: list, optim_input) -> list:
         out = []
         for g in items:
             if "params" not in g:
-                raise ValueError('A parameter group in optim_input must map "params" to its parameters')
+                raise OptimStateDictError(
+                    'A parameter group should map "params" to a list of the parameters in the '
+                    f"group (cfsdp: optim_input's group {g} has no \"params\".)"
+                )
             out.extend(g["params"])
         return out
     raise TypeError("Optimizer input should be an iterable of Tensors or dicts")
@@ -508,18 +518,23 @@ def _to_full(v: Any, fqn: str, name: str) -> Any:
 def _check_shape(v: torch.Tensor, fqn: str, name: str, shape: torch.Size) -> None:
     if tuple(v.shape) != tuple(shape):
         raise ValueError(
-            f"optimizer state '{name}' of '{fqn}' has shape {tuple(v.shape)} but the parameter has "
-            f"shape {tuple(shape)}: the optimizer state dict does not match this model."
+            "Tensor optimizer state does not have same shape as its parameter: "
+            f"{v.shape} {torch.Size(shape)} (cfsdp: optimizer state '{name}' of '{fqn}' has shape "
+            f"{tuple(v.shape)} but the parameter has shape {tuple(shape)}: the optimizer state "
+            "dict does not match this model.)"
         )
 
 
-def _broadcast_from_rank0(view: _View, osd: dict) -> dict:
+_NO_STATE = '`optim_state_dict` must have the keys "state"to be a valid optimizer state dict'  # torch's
+
+
+def _broadcast_from_rank0(view: _View, osd: dict, what: str) -> dict:
     """rank0_only loading: rank 0's dict reaches every rank (small values as objects,
     positive-dim tensors one broadcast each)."""
     is0 = view.rank == 0
     if is0:
         if "state" not in osd:
-            raise ValueError('optim_state_dict must have the key "state" to be a valid optimizer state dict')
+            raise ValueError(_NO_STATE + f" (cfsdp: {what}: rank 0's optim_state_dict has no \"state\".)")
         meta = {
             "state": {
                 k: ({n: (("T", tuple(v.shape), v.dtype) if _is_pos_dim(v) else v) for n, v in s.items()}
@@ -560,27 +575,42 @@ def _flatten_flat(view: _View, e: _Entry, state: dict, what: str) -> dict[str, A
             names = set(s)
         elif set(s) != names:
             raise ValueError(
-                f"FullyShardedDataParallel.{what}: '{f}' has optimizer states {sorted(s)} but "
-                f"'{e.fqns[0]}' (same unit) has {sorted(names)}; all parameters of a unit need "
-                "the same state names."
+                f"Differing optimizer state names for the unflattened parameters: {e.fqns} (cfsdp: "
+                f"FullyShardedDataParallel.{what}: '{f}' has optimizer states {sorted(s)} but an "
+                f"earlier parameter of its unit has {sorted(names)}; all parameters of a unit "
+                "need the same state names.)"
             )
     out: dict[str, Any] = {}
     lay = unit.layout
     for name in sorted(names or ()):
         vals = [None if s is None else s[name] for s in gathered]
         present = [v for v in vals if v is not None]
+        if not (all(_is_pos_dim(v) for v in present) or all(_is_zero_dim(v) for v in present)
+                or all(not torch.is_tensor(v) for v in present)):
+            raise ValueError(
+                f"Differing optimizer state types for state {name}, values {present}, and "
+                f"unflattened parameter names {e.fqns} (cfsdp: FullyShardedDataParallel.{what}: "
+                "give every parameter of the unit the same kind of state.)"
+            )
         if all(_is_pos_dim(v) for v in present):
+            dtypes = {v.dtype for v in present}
+            if len(dtypes) != 1:
+                f, v = next((f, v) for f, v in zip(e.fqns, vals)
+                            if v is not None and v.dtype != present[0].dtype)
+                raise ValueError(
+                    "All unflattened parameters comprising a single flat parameter must have "
+                    f"positive-dimension tensor state with the same dtype but got dtypes {dtypes} "
+                    f"for state {name} and unflattened parameter names {e.fqns} (cfsdp: optimizer "
+                    f"state '{name}' of '{f}' is {v.dtype} but "
+                    f"{present[0].dtype} for other parameters of its unit; one dtype per state and "
+                    "unit is needed.)"
+                )
             dtype = present[0].dtype
             flat = torch.zeros(lay.flat_numel, dtype=dtype, device=unit.device)
             for f, v, info, off in zip(e.fqns, vals, unit.infos, lay.offsets):
                 if v is None:
                     continue
                 _check_shape(v, f, name, info.shape)
-                if v.dtype != dtype:
-                    raise ValueError(
-                        f"optimizer state '{name}' of '{f}' is {v.dtype} but {dtype} for other "
-                        "parameters of its unit; one dtype per state and unit is needed."
-                    )
                 flat[off : off + info.numel].copy_(v.reshape(-1))
             if unit.sharded:
                 lo, hi = lay.shard_range(unit.rank)
@@ -590,30 +620,28 @@ def _flatten_flat(view: _View, e: _Entry, state: dict, what: str) -> dict[str, A
                     shard[: hi2 - lo].copy_(flat[lo:hi2])
                 flat = shard
             out[name] = flat
-        elif all(_is_zero_dim(v) for v in present) and len(present) == len(vals):
-            vs = {(v.item(), v.dtype) for v in present}
-            if len(vs) != 1:
+        elif all(_is_zero_dim(v) for v in present):
+            values = {None if v is None else v.item() for v in vals}
+            dtypes = {None if v is None else v.dtype for v in vals}
+            if len(present) != len(vals) or len(values) != 1 or len(dtypes) != 1:
                 raise ValueError(
-                    f"FullyShardedDataParallel.{what}: state '{name}' differs between the "
-                    f"parameters {e.fqns} of one unit ({sorted(str(x) for x in vs)}); they "
-                    "must share one value."
+                    "All unflattened parameters comprising a single flat parameter must have "
+                    f"scalar state with the same value and dtype but got values {values} and "
+                    f"dtypes {dtypes} for state {name} and unflattened parameter names {e.fqns} "
+                    f"(cfsdp: FullyShardedDataParallel.{what}: the parameters of one unit must "
+                    f"share one value of '{name}'.)"
                 )
-            val, dt = vs.pop()
-            out[name] = torch.tensor(val, dtype=dt)
-        elif all(not torch.is_tensor(v) for v in present) and len(present) == len(vals):
-            if len(set(present)) != 1:
+            out[name] = torch.tensor(values.pop(), dtype=dtypes.pop())
+        else:
+            if len(present) != len(vals) or len(set(vals)) != 1:
                 raise ValueError(
-                    f"FullyShardedDataParallel.{what}: state '{name}' differs between the "
-                    f"parameters {e.fqns} of one unit; they must share one value."
+                    "All unflattened parameters comprising a single flat parameter must have "
+                    f"scalar state with the same value and dtype but got values {set(vals)} for "
+                    f"state {name} and  unflattened parameter names {e.fqns} (cfsdp: "
+                    f"FullyShardedDataParallel.{what}: the parameters of one unit must share one "
+                    f"value of '{name}'.)"
                 )
             out[name] = present[0]
-        else:
-            missing = [f for f, v in zip(e.fqns, vals) if v is None]
-            raise ValueError(
-                f"FullyShardedDataParallel.{what}: state '{name}' of the unit holding {e.fqns} "
-                f"is missing for {missing} or of mixed kinds; give every parameter of the unit "
-                "the same kind of state."
-            )
     return out
 
 
@@ -644,11 +672,11 @@ def _flatten_orig(e: _Entry, state: dict) -> dict[str, Any]:
 def _load(osd: dict, model, optim, optim_input, *, rank0_only: bool, group, what: str) -> dict:
     view = _View(model, group, what)
     if rank0_only:
-        osd = _broadcast_from_rank0(view, osd if view.rank == 0 else {})
+        osd = _broadcast_from_rank0(view, osd if view.rank == 0 else {}, what)
     if "state" not in osd:
         raise ValueError(
-            f'FullyShardedDataParallel.{what}: optim_state_dict must have the key "state" to be '
-            "a valid optimizer state dict"
+            _NO_STATE + f' (cfsdp: FullyShardedDataParallel.{what}: the optimizer state dict has '
+            'no "state".)'
         )
     state = osd["state"]
     bad = [k for k in state if not isinstance(k, str)]
@@ -811,9 +839,10 @@ def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_
     or by ids (``PARAM_ID``) of ``optim`` (or ``optim_input``, or ``model.parameters()``),
     as torch FSDP1; works for wrapped and unwrapped models, without communication."""
     if optim_state_key_type not in (OptimStateKeyType.PARAM_NAME, OptimStateKeyType.PARAM_ID):
-        raise ValueError(
-            f"optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, got "
-            f"{optim_state_key_type!r}"
+        raise OptimStateDictError(
+            "Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"{optim_state_key_type} (cfsdp: pass OptimStateKeyType.PARAM_NAME or "
+            "OptimStateKeyType.PARAM_ID.)"
         )
     _warn_optim_input(optim_input)
     osd = optim_state_dict

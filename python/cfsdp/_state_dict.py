@@ -138,7 +138,9 @@ def get_state_dict_type(wrappers: list) -> Optional[StateDictSettings]:
             settings = mine
         elif mine != settings:
             raise AssertionError(
-                f"All FSDP modules must have the same state dict settings. Got {mine} and {settings}."
+                f"All FSDP modules must have the same state dict settings.Got {mine} and {settings}. "
+                "(cfsdp: call set_state_dict_type / state_dict_type on the root, which sets every "
+                "wrapper below it.)"
             )
     return settings
 
@@ -634,26 +636,73 @@ def _describe(v) -> str:
     return f"a {str(v.dtype).replace('torch.', '')} {kind} of shape {tuple(_global_shape(v))}"
 
 
+class MissingFlatParamError(AssertionError, RuntimeError):
+    """A LOCAL_STATE_DICT without a wrapper's ``_flat_param``: torch raises
+    ``AssertionError``; cfsdp's load errors are ``RuntimeError`` s, so it is both."""
+
+
+def _raw_keys(w) -> dict[str, str]:
+    """Each clean module prefix under ``w`` (``"a.b."``, ``""`` for ``w``) -> the raw one
+    (wrapper and checkpoint-wrapper prefixes kept) of the deepest module with that clean
+    name, which is where ``nn.Module.load_state_dict`` looks up that module's entries."""
+    raw: dict[str, str] = {}
+    for name, _ in w.named_modules():
+        full = name + "." if name else ""
+        raw[clean_tensor_name(full) if full else ""] = full
+    return raw
+
+
+def _load_order(raw: dict[str, str], keys: list[str]) -> list[str]:
+    """``keys`` in the order ``nn.Module.load_state_dict`` reports them: by the module that
+    checks each (the deepest module of the model whose prefix it has, in pre-order), then
+    in the order given (``expected_entries`` lists a module's parameters before its
+    buffers, as the module holds them)."""
+    pos = {m: i for i, m in enumerate(raw)}
+
+    def owner(k: str) -> int:
+        mod = k
+        while mod:
+            mod = mod.rpartition(".")[0]
+            if mod + "." in pos:
+                return pos[mod + "."]
+        return pos.get("", 0)
+
+    return sorted(keys, key=owner)
+
+
+def _torch_key(raw: dict[str, str], key: str) -> str:
+    """The raw key ``nn.Module.load_state_dict`` names in a size mismatch for clean ``key``."""
+    mod, _, leaf = key.rpartition(".")
+    return raw.get(mod + "." if mod else "", mod + "." if mod else "") + leaf
+
+
 def validate(w, state_dict, prefix: str, strict: Optional[bool]) -> None:
     """Check ``state_dict``'s entries under ``prefix`` against ``w``'s own before
     anything is written: missing and unexpected keys (when ``strict``), shapes (always).
     Another dtype is no error: values are cast on copy, as ``nn.Module.load_state_dict``
-    does.  Raises ``RuntimeError`` naming the first offending FQN."""
+    does.  Raises ``RuntimeError`` naming the first offending FQN, with the message
+    torch's FSDP1 gives for the same state dict (``nn.Module.load_state_dict``'s, through
+    the root wrapper) first when ``w`` is the root of the load."""
     expected = expected_entries(w, prefix)
     given = [k for k in state_dict if k.startswith(prefix)]
-    errors: list[str] = []
-    if strict:
-        errors += [f"missing key '{k}' (expected {_describe(v)})" for k, v in expected.items() if k not in state_dict]
-        errors += [
-            f"unexpected key '{k}' (the model has no parameter or buffer of that name)"
-            for k in given if k not in expected
-        ]
-    for k in given:
-        want, got = expected.get(k), state_dict[k]
+    raw = _raw_keys(w)
+    missing = _load_order(raw, [k for k in expected if k not in state_dict]) if strict else []
+    unexpected = _load_order(raw, [k for k in given if k not in expected]) if strict else []
+    errors: list[str] = [f"missing key '{k}' (expected {_describe(expected[k])})" for k in missing]
+    errors += [f"unexpected key '{k}' (the model has no parameter or buffer of that name)"
+               for k in unexpected]
+    theirs: list[str] = []  # torch's lines for what torch checks the same way
+    for k in _load_order(raw, [k for k in expected if k in state_dict]):
+        want, got = expected[k], state_dict[k]
         if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
             continue
         if _global_shape(got) != want.shape:
             errors.append(f"'{k}' has shape {tuple(_global_shape(got))}, expected {tuple(want.shape)}")
+            if not hasattr(want, "_cfsdp_shards"):  # a full parameter or a buffer: as torch
+                theirs.append(
+                    f"size mismatch for {_torch_key(raw, k)}: copying a param with shape "
+                    f"{_global_shape(got)} from checkpoint, the shape in current model is {want.shape}."
+                )
         elif isinstance(got, ShardedTensor) and hasattr(want, "_cfsdp_shards"):
             have = sorted((list(m.shard_offsets), list(m.shard_sizes)) for m in got.metadata().shards_metadata)
             if have != sorted((list(o), list(z)) for o, z in want._cfsdp_shards):
@@ -661,14 +710,35 @@ def validate(w, state_dict, prefix: str, strict: Optional[bool]) -> None:
                     f"'{k}' is sharded as {have}, this model as {sorted(want._cfsdp_shards)} (another "
                     "world size?): save and load through torch.distributed.checkpoint, which reshards"
                 )
-    if errors:
-        more = f" ({len(errors) - 1} more: " + "; ".join(errors[1:]) + ")" if len(errors) > 1 else ""
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for FullyShardedDataParallel "
-            f"({w._state_dict_type.name}): {errors[0]}{more}. Nothing was loaded. Check that the "
-            "state dict comes from the same model and the same state_dict_type"
-            + ("; pass strict=False to load only the matching keys." if strict else ".")
+    if not errors:
+        return
+    more = f" ({len(errors) - 1} more: " + "; ".join(errors[1:]) + ")" if len(errors) > 1 else ""
+    ours = (
+        f"{errors[0]}{more}. Nothing was loaded. Check that the state dict comes from the same "
+        "model and the same state_dict_type"
+        + ("; pass strict=False to load only the matching keys." if strict else ".")
+    )
+    local = w._state_dict_type == StateDictType.LOCAL_STATE_DICT
+    if local and any(k.rpartition(".")[2] == FLAT_PARAM for k in missing):
+        # torch's LOCAL pre-load hook says so, before nn.Module's checks
+        raise MissingFlatParamError(
+            "No `FlatParameter` in `state_dict` for this FSDP instance but it has parameters "
+            f"(cfsdp: {w._state_dict_type.name}: {ours})"
         )
+    if missing:
+        theirs.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if unexpected:
+        theirs.insert(1 if missing else 0,
+                      "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+    if theirs and not prefix:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(w).__name__}:\n\t" + "\n\t".join(theirs)
+            + f" (cfsdp: {w._state_dict_type.name}: {ours})"
+        )
+    raise RuntimeError(
+        f"Error(s) in loading state_dict for FullyShardedDataParallel "
+        f"({w._state_dict_type.name}): {ours}"
+    )
 
 
 # ------------------------------------------------------------- loading

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.fsdp import wrap as _torch_wrap
 from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
+from torch.distributed.fsdp._common_utils import TrainingState as _TorchTrainingState
 from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
@@ -38,7 +39,7 @@ from ._runtime.hooks import (
 )
 from ._runtime.replaced import check_plain_param, replaced_fqn
 from ._runtime.base import TrainingState, wrappers_in
-from ._runtime.unit import Unit
+from ._runtime.unit import Unit, flatten_error, scalar_param_message
 from ._docs import adopt_class_docs
 from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
@@ -61,10 +62,47 @@ __all__ = ["FullyShardedDataParallel"]
 _AUTO_WRAP_IGNORED: contextvars.ContextVar[Optional[frozenset]] = contextvars.ContextVar(
     "cfsdp_auto_wrap_ignored", default=None
 )
+# ... and that root's module (errors in the nested units name FQNs from it)
+_AUTO_WRAP_ROOT: contextvars.ContextVar[Optional[nn.Module]] = contextvars.ContextVar(
+    "cfsdp_auto_wrap_root", default=None
+)
 
 class WrongTypeError(TypeError, ValueError):
     """A wrong type in an argument's entries.  torch's FSDP1 raises ``ValueError``
     there, so this is both: code written against torch keeps catching it."""
+
+
+class NoProcessGroupError(RuntimeError, ValueError):
+    """No default process group: torch raises ``ValueError`` (c10d's
+    ``_get_default_group``); cfsdp's error has been a ``RuntimeError``, so it is both."""
+
+
+class CallStateError(RuntimeError, ValueError):
+    """A method called in the wrong training state (``no_sync`` inside forward, backward
+    or ``summon_full_params``): torch's ``_assert_state`` raises ``ValueError``; cfsdp's
+    error has been a ``RuntimeError``, so it is both."""
+
+
+class CommHookError(AssertionError, RuntimeError):
+    """``register_comm_hook`` on a non-root instance or a second time: torch raises
+    ``AssertionError``; cfsdp's error has been a ``RuntimeError``, so it is both."""
+
+
+class CommHookStrategyError(AssertionError, ValueError):
+    """``register_comm_hook`` with a hybrid strategy: torch raises ``AssertionError``;
+    cfsdp's error has been a ``ValueError``, so it is both."""
+
+
+def _torch_state_message(state: TrainingState) -> str:
+    """torch FSDP1's ``_assert_state`` message for a call that needs IDLE, with cfsdp's
+    state named as torch's (FORWARD_BACKWARD, SUMMON_FULL_PARAMS)."""
+    if state is TrainingState.SUMMON:
+        theirs = _TorchTrainingState.SUMMON_FULL_PARAMS
+    elif state is TrainingState.IDLE:
+        theirs = _TorchTrainingState.IDLE
+    else:
+        theirs = _TorchTrainingState.FORWARD_BACKWARD
+    return f"expected to be in states {[_TorchTrainingState.IDLE]} but current state is {theirs}"
 
 
 def _not_implemented(what: str, issue: int) -> NotImplementedError:
@@ -79,10 +117,11 @@ _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 def _default_group() -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "FullyShardedDataParallel needs a process group, but the default process group "
-            "is not initialized. Call torch.distributed.init_process_group(...) first (e.g. "
-            "with backend='gloo' on CPU under torchrun), or pass process_group=."
+        raise NoProcessGroupError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group. (cfsdp: FullyShardedDataParallel needs a process group: call "
+            "torch.distributed.init_process_group(...) first (e.g. with backend='gloo' on CPU "
+            "under torchrun), or pass process_group=.)"
         )
     return dist.distributed_c10d._get_default_group()
 
@@ -138,15 +177,17 @@ def _resolve_groups(
     """``(shard_group, replicate_group)``; the second is None unless hybrid."""
     if device_mesh is not None and process_group is not None:
         raise ValueError(
-            "Pass either process_group or device_mesh to FullyShardedDataParallel, not both."
+            "Cannot pass both process_group and device_mesh at the same time. Please just pass "
+            "only one of them. (cfsdp: pass either process_group or device_mesh to "
+            "FullyShardedDataParallel, not both.)"
         )
     hybrid = strategy in _HYBRID
     if device_mesh is not None:
         if hybrid:
             if device_mesh.ndim != 2:
                 raise ValueError(
-                    f"sharding_strategy={strategy} needs a 2-D device_mesh (replicate, shard), "
-                    f"got {device_mesh.ndim} dimension(s)."
+                    f"Expected device_mesh to have ndim=2 but got {device_mesh.ndim} (cfsdp: "
+                    f"sharding_strategy={strategy} needs a 2-D device_mesh (replicate, shard).)"
                 )
             return device_mesh.get_group(1), device_mesh.get_group(0)
         if device_mesh.ndim != 1:
@@ -171,8 +212,10 @@ def _resolve_groups(
                 )
             return _node_groups(device)
         raise ValueError(
+            "Expected process_group to be passed in as either None or "
+            f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)} (cfsdp: "
             f"sharding_strategy={strategy} expects process_group=(shard_group, "
-            f"replicate_group) or a 2-D device_mesh, got {type(process_group).__name__}."
+            "replicate_group) or a 2-D device_mesh.)"
         )
     if isinstance(process_group, tuple):
         raise ValueError(
@@ -202,7 +245,9 @@ def _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
         )
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(
-            f"param_init_fn must be callable (module -> None), got {type(param_init_fn).__name__}"
+            f"Expected {param_init_fn} to be callable but got {type(param_init_fn)} (cfsdp: "
+            "param_init_fn must be callable (module -> None); checked even when no parameter "
+            "is on the meta device.)"
         )
     if backward_prefetch not in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
         raise ValueError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
@@ -250,19 +295,20 @@ def _ignored_params_and_modules(
 ) -> tuple[set[nn.Parameter], set[nn.Module]]:
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            "Cannot pass both ignored_modules and ignored_states to "
-            "FullyShardedDataParallel; pass only ignored_states."
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
+            "pass ignored_states. (cfsdp: ignored_states takes modules too.)"
         )
     mods: list[nn.Module] = []
     params: set[nn.Parameter] = set()
     submodules = set(module.modules())
     all_params = set(module.parameters())
     if ignored_modules is not None:
-        for i, m in enumerate(ignored_modules):
+        entries = list(ignored_modules)
+        for i, m in enumerate(entries):
             if not isinstance(m, nn.Module):
                 raise WrongTypeError(
-                    f"ignored_modules must contain nn.Module instances, but entry {i} is a "
-                    f"{type(m).__name__}"
+                    "ignored_modules expects nn.Module list elements but got types "
+                    f"{_sorted_types(entries)} (cfsdp: entry {i} is a {type(m).__name__})"
                 )
             mods.append(m)
     if ignored_states is not None:
@@ -279,12 +325,16 @@ def _ignored_params_and_modules(
             mods.extend(states)
         else:
             raise WrongTypeError(
-                "ignored_states must contain only nn.Parameter or only nn.Module entries; "
-                "pass parameters and modules in two separate FSDP calls, or only modules."
+                "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+                f"types {_sorted_types(states)} (cfsdp: pass only parameters or only modules; "
+                "the modules' parameters are ignored with them.)"
             )
     for i, m in enumerate(mods):
         if isinstance(m, (FullyShardedDataParallel, _TorchFSDP)):
-            raise ValueError("ignored_modules must not include FSDP modules.")
+            raise ValueError(
+                "`ignored_modules` should not include FSDP modules (cfsdp: ignored module "
+                f"{i} is a {type(m).__name__}; ignore the module it wraps instead.)"
+            )
         if m not in submodules:
             raise ValueError(
                 f"ignored module {i} ({type(m).__name__}) is not a submodule of the module "
@@ -296,7 +346,13 @@ def _ignored_params_and_modules(
     return params, ignored_mods
 
 
-def _materialize(module, param_init_fn, ignored_params, ignored_mods, device) -> None:
+def _sorted_types(entries: list) -> list[type]:
+    """The entries' types as torch's FSDP1 lists them in its messages."""
+    return sorted({type(e) for e in entries}, key=repr)
+
+
+def _materialize(module, param_init_fn, ignored_params, ignored_mods, device,
+                 use_orig_params: bool) -> None:
     """Deferred initialisation, torch's rules: if this unit's parameters (or
     any buffer outside ignored modules) are on the meta device, materialise the
     modules of this unit (breadth first, stopping at nested units and ignored
@@ -340,11 +396,18 @@ def _materialize(module, param_init_fn, ignored_params, ignored_mods, device) ->
             m.reset_parameters()
     for name, p in module.named_parameters():
         if p.is_meta and p not in ignored_params:
-            raise ValueError(
-                f"Parameter '{clean_tensor_name(name)}' is still on the meta device after "
-                "deferred initialisation; param_init_fn must materialise every parameter "
-                "of the module it is given (e.g. module.to_empty(device=..., recurse=False))."
+            detail = (
+                f"'{clean_tensor_name(name)}' is still on the meta device after deferred "
+                "initialisation; param_init_fn must materialise every parameter of the module "
+                "it is given (e.g. module.to_empty(device=..., recurse=False))."
             )
+            # torch fails later, building the flat parameter over meta and real tensors
+            now = [q for q in module.parameters()
+                   if q not in ignored_params and not getattr(q, "_cfsdp_flattened", False)]
+            err = flatten_error(now, use_orig_params)
+            if err is not None and err[0].startswith("Must flatten tensors on the same device"):
+                raise ValueError(f"{err[0]} (cfsdp: parameter {detail})")
+            raise ValueError(f"Parameter {detail}")
 
 
 def _check_not_shared_with_other_units(module: nn.Module, ignored: set) -> None:
@@ -380,23 +443,24 @@ def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> N
         check_plain_param(p, fqn, "FullyShardedDataParallel")
         if p.device.type == "meta":
             continue  # materialised unit by unit (deferred initialisation)
-        if p.dim() == 0:
-            raise ValueError(
-                f"FSDP does not shard scalar (0-dim) parameters, but '{fqn}' is one. Make it "
-                "a 1-D tensor with one element (e.g. nn.Parameter(torch.tensor([v]))), or "
-                "pass it in ignored_states."
-            )
-        if not p.is_floating_point():
-            raise ValueError(
-                f"FSDP can only shard floating-point parameters, but '{fqn}' has dtype "
-                f"{p.dtype}. Register it as a buffer, or pass it in ignored_states (or "
-                "its module in ignored_modules)."
-            )
+        # scalar and non-floating parameters: checked unit by unit, as torch (_init_param_handle)
         if p.device != device:
             raise ValueError(
                 f"Parameter '{fqn}' is on {p.device} but FSDP runs on {device}. Move the "
                 f"module to {device} before wrapping, or pass the matching device_id."
             )
+
+
+def _check_not_scalar(module: nn.Module, managed: list[nn.Parameter]) -> None:
+    """torch's ``_verify_managed_params``, at its point (after deferred initialisation,
+    before ``sync_module_states``): a 0-dim parameter of this unit is named relative to
+    the module being wrapped."""
+    for p in managed:
+        if p.dim() == 0:
+            name = next(n for n, q in module.named_parameters() if q is p)
+            root = _AUTO_WRAP_ROOT.get() or module
+            fqn = next((n for n, q in root.named_parameters() if q is p), name)
+            raise ValueError(scalar_param_message(name, clean_tensor_name(fqn)))
 
 
 def _annotate_modules_for_dynamo(
@@ -565,13 +629,14 @@ class FullyShardedDataParallel(nn.Module):
         the unit of the parameters no nested wrapper manages (torch's flat-param handle)."""
         ignored_params, ignored_mods = self._ignored_params, self._ignored_modules
         device, strategy = self.compute_device, self.sharding_strategy
-        _materialize(module, param_init_fn, ignored_params, ignored_mods, device)
+        _materialize(module, param_init_fn, ignored_params, ignored_mods, device, self._use_orig_params)
         _check_not_shared_with_other_units(module, ignored_params)
         managed = [
             p
             for p in dict.fromkeys(module.parameters())
             if p not in ignored_params and not getattr(p, "_cfsdp_flattened", False)
         ]
+        _check_not_scalar(module, managed)
         if sync_module_states:
             self._sync_module_states(module, managed, ignored_mods)
         self._fsdp_wrapped_module = module
@@ -612,11 +677,12 @@ class FullyShardedDataParallel(nn.Module):
         for name, sub in module.named_modules():
             if isinstance(sub, (FullyShardedDataParallel, _TorchFSDP)):
                 raise ValueError(
-                    "An auto_wrap_policy needs a module with no FSDP units inside, but "
-                    f"'{clean_tensor_name(name)}' is already wrapped. Either wrap by hand "
-                    "or pass the unwrapped module with the policy."
+                    "FSDP auto wrapping requires modules to not already have FSDP applied but "
+                    f"found {name} in\n{module} (cfsdp: '{clean_tensor_name(name)}' is already "
+                    "wrapped; either wrap by hand or pass the unwrapped module with the policy.)"
                 )
         token = _AUTO_WRAP_IGNORED.set(frozenset(ignored_params))
+        root_token = _AUTO_WRAP_ROOT.set(module)
         mp = kwargs.get("mixed_precision")
         try:
             if mp is not None:
@@ -667,6 +733,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
         finally:
             _AUTO_WRAP_IGNORED.reset(token)
+            _AUTO_WRAP_ROOT.reset(root_token)
 
     def _sync_module_states(self, module, managed, ignored_mods) -> None:
         """Broadcast rank 0's managed parameters and buffers (torch's semantics)."""
@@ -884,13 +951,15 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         if not self._state.is_root:
             raise RuntimeError(
-                "no_sync() on an inner FullyShardedDataParallel instance is not supported; "
-                "call no_sync() on the root FSDP module (it applies to every unit below it)."
+                "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
+                "on root FSDP module. (cfsdp: no_sync() on the root applies to every unit "
+                "below it.)"
             )
         if self._state.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                "no_sync() must be entered between steps, not during forward/backward or "
-                "inside summon_full_params."
+            raise CallStateError(
+                f"{_torch_state_message(self._state.training_state)} (cfsdp: no_sync() must be "
+                "entered between steps, not during forward/backward or inside "
+                "summon_full_params.)"
             )
         wrappers = FullyShardedDataParallel.fsdp_modules(self)
         old = [(w, w._state.sync_gradients) for w in wrappers]
@@ -909,23 +978,31 @@ class FullyShardedDataParallel(nn.Module):
         ``torch.distributed.algorithms._comm_hooks.default_hooks``).  Call it on
         the root, before the first forward."""
         if not callable(hook):
-            raise ValueError(f"The communication hook must be callable, got {hook!r}")
+            raise ValueError(
+                f"The communication hook must be callable but got {hook} (cfsdp: pass a "
+                "function hook(state, grad[, output]), e.g. from "
+                "torch.distributed.algorithms._comm_hooks.default_hooks.)"
+            )
         if not self.check_is_root():
-            raise RuntimeError(
-                "register_comm_hook can only be called on the root FullyShardedDataParallel "
-                "instance; call it on the outermost wrapper."
+            raise CommHookError(
+                "register_comm_hook can only be called on a root instance. (cfsdp: call it on "
+                "the outermost FullyShardedDataParallel wrapper; it applies to every unit.)"
             )
         low = hook in _LOW_PRECISION_HOOKS
         wrappers = FullyShardedDataParallel.fsdp_modules(self)
         for w in wrappers:
             if w.sharding_strategy in _HYBRID:
-                raise ValueError(
-                    f"Communication hooks are not supported with sharding_strategy={w.sharding_strategy} "
-                    "(as in torch); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
+                raise CommHookStrategyError(
+                    "Communication hook is not supported for hybrid strategies: "
+                    f"{w.sharding_strategy} (cfsdp: use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD "
+                    "with a communication hook.)"
                 )
             u = w._state.unit
             if u is not None and u.comm_hook is not None:
-                raise RuntimeError("A communication hook is already registered on this model.")
+                raise CommHookError(
+                    "A communication hook is already registered (cfsdp: on this model; register "
+                    "one hook, once, on the root.)"
+                )
         for w in wrappers:
             u = w._state.unit
             if u is not None:
@@ -947,9 +1024,8 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
         if st.training_state is not TrainingState.IDLE:
             raise ValueError(
-                f"expected to be in states [{TrainingState.IDLE}] but current state is "
-                f"{st.training_state}: call clip_grad_norm_() after backward, outside "
-                "forward, backward and summon_full_params."
+                f"{_torch_state_message(st.training_state)} (cfsdp: call clip_grad_norm_() after "
+                "backward, outside forward, backward and summon_full_params.)"
             )
         root = st.root
         if root is None:
@@ -1083,16 +1159,16 @@ def _validate_summon_args(
     """The argument combinations torch's FSDP1 rejects, with the same error kind."""
     if with_grads and (offload_to_cpu or not w._use_orig_params):
         raise NotImplementedError(
-            f"summon_full_params(with_grads=True) with use_orig_params={w._use_orig_params}, "
-            f"offload_to_cpu={offload_to_cpu} is not supported (as in torch's FSDP1): "
-            "with_grads=True needs use_orig_params=True on every wrapper and "
-            "offload_to_cpu=False."
+            f"with_grads={with_grads}, use_orig_params={w._use_orig_params}, "
+            f"offload_to_cpu={offload_to_cpu} is not supported yet (cfsdp: "
+            "summon_full_params(with_grads=True) needs use_orig_params=True on every wrapper "
+            "and offload_to_cpu=False.)"
         )
     if writeback and rank0_only:
         raise NotImplementedError(
-            "summon_full_params(writeback=True, rank0_only=True) is not supported (as in "
-            "torch's FSDP1): only rank 0 would see the changes. Pass writeback=False with "
-            "rank0_only=True, or rank0_only=False to write changes back on every rank."
+            "writeback=True and rank0_only=True is not supported yet (cfsdp: only rank 0 would "
+            "see the changes. Pass writeback=False with rank0_only=True, or rank0_only=False "
+            "to write changes back on every rank.)"
         )
 
 

@@ -72,9 +72,10 @@ Deliberate oracle adjustments (torch cannot do it on gloo, or torch is not the s
   factor only (in the self-test the torch stand-in needs force-sum too). k is 1 or 2W, powers of
   two, so pre-multiplying by 1/k and dividing the sum by k give the same bits. The reference
   checks the scale: gradients are ``W / k`` times the mean.
-* ``bad_input``: where torch raises at ``fully_shard`` time, cfsdp must raise the same
-  exception type (or a subclass) and a message naming what torch names, by FQN (a scalar
-  parameter: torch names ``gain``, cfsdp must say ``sub.gain``). Where torch does not check
+* ``bad_input``: where torch rejects the input on purpose, cfsdp must raise an instance of
+  torch's exception type whose message contains torch's verbatim (cfsdp adds ``(cfsdp: ...)``),
+  and name by FQN what torch names by local name (a scalar parameter: torch names ``gain``,
+  cfsdp must also say ``sub.gain``). Where torch does not check
   (an FSDP1-wrapped module: torch shards the flat parameter again and trains on garbage, or
   fails at the first forward; an ``mp_policy`` that is not a MixedPrecisionPolicy: accepted,
   then an AttributeError or a dtype mismatch at the first forward; a ProcessGroup as ``mesh``:
@@ -130,7 +131,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
@@ -1304,10 +1305,71 @@ def _twice(impl, ctx, mesh):
     impl.fully_shard(model[0], mesh=mesh)
 
 
+def _sharded_pair(impl, mesh) -> nn.Module:
+    """A Sequential of two Linears: the first one its own unit, then the root."""
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+    impl.fully_shard(model[0], mesh=mesh)
+    return impl.fully_shard(model, mesh=mesh)
+
+
+def _non_contiguous(impl, ctx, mesh):
+    lin = nn.Linear(4, 6)
+    lin.weight = nn.Parameter(torch.randn(4, 6).t())
+    impl.fully_shard(Holder(lin), mesh=mesh)
+
+
+def _no_state(impl, ctx, mesh):
+    """A module of an FSDP class that fully_shard was never applied to."""
+    other = nn.Linear(2, 2)
+    other.__class__ = type(impl.fully_shard(nn.Linear(2, 2), mesh=mesh))
+    other.reshard()
+
+
+def _placement(result):
+    """fully_shard of a Holder (``pre.weight`` (3, 5) first) with ``shard_placement_fn``
+    returning ``result`` for every parameter."""
+    def call(impl, ctx, mesh):
+        impl.fully_shard(Holder(nn.Linear(3, 3)), mesh=mesh, shard_placement_fn=lambda p: result)
+    return call
+
+
+def _reset_iter_state_on_a_unit(impl, ctx, mesh):
+    model = _sharded_pair(impl, mesh)
+    model(torch.randn(2, 5))
+    model[0].reset_iter_state()
+
+
+def _hsdp_hook_stream(impl, ctx, mesh):
+    hsdp = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    impl.fully_shard(nn.Linear(5, 3), mesh=hsdp).set_all_reduce_hook(lambda t: None, stream=torch.Stream("cpu"))
+
+
+def _two_roots(impl, ctx, mesh):
+    """fully_shard([a, b]) with no parent call: a forward through ``a`` finds two roots."""
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+    impl.fully_shard([model[0], model[1]], mesh=mesh)
+    model[0](torch.randn(2, 5))
+
+
+def _unit_ran_first(impl, ctx, mesh):
+    """A forward through a unit before the root's first forward made the unit a root."""
+    model = _sharded_pair(impl, mesh)
+    model[0](torch.randn(2, 5))
+    model(torch.randn(2, 5))
+
+
+def _class_repr_dropped(msg: str) -> str:
+    """torch's message starts with the repr of its own FSDP<Cls> class (torch's module path),
+    which cfsdp's FSDP<Cls> cannot repeat: compare what follows it."""
+    return msg.split("> ", 1)[-1]
+
+
 # name -> (call(impl, ctx, mesh), expectation). Expectations:
-#   ("same", needles, cfsdp_needles): torch raises; cfsdp raises an instance of torch's type;
-#       both messages contain every needle; cfsdp's also every cfsdp_needle (what torch names
-#       only by its local name, cfsdp must name by FQN).
+#   ("same", needles, cfsdp_needles[, stable]): torch raises; cfsdp raises an instance of torch's
+#       type whose message contains torch's verbatim (``stable`` of both, when given: only where
+#       torch's message holds what cfsdp cannot repeat); both messages contain every needle;
+#       cfsdp's also every cfsdp_needle (what torch names only by its local name, cfsdp must
+#       name by FQN).
 #   ("cfsdp", types, needles, torch_raises): torch does not check (it accepts the input and
 #       fails later or never, or fails at once by accident: ``torch_raises`` records which);
 #       cfsdp must raise one of ``types`` at fully_shard time, naming the needles.
@@ -1350,6 +1412,42 @@ BAD_INPUT: dict[str, tuple[Callable, tuple]] = {
     "container_without_forward": (
         lambda impl, ctx, mesh: impl.fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh),
         ("same", ["forward"], [])),
+    "mesh_3d": (
+        lambda impl, ctx, mesh: impl.fully_shard(
+            nn.Linear(5, 3), mesh=init_device_mesh("cpu", (1, 1, WORLD), mesh_dim_names=("a", "b", "c"))),
+        ("same", ["1D or 2D"], [])),
+    "reshard_after_forward_float": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=mesh, reshard_after_forward=1.5),
+        ("same", ["reshard_after_forward"], [])),
+    "reshard_after_forward_0": (
+        lambda impl, ctx, mesh: impl.fully_shard(nn.Linear(5, 3), mesh=mesh, reshard_after_forward=0),
+        ("same", ["reshard_after_forward"], [])),
+    "non_contiguous_parameter": (_non_contiguous, ("same", ["non-contiguous"], ["inner.weight"])),
+    "shard_placement_fn_invalid_result": (_placement("rows"), ("same", ["shard_placement_fn"], ["pre.weight"])),
+    "shard_placement_fn_dim_past_the_end": (_placement(Shard(2)), ("same", ["Shard dim 2"], ["pre.weight"])),
+    "shard_placement_fn_uneven_dim_1": (_placement(Shard(1)), ("same", ["uneven"], ["pre.weight"])),
+    "no_fsdp_state": (_no_state, ("same", ["No FSDP state"], [])),
+    "forward_prefetch_not_fsdp_modules": (
+        lambda impl, ctx, mesh: _sharded_pair(impl, mesh).set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
+        ("same", ["FSDPModule"], [])),
+    "backward_prefetch_not_fsdp_modules": (
+        lambda impl, ctx, mesh: (lambda m: m.set_modules_to_backward_prefetch([m[1]]))(_sharded_pair(impl, mesh)),
+        ("same", ["FSDPModule"], [])),
+    "share_comm_ctx_not_fsdp_modules": (
+        lambda impl, ctx, mesh: (torch_fsdp if impl is TORCH or SELFTEST else cfsdp).share_comm_ctx(
+            (lambda m: [m, m[1]])(_sharded_pair(impl, mesh))),
+        ("same", ["FSDPModules"], [])),
+    "forward_method_missing": (
+        lambda impl, ctx, mesh: impl.register_fsdp_forward_method(_sharded_pair(impl, mesh), "nope"),
+        ("same", ["nope"], [], _class_repr_dropped)),
+    "reset_iter_state_on_a_unit": (_reset_iter_state_on_a_unit, ("same", ["root"], [])),
+    "set_reshard_after_forward_str": (
+        lambda impl, ctx, mesh: _sharded_pair(impl, mesh).set_reshard_after_forward("yes"),
+        ("same", ["reshard_after_forward"], [])),
+    "deepcopy": (lambda impl, ctx, mesh: copy.deepcopy(_sharded_pair(impl, mesh)), ("same", ["deepcopy"], [])),
+    "all_reduce_hook_stream_with_hsdp": (_hsdp_hook_stream, ("same", ["HSDP"], [])),
+    "two_roots_in_one_call": (_two_roots, ("same", ["single root"], [])),
+    "unit_forward_before_root": (_unit_ran_first, ("same", ["lazily initialized"], [])),
 }
 
 
@@ -1369,7 +1467,8 @@ def bad_input(ctx, case: str):
     c_exc = _raised(lambda: call(CFSDP, ctx, mesh))
     c_msg = "" if c_exc is None else str(c_exc)
     if expect[0] == "same":
-        _, needles, cfsdp_needles = expect
+        _, needles, cfsdp_needles, *rest = expect
+        stable = rest[0] if rest else (lambda msg: msg)
         if t_exc is None:
             raise AssertionError(f"torch did not raise for {case}: the expectation is out of date")
         for n in needles:
@@ -1380,6 +1479,8 @@ def bad_input(ctx, case: str):
         if not isinstance(c_exc, type(t_exc)):
             raise AssertionError(f"cfsdp raised {type(c_exc).__name__}: {c_msg}; torch raises "
                                  f"{type(t_exc).__name__}: {t_exc}")
+        if stable(str(t_exc)) not in stable(c_msg):
+            raise AssertionError(f"cfsdp's message does not contain torch's.\n  torch: {t_exc}\n  cfsdp: {c_msg}")
         missing = [n for n in needles + ([] if SELFTEST else cfsdp_needles) if n.lower() not in c_msg.lower()]
         if missing:
             raise AssertionError(f"cfsdp's message does not name {missing}: {c_msg}")

@@ -49,8 +49,8 @@ def check_norm_type(norm_type: float) -> float:
     if p == 0.0:
         # torch's FSDP1 fails the same way, at its `1.0 / norm_type` after the all-reduce.
         raise ZeroDivisionError(
-            "clip_grad_norm_(norm_type=0): the 0-'norm' has no 1/p root (torch's FSDP1 raises "
-            "ZeroDivisionError too); use norm_type > 0 or inf."
+            "float division by zero (cfsdp: clip_grad_norm_(norm_type=0): the 0-'norm' has no "
+            "1/p root; use norm_type > 0 or inf.)"
         )
     if not (p > 0.0):
         raise NotImplementedError(

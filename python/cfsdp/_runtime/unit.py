@@ -68,6 +68,38 @@ _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 # run right after the unit's own backward, as torch's FSDP1 views do.
 
 
+def scalar_param_message(torch_name: str, fqn: str) -> str:
+    """torch FSDP1's error for a 0-dim parameter (``_verify_managed_params``: it names the
+    parameter relative to the wrapped module), with cfsdp's FQN and advice."""
+    return (
+        "FSDP doesn't support scalar parameters. "
+        f"Change {torch_name} to a 1D tensor with numel equal to 1. (cfsdp: the parameter "
+        f"is '{fqn}'; e.g. nn.Parameter(torch.tensor([v])), or pass it in ignored_states.)"
+    )
+
+
+def flatten_error(params: list, use_orig_params: bool) -> Optional[tuple[str, int]]:
+    """What torch FSDP1 says of these parameters (in flatten order) when it builds their
+    flat parameter (``FlatParamHandle._validate_tensors_to_flatten``): ``(torch's
+    message, index of the parameter it stops at)``, or None if torch accepts them.  A
+    complex first parameter is accepted here (cfsdp flattens complex parameters; torch
+    calls it an integer dtype)."""
+    dtype = requires_grad = device = None
+    for k, p in enumerate(params):
+        if dtype is None and not (p.is_floating_point() or p.is_complex()):
+            return "Cannot flatten integer dtype tensors", k
+        if dtype is not None and p.dtype != dtype:
+            return f"Must flatten tensors with uniform dtype but got {dtype} and {p.dtype}", k
+        if not use_orig_params and requires_grad is not None and p.requires_grad != requires_grad:
+            return ("Must flatten tensors with uniform `requires_grad` when "
+                    "`use_orig_params=False`"), k
+        if device is not None and p.device != device:
+            return f"Must flatten tensors on the same device but got both {device} and {p.device}", k
+        dtype, device = p.dtype, p.device
+        requires_grad = requires_grad or p.requires_grad
+    return None
+
+
 @dataclass
 class ParamInfo:
     """Where an original parameter lives: ``module.<name>``."""
@@ -228,42 +260,45 @@ class Unit(UnshardStates):
         return infos, shared
 
     def _validate(self, where: str) -> None:
-        dtype = self.infos[0].param.dtype
+        """torch FSDP1's checks of a flat parameter's tensors, in its order and with its
+        messages (``scalar_param_message``, ``flatten_error``), then cfsdp's: every
+        parameter on the unit's device.  cfsdp also flattens complex parameters."""
+        for i in self.infos:
+            if i.param.dim() == 0:
+                raise ValueError(scalar_param_message(i.fqn, i.fqn))
+        err = flatten_error([i.param for i in self.infos], self.use_orig_params)
+        if err is not None:
+            msg, k = err
+            i, first = self.infos[k], self.infos[0]
+            p = i.param
+            if k == 0:
+                advice = (f"{where}'s parameter '{i.fqn}' has dtype {p.dtype}; FSDP shards "
+                          "floating-point parameters only. Register it as a buffer, or pass its "
+                          "module in ignored_modules / the parameter in ignored_states.")
+            elif msg.startswith("Must flatten tensors with uniform dtype"):
+                advice = (f"all parameters of one FSDP unit must share a dtype: {where}'s "
+                          f"'{first.fqn}' is {first.param.dtype} but '{i.fqn}' is {p.dtype}. Cast "
+                          "the module to one dtype before wrapping, or wrap these parameters "
+                          "in separate units (a non-floating parameter: register it as a "
+                          "buffer or ignore it).")
+            elif msg.startswith("Must flatten tensors on the same device"):
+                advice = (f"{where}'s parameter '{i.fqn}' is on {p.device} but '{first.fqn}' "
+                          f"is on {first.param.device}. Move the module to {self.device} "
+                          "before wrapping.")
+            else:
+                advice = (f"use_orig_params=False needs uniform requires_grad within a unit, "
+                          f"but {where}'s parameter '{i.fqn}' has requires_grad="
+                          f"{p.requires_grad} and an earlier one does not. Wrap frozen and "
+                          "trainable parameters in separate units, or use use_orig_params=True.")
+            raise ValueError(f"{msg} (cfsdp: {advice})")
         for i in self.infos:
             p = i.param
-            if not (p.is_floating_point() or p.is_complex()):
-                raise ValueError(
-                    f"FSDP can only shard floating-point parameters, but {where}'s "
-                    f"parameter '{i.fqn}' has dtype {p.dtype}. Register it as a buffer, "
-                    "or pass its module in ignored_modules / the parameter in ignored_states."
-                )
-            if p.dim() == 0:
-                raise ValueError(
-                    f"FSDP does not shard scalar (0-dim) parameters, but {where}'s '{i.fqn}' "
-                    "is one. Make it a 1-D tensor with one element, or pass it in ignored_states."
-                )
-            if p.dtype != dtype:
-                raise ValueError(
-                    f"All parameters of one FSDP unit must share a dtype: {where}'s "
-                    f"'{self.infos[0].fqn}' is {dtype} but '{i.fqn}' is {p.dtype}. Cast the "
-                    "module to one dtype before wrapping, or wrap these parameters in "
-                    "separate units."
-                )
             if p.device != self.device:
                 raise ValueError(
                     f"{where}'s parameter '{i.fqn}' is on {p.device} but FSDP runs on "
                     f"{self.device}. Move the module to {self.device} before wrapping "
                     "(or pass the matching device_id)."
                 )
-        rgs = {i.param.requires_grad for i in self.infos}
-        if len(rgs) > 1 and not self.use_orig_params:
-            frozen = next(i.fqn for i in self.infos if not i.param.requires_grad)
-            raise ValueError(
-                f"FSDP with use_orig_params=False needs uniform requires_grad within "
-                f"a unit, but {where}'s parameter '{frozen}' is frozen while others "
-                "are not. Wrap frozen and trainable parameters in separate units, or "
-                "use use_orig_params=True."
-            )
 
     def _plan_splits(self) -> tuple[list[int], list[int]]:
         """Split sizes of the flat parameter (padding pieces included) and,
