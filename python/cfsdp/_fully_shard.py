@@ -391,10 +391,8 @@ _DEFAULT_MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.
 
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
-        raise ValueError(
-            "fully_shard needs an initialised process group (call "
-            "torch.distributed.init_process_group first) or an explicit mesh."
-        )
+        # as torch: the default group from the environment (torchrun's variables)
+        dist.init_process_group()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     per_device = _DEFAULT_MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
     mesh = per_device.get(dev)

@@ -528,13 +528,23 @@ def _check_shape(v: torch.Tensor, fqn: str, name: str, shape: torch.Size) -> Non
 _NO_STATE = '`optim_state_dict` must have the keys "state"to be a valid optimizer state dict'  # torch's
 
 
+class _BadOsd:
+    """What rank 0 broadcasts instead of a state dict it cannot send: the error."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 def _broadcast_from_rank0(view: _View, osd: dict, what: str) -> dict:
     """rank0_only loading: rank 0's dict reaches every rank (small values as objects,
     positive-dim tensors one broadcast each)."""
     is0 = view.rank == 0
-    if is0:
-        if "state" not in osd:
-            raise ValueError(_NO_STATE + f" (cfsdp: {what}: rank 0's optim_state_dict has no \"state\".)")
+    if is0 and "state" not in osd:
+        # every rank learns it through the broadcast (raising on rank 0 alone would leave
+        # the others waiting in it until the process group's timeout)
+        objs: list[Any] = [_BadOsd(_NO_STATE + f" (cfsdp: {what}: rank 0's optim_state_dict "
+                                   "has no \"state\".)")]
+    elif is0:
         meta = {
             "state": {
                 k: ({n: (("T", tuple(v.shape), v.dtype) if _is_pos_dim(v) else v) for n, v in s.items()}
@@ -548,6 +558,8 @@ def _broadcast_from_rank0(view: _View, osd: dict, what: str) -> dict:
         objs = [None]
     dist.broadcast_object_list(objs, src=0, group=view.group, device=torch.device("cpu"))
     meta = objs[0]
+    if isinstance(meta, _BadOsd):
+        raise ValueError(meta.message)
     src = dist.get_global_rank(view.group, 0)
     for k, s in meta["state"].items():
         if not isinstance(s, dict):

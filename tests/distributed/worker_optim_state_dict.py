@@ -418,6 +418,17 @@ def bad_input(ctx, uop):
     bad["state"]["nope.weight"] = bad["state"]["emb.weight"]
     expect(mm, "unknown FQN", lambda: CFSDP.optim_state_dict_to_load(m, o, bad), ValueError, "'nope.weight'")
 
+    # rank 0's dict without "state": every rank raises at once (torch leaves the others waiting
+    # in the broadcast until the process group's timeout)
+    import time
+
+    t0 = time.monotonic()
+    expect(mm, "scatter without state",
+           lambda: CFSDP.scatter_full_optim_state_dict({"param_groups": []} if ctx.rank == 0 else None,
+                                                       m, optim=o, group=ctx.pg),
+           ValueError, '"state"')
+    mm.check(time.monotonic() - t0 < 20, "the ranks did not all fail at once")
+
     bad = copy.deepcopy(full)
     bad["param_groups"][0]["params"].remove("emb.bias")
     expect(mm, "missing FQN", lambda: CFSDP.optim_state_dict_to_load(m, o, bad), ValueError, "'emb.bias'")

@@ -152,3 +152,27 @@ def test_both_unit_kinds_meet_the_contract(face):
                     and not isinstance(vars(UnitContract)[n], property)
                     and not callable(getattr(unit, n))]
     assert not not_callable, not_callable
+
+
+def test_fully_shard_initialises_the_default_group_as_torch():
+    """fully_shard without an initialised process group initialises the default one from the
+    environment (torchrun's variables), as torch's does (a fresh interpreter: this module's
+    own group must not be seen)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    code = ("import torch, torch.distributed as dist, cfsdp\n"
+            "m = cfsdp.fully_shard(torch.nn.Linear(3, 2))\n"
+            "m(torch.randn(4, 3)).sum().backward()\n"
+            "assert dist.is_initialized() and dist.get_world_size() == 1\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
