@@ -566,7 +566,7 @@ def fully_shard(
             )
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
-        check_plain_param(p, fqn, "fully_shard")
+        check_plain_param(p, fqn, "fully_shard", tp_ok=True)
         if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "

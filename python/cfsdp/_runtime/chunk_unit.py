@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
@@ -62,6 +64,12 @@ def _spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torc
         spec = per_mesh[key] = DTensorSpec(mesh, placements,
                                            tensor_meta=TensorMeta(shape, stride, dtype))
     return spec
+
+
+def _local_data(p: torch.Tensor) -> torch.Tensor:
+    """What a unit shards of parameter ``p``: a DTensor's (tensor-parallel) local tensor,
+    else ``p`` itself."""
+    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 @functools.lru_cache(maxsize=4096)
@@ -90,6 +98,14 @@ class ChunkParam:
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
     orig_uid: int = -1  # the original parameter's id (replaced.orig_uid): tied across units
+    # tensor parallelism ([Note: tensor-parallel parameters]): the DTensorSpec of the
+    # parameter as the module uses it (on the TP mesh; None: a plain parameter), and
+    # the sharded DTensor's mesh, placements and global shape/stride
+    tp_spec: Any = None
+    mesh: Any = None
+    placements: tuple = ()
+    global_shape: Optional[torch.Size] = None
+    global_stride: tuple = ()
 
     @property
     def chunk_numel(self) -> int:
@@ -146,7 +162,8 @@ class ChunkUnit(UnshardStates):
         self.replicate_group = replicate_group
         self.device = device
         self.placements = (Shard(0),) if replicate_group is None else (Replicate(), Shard(0))
-        dtype = entries[0][3].dtype
+        dtype = _local_data(entries[0][3]).dtype
+        self._tp = False  # any tensor-parallel parameter
         self._mp_dtypes = (mp_param_dtype, mp_reduce_dtype)
         self._set_dtypes(dtype)
         self.keep_low_precision_grads = False
@@ -155,16 +172,21 @@ class ChunkUnit(UnshardStates):
         self.params: list[ChunkParam] = []
         nat = shard = 0
         for module, name, fqn, p, aliases in entries:
-            rows = p.shape[0]
-            row_numel = p.numel() // rows if rows else 0
+            data = _local_data(p)  # the tensor this unit shards: a TP parameter's local tensor
+            rows = data.shape[0]
+            row_numel = data.numel() // rows if rows else 0
             c = -(-rows // W)
             local = max(0, min(c, rows - self.rank * c))
-            self.params.append(
-                ChunkParam(module, name, fqn, p.shape, p.numel(), rows, row_numel, c, local,
-                           nat, shard, p.requires_grad, _contiguous_stride(tuple(p.shape)),
+            q = ChunkParam(module, name, fqn, data.shape, data.numel(), rows, row_numel, c, local,
+                           nat, shard, p.requires_grad, _contiguous_stride(tuple(data.shape)),
                            aliases=aliases, orig_uid=orig_uid(p))
-            )
-            nat += p.numel()
+            if isinstance(p, DTensor):
+                self._init_tp(q, p, fqn)
+            else:
+                q.mesh, q.placements = mesh, self.placements
+                q.global_shape, q.global_stride = q.shape, q.stride
+            self.params.append(q)
+            nat += data.numel()
             shard += c * row_numel
         self.natural_numel = nat
         self.shard_numel = shard
@@ -174,7 +196,7 @@ class ChunkUnit(UnshardStates):
 
         # This rank's shard, straight from the original parameters (on the meta
         # device for deferred initialisation: see ``reset_sharded_params``).
-        is_meta = entries[0][3].is_meta
+        is_meta = _local_data(entries[0][3]).is_meta
         self.shard = torch.empty(shard, dtype=dtype, device="meta" if is_meta else device)
         if not is_meta:
             # Only this rank's rows of each parameter are read, straight into the
@@ -182,7 +204,7 @@ class ChunkUnit(UnshardStates):
             rows_here = []
             for q, (*_, p, _) in zip(self.params, entries):
                 start = self.rank * q.chunk_numel
-                rows_here.append(p.detach().reshape(-1)[start : start + q.local_numel])
+                rows_here.append(_local_data(p).detach().reshape(-1)[start : start + q.local_numel])
             _core.shard_fill(self.shard, 0, rows_here, [q.shard_off for q in self.params])
         self._new_natural()
         self._init_unshard_states()  # ``_buf``: ``natural`` while unsharded
@@ -247,6 +269,9 @@ class ChunkUnit(UnshardStates):
         self._shapes = tuple(None if len(q.shape) == 1 else q.shape for q in self.params)
         self._rg_mask: Optional[bytes] = None
         self._grad_view_plan: Optional[tuple] = None  # (mask, index, shapes): publish_unsharded_grad
+        # occurrences of tensor-parallel parameters: their views become TP DTensors
+        self._tp_occ = tuple((k, self.params[qi]) for k, qi in enumerate(self._occ_index)
+                             if self.params[qi].tp_spec is not None)
 
     def _per_occurrence(self, per_param) -> tuple:
         return tuple(per_param[i] for i in self._occ_index)
@@ -254,12 +279,48 @@ class ChunkUnit(UnshardStates):
     def _local_view(self, buf: torch.Tensor, q: ChunkParam) -> torch.Tensor:
         return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_rows, *q.shape[1:])
 
+    def _init_tp(self, q: ChunkParam, p: DTensor, fqn: str) -> None:
+        """A tensor-parallel parameter (see [Note: tensor-parallel parameters]): the unit
+        shards its local tensor over the data-parallel mesh; the sharded DTensor lives on
+        the data-parallel mesh and the TP mesh side by side, with torch FSDP2's
+        placements."""
+        tp_spec = p._spec
+        if len(tp_spec.placements) > 2:
+            raise NotImplementedError(
+                f"FSDP only supports 1D TP/EP or 2D EP+TP, not {tp_spec.placements} (cfsdp: "
+                f"parameter '{fqn}')"
+            )
+        try:
+            q.mesh = DeviceMesh._concatenate([self.mesh, tp_spec.mesh])
+        except Exception as e:  # noqa: BLE001 - reworded with the parameter's name
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_spec.mesh}, which does not "
+                f"combine with the data-parallel mesh {self.mesh} ({e}). Take both from one "
+                "DeviceMesh, e.g. mesh['dp'] for fully_shard and mesh['tp'] for "
+                "parallelize_module."
+            ) from e
+        split = tp_spec.num_shards_map[0]
+        dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        q.placements = ((Replicate(),) if self.replicate_group is not None else ()) + (
+            dp_placement, *tp_spec.placements)
+        q.tp_spec = tp_spec
+        q.global_shape = p.shape
+        q.global_stride = tuple(p.stride())
+        self._tp = True
+
+    def _tp_dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
+        """``local`` (a view of the unsharded buffer) as the module sees a TP parameter:
+        a DTensor on the TP mesh (no autograd edge)."""
+        spec = _spec(q.tp_spec.mesh, q.tp_spec.placements, q.global_shape, q.global_stride,
+                     local.dtype)
+        return DTensor(local, spec, requires_grad=False)
+
     def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
         """``local`` as this parameter's sharded DTensor (no autograd edge).  The
         spec comes from the shared cache (``_spec``) and the DTensor is constructed
         directly: ``DTensor.from_local`` goes through an autograd Function and
         rebuilds the spec, which dominated publishing small units' gradients."""
-        spec = _spec(self.mesh, self.placements, q.shape, q.stride, local.dtype)
+        spec = _spec(q.mesh, q.placements, q.global_shape, q.global_stride, local.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     def _new_natural(self) -> None:
@@ -315,6 +376,8 @@ class ChunkUnit(UnshardStates):
             for q in self.params:
                 if q.unsharded is None:
                     v = self.natural[q.nat_off : q.nat_off + q.numel].view(q.shape)
+                    if q.tp_spec is not None:
+                        v = self._tp_dtensor(v, q)
                     q.unsharded = nn.Parameter(v, requires_grad=q.requires_grad)
                 elif q.unsharded.requires_grad != q.requires_grad:
                     q.unsharded.requires_grad_(q.requires_grad)
@@ -348,11 +411,11 @@ class ChunkUnit(UnshardStates):
                         f"of shape {tuple(getattr(local, 'shape', cur.shape))}; expected a DTensor "
                         f"whose local shard has shape {want}."
                     )
-                if cur.placements != self.placements or cur.device_mesh != self.mesh:
+                if cur.placements != q.placements or cur.device_mesh != q.mesh:
                     raise ValueError(
                         f"fully_shard: parameter '{q.fqn}' was replaced by a DTensor with "
                         f"placements {cur.placements} on {cur.device_mesh}; the unit shards it as "
-                        f"{self.placements} on {self.mesh}. Load values sharded the unit's way "
+                        f"{q.placements} on {q.mesh}. Load values sharded the unit's way "
                         "(e.g. distribute_tensor(full, mesh, placements) with the unit's mesh)."
                     )
                 replaced[id(q)] = cur
@@ -388,7 +451,7 @@ class ChunkUnit(UnshardStates):
                 mark_replaced(q.sharded, q.fqn, ADOPTED)
             # the object stays the user's; its local tensor is the shard's rows again
             cur._local_tensor = self._shard_local(q)
-            cur._spec = _spec(self.mesh, self.placements, q.shape, q.stride, self.dtype)
+            cur._spec = _spec(q.mesh, q.placements, q.global_shape, q.global_stride, self.dtype)
             q.sharded = cur
         self._bind_sharded_params()
 
@@ -518,6 +581,13 @@ class ChunkUnit(UnshardStates):
             node.register_prehook(self._note_grads_hook)
         views = _core.shape_views(parts, self._param_index, self._shapes, self._rg_mask,
                                   self._occ_index)
+        if self._tp_occ:  # [Note: tensor-parallel parameters]
+            views = list(views)
+            for k, q in self._tp_occ:
+                views[k] = DTensor.from_local(views[k], q.tp_spec.mesh, q.tp_spec.placements,
+                                              run_check=False, shape=q.global_shape,
+                                              stride=q.global_stride)
+            views = tuple(views)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
 
     def note_grads(self, grad_outputs: tuple) -> None:
@@ -601,6 +671,23 @@ class ChunkUnit(UnshardStates):
     #
     # So a gradient a user kept (``g = p.grad``) stays intact whatever they do, and the
     # memory of dropped gradients is freed by Python as soon as nobody holds them.
+
+    # [Note: tensor-parallel parameters]
+    # A parameter that tensor parallelism made a DTensor on a TP mesh (parallelize_module
+    # with mesh["tp"], fully_shard with mesh["dp"]) is sharded like any other, through
+    # its *local* tensor: the unit's layout, all-gather, copy-in/out and reduce-scatter
+    # see only the TP-local bytes (C and shared memory as usual).  What differs is what
+    # the module and the user see, as torch's FSDP2 shows it:
+    #   * the sharded parameter (and its gradient) is a DTensor on the data-parallel and
+    #     TP meshes concatenated, placements (dp placement, *TP placements), where the dp
+    #     placement is _StridedShard(0, split_factor=k) when TP already splits dim 0 in k
+    #     (column-parallel weights), else Shard(0); with HSDP, Replicate() first;
+    #   * forward binds a DTensor on the TP mesh over the view of the unsharded buffer
+    #     (DTensor.from_local, run_check=False: through autograd, whose backward turns the
+    #     gradient into the parameter's own placements, e.g. a Partial sum over TP ranks
+    #     into Replicate, as torch redistributes it before reducing);
+    #   * the registered unsharded parameters and their no-sync gradients are DTensors
+    #     on the TP mesh.
 
     # [Note: unused parameters]
     # Every forward binds the parameters to views of one ``torch.split`` of the flat
@@ -724,6 +811,9 @@ class ChunkUnit(UnshardStates):
             index, shapes = views_or_none(self._param_index, self._shapes, mask, len(self.params))
         views = _core.shape_views((*torch.split(g, self._split_sizes), None), index, shapes, None,
                                   self._param_index)
+        if self._tp:  # a TP parameter's full-size gradient is a DTensor like the parameter
+            views = tuple(v if v is None or q.tp_spec is None else self._tp_dtensor(v, q)
+                          for v, q in zip(views, self.params))
         _core.attr_set(self._unsharded_t, "grad", views)
         self._unsharded_grads = True
 

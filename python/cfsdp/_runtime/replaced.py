@@ -71,12 +71,16 @@ def orig_uid(param: torch.Tensor) -> int:
     return uid
 
 
-def check_plain_param(param: torch.Tensor, fqn: str, face: str) -> None:
+def check_plain_param(param: torch.Tensor, fqn: str, face: str, tp_ok: bool = False) -> None:
     """A unit shards plain strided tensors (``nn.Parameter`` s of ``torch.Tensor``; the meta
-    device is fine): a tensor subclass, such as the ``DTensor`` parameters
-    ``parallelize_module`` makes, is refused at wrap time, naming it."""
+    device is fine), and with ``tp_ok`` the ``DTensor`` parameters of tensor parallelism
+    (whose local tensor is plain); any other tensor subclass is refused at wrap time,
+    naming it."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(param, DTensor) and tp_ok:
+        check_plain_param(param._local_tensor, fqn, face)
+        return
     if isinstance(param, DTensor):
         raise NotImplementedError(
             f"{face}: parameter '{fqn}' is a DTensor (placements {param.placements} on "
