@@ -16,8 +16,8 @@ gradient ready              ``post_backward_fn(unit, grad)`` (set by the hooks, 
                             by :func:`hook_grad_ready`), then ``keep_unsharded_grad``
                             (no sync) or ``reduce_grad`` -> :class:`PendingReduce`
 reduction finished          ``PendingReduce.finish()`` -> ``accumulate_reduced``
-end of backward             ``reshard()``, ``publish_grad()`` or
-                            ``publish_unsharded_grad()``
+end of backward             ``reshard()`` (or ``end_forward_views()`` for a unit kept
+                            unsharded), ``publish_grad()`` or ``publish_unsharded_grad()``
 prefetch                    ``unshard(async_op=True)``
 ==========================  ======================================================
 
@@ -85,6 +85,8 @@ class UnitContract(Protocol):
     def wait_unshard(self) -> None: ...
 
     def use_forward_views(self) -> None: ...
+
+    def end_forward_views(self) -> None: ...
 
     def reshard(self) -> None: ...
 

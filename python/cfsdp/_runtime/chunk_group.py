@@ -89,6 +89,10 @@ class ChunkUnitGroup:
         for u in self.units:
             u.use_forward_views()
 
+    def end_forward_views(self) -> None:
+        for u in self.units:
+            u.end_forward_views()
+
     def reshard(self) -> None:
         for u in self.units:
             u.reshard()

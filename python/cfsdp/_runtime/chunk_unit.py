@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -270,8 +271,12 @@ class ChunkUnit(UnshardStates):
         self._rg_mask: Optional[bytes] = None
         self._grad_view_plan: Optional[tuple] = None  # (mask, index, shapes): publish_unsharded_grad
         # occurrences of tensor-parallel parameters: their views become TP DTensors
-        self._tp_occ = tuple((k, self.params[qi]) for k, qi in enumerate(self._occ_index)
+        self._tp_occ = tuple((k, qi, self.params[qi]) for k, qi in enumerate(self._occ_index)
                              if self.params[qi].tp_spec is not None)
+        self._weak_self = weakref.ref(self)
+        # TP parameters whose accumulated local gradient is still a partial sum (by index):
+        # the spec it has; redistributed once, just before the reduction
+        self._partial: dict[int, Any] = {}
 
     def _per_occurrence(self, per_param) -> tuple:
         return tuple(per_param[i] for i in self._occ_index)
@@ -583,12 +588,18 @@ class ChunkUnit(UnshardStates):
                                   self._occ_index)
         if self._tp_occ:  # [Note: tensor-parallel parameters]
             views = list(views)
-            for k, q in self._tp_occ:
-                views[k] = DTensor.from_local(views[k], q.tp_spec.mesh, q.tp_spec.placements,
-                                              run_check=False, shape=q.global_shape,
-                                              stride=q.global_stride)
+            for k, qi, q in self._tp_occ:
+                views[k] = _TPView.apply(views[k], self._weak_self, qi) if views[k].requires_grad \
+                    else self._tp_dtensor(views[k], q)
             views = tuple(views)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
+
+    def end_forward_views(self) -> None:
+        """A unit left unsharded after backward: unbind the forward views, so attribute
+        access shows the registered unsharded parameters (and their gradients) until the
+        next forward, as torch's FSDP2 shows them."""
+        if self._buf is not None:
+            _core.dict_pop(self._occ_attrs, self._occ_keys)
 
     def note_grads(self, grad_outputs: tuple) -> None:
         """The split node's pre-hook: record which parameters' views got a gradient."""
@@ -648,6 +659,7 @@ class ChunkUnit(UnshardStates):
         self.saved_grad = None
         self.flat_param.grad = None
         self.grad_unsharded = False
+        self._partial.clear()
 
     def before_forward(self) -> None:
         self.refresh_requires_grad()
@@ -744,9 +756,34 @@ class ChunkUnit(UnshardStates):
         self.flat_param.grad = grad
         self.grad_unsharded = True
 
+    def _redistribute_partial(self, grad: torch.Tensor) -> None:
+        """The TP parameters whose gradient arrived as a partial sum over TP ranks (e.g.
+        a sequence-parallel norm's): their accumulated local gradients, in ``grad``, become
+        the parameters' own placements now, once, as torch's FSDP2 redistributes the
+        accumulated gradient before reducing it."""
+        for qi, spec in self._partial.items():
+            q = self.params[qi]
+            view = grad[q.nat_off : q.nat_off + q.numel].view(q.shape)
+            target = DTensorSpec(q.tp_spec.mesh, q.tp_spec.placements, tensor_meta=spec.tensor_meta)
+            out = redistribute_local_tensor(view, spec, target)
+            if out is not view:
+                view.copy_(out)
+        self._partial.clear()
+
+    def note_partial(self, qi: int, spec: Any) -> None:
+        """``_TPView``'s backward: parameter ``qi``'s local gradient is a partial sum."""
+        have = self._partial.get(qi)
+        if have is not None and have.placements != spec.placements:
+            raise AssertionError(
+                f"cfsdp: the gradient of '{self.params[qi].fqn}' arrived as {spec.placements} "
+                f"after {have.placements} in the same accumulation")
+        self._partial[qi] = spec
+
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pack the natural gradient into the rank-major reduce-scatter input (cast
         to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
+        if self._partial:
+            self._redistribute_partial(grad)
         if self.saved_grad is None and self.reduce_dtype == self.dtype:
             out = self.new_grad_buffer()  # reduce straight into the gradient
         else:
@@ -811,11 +848,52 @@ class ChunkUnit(UnshardStates):
             index, shapes = views_or_none(self._param_index, self._shapes, mask, len(self.params))
         views = _core.shape_views((*torch.split(g, self._split_sizes), None), index, shapes, None,
                                   self._param_index)
-        if self._tp:  # a TP parameter's full-size gradient is a DTensor like the parameter
-            views = tuple(v if v is None or q.tp_spec is None else self._tp_dtensor(v, q)
-                          for v, q in zip(views, self.params))
+        if self._tp:  # a TP parameter's full-size gradient is a DTensor (a partial sum
+            # over TP ranks while not yet redistributed, as torch's shows it)
+            views = tuple(
+                v if v is None or q.tp_spec is None else
+                DTensor(v, self._partial[i], requires_grad=False) if i in self._partial else
+                self._tp_dtensor(v, q)
+                for i, (v, q) in enumerate(zip(views, self.params)))
         _core.attr_set(self._unsharded_t, "grad", views)
         self._unsharded_grads = True
+
+
+class _TPView(torch.autograd.Function):
+    """A TP parameter's forward view as the module sees it: a DTensor on the TP mesh over
+    the view of the unsharded buffer (``DTensor.from_local``'s forward).  Backward hands the
+    gradient's local tensor to the view, turned into the parameter's placements as
+    ``from_local`` does, except that a partial sum over TP ranks where the parameter is
+    replicated (same local shape) is left as it is and noted on the unit: it accumulates
+    as a partial sum and is redistributed once before the reduction, as torch's FSDP2
+    does (see [Note: tensor-parallel parameters])."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, unit_ref, qi: int):  # type: ignore[override]
+        unit = unit_ref()
+        q = unit.params[qi]
+        ctx.unit_ref, ctx.qi = unit_ref, qi
+        ctx.mesh, ctx.placements = q.tp_spec.mesh, q.tp_spec.placements
+        ctx.set_materialize_grads(False)
+        spec = _spec(q.tp_spec.mesh, q.tp_spec.placements, q.global_shape, q.global_stride,
+                     local.dtype)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: Optional[DTensor]):  # type: ignore[override]
+        if grad is None:
+            return None, None, None
+        want = ctx.placements
+        if grad.placements == want:
+            return grad._local_tensor, None, None
+        if all(g == w or (g.is_partial() and getattr(g, "reduce_op", "sum") == "sum"
+                          and w.is_replicate()) for g, w in zip(grad.placements, want)):
+            unit = ctx.unit_ref()
+            if unit is not None:
+                unit.note_partial(ctx.qi, grad._spec)
+                return grad._local_tensor, None, None
+        target = DTensorSpec(ctx.mesh, want, tensor_meta=grad._spec.tensor_meta)
+        return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None, None
 
 
 def _weak_note_grads(unit: "ChunkUnit"):

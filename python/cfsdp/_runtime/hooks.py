@@ -289,6 +289,8 @@ class UnitState:
             if u is not None:
                 if not st.keeps_unsharded_after_backward():
                     u.reshard()
+                else:
+                    u.end_forward_views()  # the registered parameters show between steps
                 if st.sync_gradients:
                     u.publish_grad()
                 else:

@@ -459,6 +459,10 @@ class Unit(UnshardStates):
                                   self._occ_index)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
 
+    def end_forward_views(self) -> None:
+        """A unit left unsharded after backward (no_sync with SHARD_GRAD_OP...): the views
+        stay bound, as torch's FSDP1 leaves its unsharded views in place."""
+
     # ------------------------------------------------- summon / state dicts
     def params_as_full(self, buf: Optional[torch.Tensor] = None) -> None:
         """Expose full parameters as ``nn.Parameter`` s (unsharded first, in

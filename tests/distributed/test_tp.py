@@ -1,0 +1,27 @@
+"""Tensor parallelism with both faces against torch (see worker_tp.py for what is compared).
+
+One torchrun launch per world size runs every subtest; the checkpoint-across-meshes test
+chains two launches sharing the test's tmp_path: 4 ranks on (2, 2) save, 2 ranks load on
+(1, 2) and (2, 1).  ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
+"""
+
+import pytest
+
+from launcher import run_worker, subtest_filter
+
+LAUNCH_TIMEOUT_S = 300
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel(tmp_path, world_size):
+    run_worker("worker_tp.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
+               env={"CFSDP_CKPT_DIR": str(tmp_path)})
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)
+def test_checkpoint_across_meshes(tmp_path):
+    """DCP save at (2, 2) on 4 ranks, load at (1, 2) and (2, 1) on 2 ranks."""
+    for ws, phase in ((4, "save"), (2, "load")):
+        run_worker("worker_tp.py", ws, timeout=LAUNCH_TIMEOUT_S,
+                   env={"CFSDP_CKPT_DIR": str(tmp_path), "CFSDP_TP_PHASE": phase})

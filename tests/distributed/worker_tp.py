@@ -1,0 +1,321 @@
+"""Tensor parallelism with both faces: cfsdp against torch's FSDP2 + TP (and FSDP1 + TP).
+
+Run by test_tp.py under torchrun (gloo, CPU).  The model is tp_common.TPModel, tensor-parallel
+on the ``tp`` dimension of a ``(dp, tp)`` mesh with every parallel style torch ships
+(column/row-wise, sequence parallel, PrepareModuleInput/Output; uneven TP shards), then sharded
+on ``dp``.  At 2 ranks the meshes are (1, 2) and (2, 1); at 4 ranks (2, 2), and HSDP x TP on
+the 3-D meshes (2, 1, 2) and (1, 2, 2) (replicate, shard, tp).
+
+Oracle: torch on the same model, seed and data.  cfsdp is **bitwise** equal: the same local
+tensors go through the same collectives (every dp sum has at most two terms at these sizes, so
+shared memory and gloo agree) and the same DTensor ops.  Compared per step: losses; after
+training: every parameter's placements, local shard and full value, the local gradients after
+the last backward, and the model state dict (keys, placements, local values).
+
+``CFSDP_TP_PHASE`` picks the checkpoint-across-meshes phases (test_tp.py chains them):
+``save`` at 4 ranks on (2, 2) writes a DCP checkpoint through torch's helpers and the
+uninterrupted run's next losses; ``load`` at 2 ranks loads it on (1, 2) and on (2, 1) and must
+reproduce them (up to float rounding: another dp size sums in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import _harness as h
+import tp_common as tc
+import worker_parity as wp
+
+del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
+
+import cfsdp  # noqa: E402
+
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))
+PHASE = os.environ.get("CFSDP_TP_PHASE", "")
+SHARDERS = {"torch": torch_fully_shard, "cfsdp": cfsdp.fully_shard}
+STEPS = 3
+RESHARD_RTOL = 1e-5
+
+
+def fs_model(impl: str, mesh, sp: bool, seed: int = 0, dp_key="dp", **kw):
+    """TPModel, TP on mesh["tp"], each block then the root given to ``impl``'s fully_shard."""
+    model = tc.parallelize(tc.build(seed), mesh["tp"], sp)
+    shard = SHARDERS[impl]
+    dp_mesh = mesh[dp_key]
+    for b in model.blocks:
+        shard(b, mesh=dp_mesh, **kw)
+    shard(model, mesh=dp_mesh, **kw)
+    return model
+
+
+def dp_rank(mesh, dp_key="dp") -> int:
+    m = mesh[dp_key]
+    if m.ndim == 1:
+        return m.get_local_rank()
+    return m.get_local_rank(0) * m.size(1) + m.get_local_rank(1)
+
+
+def dp_size(mesh, dp_key="dp") -> int:
+    return mesh[dp_key].size()
+
+
+def train(model, opt, data, rank: int, micro: Callable | None = None) -> list[torch.Tensor]:
+    losses = []
+    for step in data:
+        x, y = step[rank]
+        loss = tc.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def snapshot(model) -> dict[str, Any]:
+    """Placements, local value and full value of every parameter; local gradients."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n] = (tuple(p.placements), p.to_local().detach().clone(), p.full_tensor().detach().clone(),
+                  None if g is None else (tuple(g.placements), g.to_local().detach().clone()))
+    return out
+
+
+def describe_sd(sd: dict) -> dict:
+    return {k: (type(v).__name__, tuple(v.placements) if isinstance(v, DTensor) else None,
+                (v.to_local() if isinstance(v, DTensor) else v).detach().clone())
+            for k, v in sd.items()}
+
+
+def compare(mm: wp.Mismatches, what: str, c: Any, t: Any) -> None:
+    if c is None or t is None:
+        mm.check(c is None and t is None, f"{what}: cfsdp {c!r}, torch {t!r}")
+    elif isinstance(t, dict):
+        mm.check(list(c) == list(t), f"{what}: keys {list(c)[:4]}... != torch's {list(t)[:4]}...")
+        for k in t:
+            if k in c:
+                compare(mm, f"{what}[{k}]", c[k], t[k])
+    elif isinstance(t, (list, tuple)):
+        mm.check(type(c) is type(t) and len(c) == len(t), f"{what}: {c!r} != torch's {t!r}")
+        for i, (a, b) in enumerate(zip(c, t)):
+            compare(mm, f"{what}[{i}]", a, b)
+    elif isinstance(t, torch.Tensor) or isinstance(c, torch.Tensor):
+        mm.tensors(what, c, t)
+    else:
+        mm.check(c == t, f"{what}: {c!r} != torch's {t!r}")
+
+
+def run_pair(ctx, mesh, sp: bool, steps: int = STEPS, optim: str = "adamw", dp_key="dp",
+             fs_kw: dict | None = None, cfsdp_optim: bool = False):
+    """Train torch and cfsdp; return {impl: (losses, snapshot, state-dict description)}."""
+    data = tc.batches(steps, dp_size(mesh, dp_key))
+    out = {}
+    for impl in ("torch", "cfsdp"):
+        model = fs_model(impl, mesh, sp, dp_key=dp_key, **(fs_kw or {}))
+        if cfsdp_optim and impl == "cfsdp":
+            opt = cfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        else:
+            opt = wp.make_optim(optim, model.parameters())
+        losses = []
+        for i, step in enumerate(data):
+            x, y = step[dp_rank(mesh, dp_key)]
+            loss = tc.loss_fn(model(x), y)
+            loss.backward()
+            if i == len(data) - 1:
+                snap = snapshot(model)  # gradients of the last backward
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+        after = snapshot(model)
+        out[impl] = (losses, {n: (*after[n][:3], snap[n][3]) for n in after},
+                     describe_sd(model.state_dict()))
+    return out
+
+
+def check_pair(ctx, out, exact: bool = True) -> None:
+    mm = wp.Mismatches(ctx)
+    (tl, ts, tsd), (cl, cs, csd) = out["torch"], out["cfsdp"]
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss #{i}", a, b, exact=exact)
+    if exact:
+        compare(mm, "parameters (placements, local, full, local grad)", cs, ts)
+        compare(mm, "state_dict", csd, tsd)
+    mm.raise_if_any()
+
+
+# ----------------------------------------------------------------------------- fully_shard
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "sp": [False, True], "optim": ["adamw", "sgd"]})
+def fs_parity(ctx, layout, sp: bool, optim: str):
+    check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), sp, optim=optim))
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def fs_mixed_precision(ctx, layout):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), True, fs_kw={"mp_policy": policy}))
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def fs_grad_accumulation(ctx, layout):
+    """set_requires_gradient_sync(False) for all but the last micro-batch of a step, and a
+    unit kept unsharded after backward (no-sync gradients on the registered TP DTensors)."""
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(3, dp_size(mesh) * 2)
+    res = {}
+    for impl in ("torch", "cfsdp"):
+        model = fs_model(impl, mesh, True)
+        model.blocks[0].set_reshard_after_backward(False)
+        opt = wp.make_optim("sgd", model.parameters())
+        seen = []
+        for step in data:
+            for m in range(2):
+                model.set_requires_gradient_sync(m == 1)
+                x, y = step[2 * dp_rank(mesh) + m]
+                loss = tc.loss_fn(model(x), y)
+                loss.backward()
+                seen.append(loss.detach().clone())
+                if m == 0:
+                    g = model.blocks[0].w1.weight.grad
+                    seen.append(None if g is None else (tuple(g.placements), g.to_local().clone()))
+            opt.step()
+            opt.zero_grad()
+        res[impl] = (seen, snapshot(model))
+    mm = wp.Mismatches(ctx)
+    compare(mm, "losses and no-sync gradients", res["cfsdp"][0], res["torch"][0])
+    compare(mm, "parameters", res["cfsdp"][1], res["torch"][1])
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def fs_cfsdp_optim(ctx, layout):
+    """cfsdp.optim.AdamW steps the 2-D DTensor parameters (their local shards) as torch's
+    AdamW does: within a few ulps per step (csrc/optim.c's IEEE sqrt against torch's MKL one,
+    see cfsdp/optim.py), so losses agree to 1e-5 relative over the steps."""
+    check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), False, cfsdp_optim=True), exact=False)
+
+
+if WORLD == 4:
+    @h.subtest(grid={"shape": [(2, 1, 2), (1, 2, 2)], "sp": [False, True]})
+    def fs_hsdp_tp(ctx, shape, sp: bool):
+        """HSDP x TP on 4 ranks: a 3-D (replicate, shard, tp) mesh, fully_shard on the 2-D
+        (replicate, shard) sub-mesh."""
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard", "tp"))
+        check_pair(ctx, run_pair(ctx, mesh, sp, dp_key=("rep", "shard")))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def ckpt_dir(ctx, name: str):
+    from pathlib import Path
+
+    root = os.environ.get("CFSDP_CKPT_DIR")
+    if not root:
+        raise AssertionError("CFSDP_CKPT_DIR is not set (the pytest test passes its tmp_path)")
+    d = Path(root) / name
+    if ctx.rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+    dist.barrier(group=ctx.pg)
+    return d
+
+
+def dcp_save(model, opt, path) -> None:
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+
+
+def dcp_load(model, opt, path) -> None:
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+@h.subtest(grid={"direction": ["cfsdp->cfsdp", "torch->cfsdp", "cfsdp->torch"]})
+def fs_dcp(ctx, direction: str):
+    """torch's helpers + DCP on a TP + fully_shard model: a fresh model (other weights) loads
+    the checkpoint and resumes with bitwise the uninterrupted losses; cross-loads between
+    torch's FSDP2 + TP and cfsdp both ways."""
+    writer, reader = direction.split("->")
+    mesh = tc.mesh_2d(*tc.meshes(WORLD)[0])
+    path = ckpt_dir(ctx, f"fs_dcp_{writer}_{reader}")
+    data = tc.batches(4, dp_size(mesh))
+    r = dp_rank(mesh)
+    model = fs_model(writer, mesh, True)
+    opt = wp.make_optim("adamw", model.parameters())
+    train(model, opt, data[:2], r)
+    dcp_save(model, opt, path)
+    want = train(model, opt, data[2:], r)
+    fresh = fs_model(reader, mesh, True, seed=1)
+    fresh_opt = wp.make_optim("adamw", fresh.parameters())
+    dcp_load(fresh, fresh_opt, path)
+    got = train(fresh, fresh_opt, data[2:], r)
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(got, want)):
+        mm.tensors(f"resumed loss #{i} ({direction})", a, b)
+    mm.raise_if_any()
+
+
+def _global_losses(losses: list[torch.Tensor], dp_group) -> list[float]:
+    out = []
+    for t in losses:
+        t = t.clone()
+        dist.all_reduce(t, group=dp_group)
+        out.append((t / dist.get_world_size(dp_group)).item())
+    return out
+
+
+def phase_save(ctx):
+    """At 4 ranks on (2, 2): train, save through torch's helpers + DCP, train on; rank 0
+    writes the uninterrupted run's global losses."""
+    mesh = tc.mesh_2d(2, 2)
+    path = ckpt_dir(ctx, "across_meshes")
+    data = tc.batches(4, 2)
+    model = fs_model("cfsdp", mesh, True)
+    opt = wp.make_optim("adamw", model.parameters())
+    train(model, opt, data[:2], dp_rank(mesh))
+    dcp_save(model, opt, path / "dcp")
+    want = _global_losses(train(model, opt, data[2:], dp_rank(mesh)), mesh["dp"].get_group())
+    if ctx.rank == 0:
+        (path / "losses.json").write_text(json.dumps(want))
+
+
+def phase_load(ctx):
+    """At 2 ranks: load the (2, 2) checkpoint on (1, 2) and on (2, 1), each must go on with
+    the saved run's losses."""
+    path = ckpt_dir(ctx, "across_meshes")
+    want = json.loads((path / "losses.json").read_text())
+    mm = wp.Mismatches(ctx)
+    for layout in ((1, 2), (2, 1)):
+        mesh = tc.mesh_2d(*layout)
+        data = tc.batches(4, layout[0])
+        model = fs_model("cfsdp", mesh, True, seed=1)
+        opt = wp.make_optim("adamw", model.parameters())
+        dcp_load(model, opt, path / "dcp")
+        got = _global_losses(train(model, opt, data[2:], dp_rank(mesh)), mesh["dp"].get_group())
+        for i, (a, b) in enumerate(zip(got, want)):
+            mm.check(abs(a - b) <= RESHARD_RTOL * abs(b),
+                     f"mesh {layout}: loss #{i} {a} != {b} saved on (2, 2) (rtol {RESHARD_RTOL})")
+    mm.raise_if_any()
+
+
+if PHASE:
+    del h._REGISTRY[:]
+    h.subtest({"save": phase_save, "load": phase_load}[PHASE])
+
+
+if __name__ == "__main__":
+    h.main()
