@@ -41,6 +41,7 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .parallel import pre_dp_module_transform
 from ._patch import patch_torch, unpatch_torch  # torch's FSDP names -> cfsdp's (code you cannot edit)
 from . import wrap  # noqa: E402  (as torch.distributed.fsdp.wrap after importing the package)
 from . import optim  # noqa: E402  (cfsdp.optim: fused Adam/AdamW/SGD over flat shards)

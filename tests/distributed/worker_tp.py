@@ -216,6 +216,78 @@ if WORLD == 4:
         check_pair(ctx, run_pair(ctx, mesh, sp, dp_key=("rep", "shard")))
 
 
+# ----------------------------------------------------------------------------- DDP + TP
+
+
+def ddp_model(impl: str, mesh, sp: bool, seed: int = 0):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = tc.parallelize(tc.build(seed), mesh["tp"], sp)
+    if impl == "torch":  # DDP calls torch's _pre_dp_module_transform itself
+        return DDP(model, device_mesh=mesh["dp"]), model
+    cfsdp.pre_dp_module_transform(model)
+    return DDP(model, process_group=mesh["dp"].get_group()), model
+
+
+def _dtensor_attrs(model) -> dict[str, torch.Tensor]:
+    """Every DTensor the model's modules hold (as parameters or, after torch's transform
+    broke them, as plain attributes), by FQN, as full tensors."""
+    out = {}
+    for mn, m in model.named_modules():
+        for k, v in list(vars(m).items()) + list(m._parameters.items()):
+            if isinstance(v, DTensor):
+                out[f"{mn}.{k}" if mn else k] = v.full_tensor().detach().clone()
+    return out
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "sp": [False, True]})
+def ddp_pre_dp_transform(ctx, layout, sp: bool):
+    """cfsdp.pre_dp_module_transform + DDP trains as torch's DDP + TP (bit for bit: losses and
+    parameters), and, unlike torch's (pytorch issue 152712), named_parameters() and
+    state_dict() keep showing the DTensor parameters between steps; the state dict saved
+    through DCP loads into the same model and into torch's FSDP2 + TP model."""
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(3, dp_size(mesh))
+    res = {}
+    for impl in ("torch", "cfsdp"):
+        ddp, model = ddp_model(impl, mesh, sp)
+        names_before = [n for n, _ in model.named_parameters()]
+        opt = wp.make_optim("adamw", ddp.parameters())
+        losses = train(ddp, opt, data, dp_rank(mesh))
+        res[impl] = (losses, _dtensor_attrs(model), names_before, model)
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(res["cfsdp"][0], res["torch"][0])):
+        mm.tensors(f"loss #{i}", a, b)
+    compare(mm, "parameters after training", res["cfsdp"][1], res["torch"][1])
+    model = res["cfsdp"][3]
+    after = dict(model.named_parameters())
+    mm.check(list(after) == res["cfsdp"][2] and all(isinstance(p, DTensor) for n, p in after.items()
+                                                 if n in res["torch"][1]),
+             f"named_parameters() between steps: {[(n, type(p).__name__) for n, p in after.items()]}")
+    torch_left = [n for n, _ in res["torch"][3].named_parameters()]
+    mm.check(not [n for n in torch_left if n in res["torch"][1]],
+             f"torch's transform now keeps the DTensor parameters ({torch_left}): issue 152712 fixed?")
+    sd = model.state_dict()
+    mm.check(all(isinstance(sd[n], DTensor) for n in res["torch"][1] if n in sd) and set(sd) >= set(after),
+             "state_dict() lacks the DTensor parameters")
+    # the state dict through DCP into the same model (other weights) and into FSDP2 + TP
+    path = ckpt_dir(ctx, f"ddp_tp_{layout[0]}x{layout[1]}_{int(sp)}")
+    dcp.save(sd, checkpoint_id=str(path))
+    for target in ("same", "fsdp2"):
+        if target == "same":
+            _, fresh = ddp_model("cfsdp", mesh, sp, seed=1)
+        else:
+            fresh = fs_model("torch", mesh, sp, seed=1)
+        fsd = fresh.state_dict()
+        dcp.load(fsd, checkpoint_id=str(path))
+        fresh.load_state_dict(fsd)
+        for n, v in sd.items():
+            got = fresh.state_dict()[n]
+            full = got.full_tensor() if isinstance(got, DTensor) else got
+            mm.tensors(f"{target}: {n} after loading", full, v.full_tensor() if isinstance(v, DTensor) else v)
+    mm.raise_if_any()
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
