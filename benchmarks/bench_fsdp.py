@@ -49,6 +49,19 @@ Two switches change what the contenders run (defaults: fp32, FULL_SHARD):
   mesh: cfsdp and FSDP1 with ``HYBRID_SHARD`` and ``device_mesh=mesh``, FSDP2
   ``fully_shard(..., mesh=mesh)`` on the 2-D mesh; DDP and local unchanged.
 
+* ``--tp DP,TP`` -- 2-D training: every contender's model first goes through
+  tensor parallelism on the ``tp`` dimension of a ``(DP, TP)`` mesh
+  (``models.parallelize_tp``), then data parallelism on ``dp``: cfsdp and FSDP1
+  with ``device_mesh=mesh["dp"]``, FSDP2 and ``cfsdp_fs`` with
+  ``mesh=mesh["dp"]``, DDP with ``device_mesh=mesh["dp"]`` (torch's own
+  ``_pre_dp_module_transform``).  ``local`` becomes the TP-only floor (the
+  tensor-parallel step with no data parallelism: overhead is what data
+  parallelism adds above it), and one more contender runs: ``cfsdp_ddp`` --
+  ``cfsdp.pre_dp_module_transform`` then DDP on the ``dp`` group (its losses
+  are checked against DDP's).  The ranks of one TP group train on the same
+  rows (the batch follows the ``dp`` rank).  Not combined with ``--mp`` or
+  ``--strategy hybrid``.
+
 ``--set KEY=VALUE`` overrides a model config field (e.g. ``n_layer=4``), for
 runs with more ranks than cores.  The loss is always computed on fp32 logits
 (``logits.float()``, a no-op in fp32).
@@ -97,10 +110,12 @@ from models import (  # noqa: E402
     build_model,
     config_dict,
     make_batch,
+    parallelize_tp,
     wrap_unit_class,
 )
 
-CONTENDERS = ("local", "cfsdp", "cfsdp_fs", "fsdp1", "fsdp2", "ddp")
+CONTENDERS = ("local", "cfsdp", "cfsdp_fs", "fsdp1", "fsdp2", "ddp", "cfsdp_ddp")
+TP_ONLY = ("cfsdp_ddp",)  # contenders that run only under --tp
 SHARDED = ("cfsdp", "cfsdp_fs", "fsdp1", "fsdp2")
 CFSDP_CONTENDERS = ("cfsdp", "cfsdp_fs")
 # cfsdp.optim.AdamW against torch's: the same states bit for bit, parameters a few ulps
@@ -202,6 +217,18 @@ class Setup:
     strategy: str = "full"  # one of STRATEGIES
     mesh: DeviceMesh | None = None  # 2-D (replicate, shard) mesh for "hybrid"
     cfsdp_optim: str = "cfsdp"  # AdamW of cfsdp's contenders: "cfsdp" or "torch"
+    tp_mesh: DeviceMesh | None = None  # 2-D ("dp", "tp") mesh of a --tp run
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The data-parallel sub-mesh of a ``--tp`` run (None otherwise)."""
+        return self.tp_mesh["dp"] if self.tp_mesh is not None else None
+
+    def data_rank(self) -> int:
+        """Whose rows this rank trains on: its rank, or under ``--tp`` its ``dp`` rank (the
+        ranks of one TP group must see the same rows)."""
+        dp = self.dp_mesh
+        return dp.get_local_rank() if dp is not None else dist.get_rank()
 
     @property
     def mp_dtype(self) -> torch.dtype | None:
@@ -225,6 +252,8 @@ def _fsdp1_kwargs(setup: Setup) -> dict[str, Any]:
     if setup.strategy == "hybrid":
         kwargs["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
         kwargs["device_mesh"] = setup.mesh
+    if setup.dp_mesh is not None:  # FSDP1's DTensor extension: shard over dp, TP kept
+        kwargs["device_mesh"] = setup.dp_mesh
     return kwargs
 
 
@@ -255,6 +284,8 @@ def wrap_fsdp2(model: nn.Module, cfg: ModelConfig, setup: Setup, shard: Callable
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     if setup.strategy == "hybrid":
         kwargs["mesh"] = setup.mesh  # 2-D mesh: HSDP (replicate dim 0, shard dim 1)
+    if setup.dp_mesh is not None:
+        kwargs["mesh"] = setup.dp_mesh
     for module in model.modules():
         if isinstance(module, wrap_unit_class(cfg)):
             shard(module, **kwargs)
@@ -266,7 +297,17 @@ def wrap_cfsdp_fs(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module
 
 
 def wrap_ddp(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
+    if setup.dp_mesh is not None:  # calls torch's _pre_dp_module_transform itself
+        return DistributedDataParallel(model, device_mesh=setup.dp_mesh)
     return DistributedDataParallel(model)
+
+
+def wrap_cfsdp_ddp(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
+    """DDP on a tensor-parallel model through ``cfsdp.pre_dp_module_transform``."""
+    if setup.dp_mesh is None:
+        raise ValueError("cfsdp_ddp runs only under --tp")
+    _cfsdp_module().pre_dp_module_transform(model)
+    return DistributedDataParallel(model, process_group=setup.dp_mesh.get_group())
 
 
 def wrap_local(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
@@ -281,6 +322,7 @@ WRAPPERS: dict[str, Callable[[nn.Module, ModelConfig, Setup], nn.Module]] = {
     "fsdp2": wrap_fsdp2,
     "cfsdp_fs": wrap_cfsdp_fs,
     "ddp": wrap_ddp,
+    "cfsdp_ddp": wrap_cfsdp_ddp,
 }
 
 
@@ -364,6 +406,8 @@ def run_contender(
     try:
         check_preconditions(name)
         model = build_model(cfg, SEED)
+        if setup.tp_mesh is not None:  # every contender, the TP-only floor included
+            parallelize_tp(model, setup.tp_mesh["tp"])
         dist.barrier()
         t0 = time.perf_counter()
         model = WRAPPERS[name](model, cfg, setup)
@@ -374,7 +418,7 @@ def run_contender(
             if step == warmup:  # set-up peak (build, wrap, warmup) apart from steady state
                 setup_peak_kib = _read_status_kib("VmHWM")
                 reset_peak_rss()
-            x, y = make_batch(cfg, SEED, rank, step)
+            x, y = make_batch(cfg, SEED, setup.data_rank(), step)
             dist.barrier()
             t0 = time.perf_counter()
             loss = train_step(model, optim, x, y, autocast_dtype)
@@ -399,7 +443,7 @@ def reduce_outcome(out: Outcome, warmup: int, iters: int, rss_reset: bool) -> di
     A failure on any rank fails the contender everywhere, so every rank takes
     the same branch (and issues the same collectives) from here on.
     """
-    world = dist.get_world_size()
+    world = dist.get_world_size()  # under --tp a TP group's ranks share their loss
     errors: list[str | None] = [None] * world
     dist.all_gather_object(errors, out.error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
@@ -501,6 +545,12 @@ def add_ratios(results: dict[str, dict[str, Any]], mp: str = "none", cfsdp_optim
         if rel > exact:
             warnings.append(f"WARNING: cfsdp_fs losses differ from FSDP2's: up to {rel:.3e} "
                             f"relative (> {exact:g})")
+    if "cfsdp_ddp" in ok and ref is not None:  # the same DDP, torch's AdamW: bitwise
+        rel = _max_rel_diff(ok["cfsdp_ddp"]["losses"], ref)
+        ok["cfsdp_ddp"]["max_rel_loss_diff_vs_ddp"] = rel
+        if rel > 0.0:
+            warnings.append(f"WARNING: cfsdp_ddp losses not bitwise equal to DDP's: up to "
+                            f"{rel:.3e} relative")
     return warnings
 
 
@@ -601,6 +651,7 @@ def machine_info(args: argparse.Namespace, rss_reset: bool, setup: Setup) -> dic
         "cfsdp_optim": setup.cfsdp_optim,
         "strategy": setup.strategy,
         "mesh_shape": list(setup.mesh.mesh.shape) if setup.mesh is not None else None,
+        "tp_mesh_shape": list(setup.tp_mesh.mesh.shape) if setup.tp_mesh is not None else None,
         "config_overrides": args.set,
     }
 
@@ -645,6 +696,11 @@ def parse_args() -> argparse.Namespace:
         help="override an integer model config field (e.g. n_layer=4) in every selected "
         "model that has it; repeatable",
     )
+    p.add_argument(
+        "--tp", default=None, metavar="DP,TP",
+        help="2-D training on a (DP, TP) mesh: tensor parallelism on tp, then each contender's "
+        "data parallelism on dp (DP * TP = world size); adds the cfsdp_ddp contender",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
     p.add_argument(
         "--cfsdp-optim", choices=["cfsdp", "torch"], default="cfsdp",
@@ -658,6 +714,21 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         p.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
     args.contenders = [c for c in CONTENDERS if c in names]
+    if args.tp is not None:
+        try:
+            dp, tp = (int(v) for v in args.tp.split(","))
+        except ValueError:
+            p.error(f"--tp {args.tp!r}: expected DP,TP (two integers)")
+        if dp < 1 or tp < 1:
+            p.error(f"--tp {args.tp!r}: both sizes must be at least 1")
+        if args.mp != "none" or args.strategy != "full":
+            p.error("--tp is not combined with --mp or --strategy hybrid")
+        args.tp = (dp, tp)
+    else:
+        named = [c for c in args.contenders if c in TP_ONLY]
+        if named and names != list(CONTENDERS):  # asked for by name, not by the default
+            p.error(f"contenders {named} run only under --tp")
+        args.contenders = [c for c in args.contenders if c not in TP_ONLY]
     if args.iters < 1:
         p.error("--iters must be at least 1")
     if args.shard_size < 1:
@@ -699,6 +770,11 @@ def make_setup(args: argparse.Namespace) -> Setup:
             "cpu", (world // args.shard_size, args.shard_size),
             mesh_dim_names=("replicate", "shard"),
         )
+    if args.tp is not None:
+        world = dist.get_world_size()
+        if args.tp[0] * args.tp[1] != world:
+            raise SystemExit(f"--tp {args.tp[0]},{args.tp[1]}: DP * TP must be the world size {world}")
+        setup.tp_mesh = init_device_mesh("cpu", args.tp, mesh_dim_names=("dp", "tp"))
     return setup
 
 
@@ -716,9 +792,11 @@ def main() -> None:
         )
     setup = make_setup(args)
     report: dict[str, Any] = {"machine": machine_info(args, rss_reset, setup), "models": {}}
-    vs_fsdp1 = setup.mp != "none" or setup.strategy != "full"
+    vs_fsdp1 = setup.mp != "none" or setup.strategy != "full" or setup.tp_mesh is not None
     if rank == 0 and vs_fsdp1:
         mesh = f", mesh {tuple(setup.mesh.mesh.shape)}" if setup.mesh is not None else ""
+        if setup.tp_mesh is not None:
+            mesh += f", (dp, tp) mesh {tuple(setup.tp_mesh.mesh.shape)}; local = TP only"
         print(f"mixed precision {setup.mp}, strategy {setup.strategy}{mesh}", flush=True)
     for model_name, cfg in args.configs.items():
         results: dict[str, dict[str, Any]] = {}

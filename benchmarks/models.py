@@ -172,6 +172,37 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
     return model
 
 
+def parallelize_tp(model: nn.Module, tp_mesh) -> nn.Module:
+    """Tensor parallelism on ``tp_mesh`` (torch's ``parallelize_module``), the same plan for
+    every contender of a ``--tp`` run.
+
+    ``GPT``: each block's MLP column-wise (``fc``) then row-wise (``fc_proj``), the LM head
+    column-wise with its logits gathered (attention stays replicated: its fused QKV
+    projection does not split by heads); ``SmallStack``: each block's ``fc`` and the head
+    column-wise with gathered outputs.  Every block so mixes TP and plain parameters (its
+    LayerNorms, and the attention in ``GPT``).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    gathered = ColwiseParallel(output_layouts=Replicate())
+    if isinstance(model, GPT):
+        parallelize_module(model, tp_mesh, {"lm_head": gathered})
+        block_plan = {"fc": ColwiseParallel(), "fc_proj": RowwiseParallel()}
+    elif isinstance(model, SmallStack):
+        parallelize_module(model, tp_mesh, {"head": gathered})
+        block_plan = {"fc": gathered}
+    else:
+        raise TypeError(f"no tensor-parallel plan for {type(model).__name__}")
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    return model
+
+
 def wrap_unit_class(cfg: ModelConfig) -> type[nn.Module]:
     """The module class that forms one FSDP unit (for ``ModuleWrapPolicy``)."""
     return Block if isinstance(cfg, GPTConfig) else SmallBlock
