@@ -288,6 +288,33 @@ def ddp_pre_dp_transform(ctx, layout, sp: bool):
     mm.raise_if_any()
 
 
+# ----------------------------------------------------------------------------- README example
+
+
+def _example():
+    """examples/tp_2d.py (the README's tensor-parallel example) as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "tp_2d.py"
+    spec = importlib.util.spec_from_file_location("tp_2d_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "face": ["fully_shard", "wrapper", "ddp"]})
+def readme_example(ctx, layout, face: str):
+    """The README's example trains as torch's FSDP2 / FSDP1 / DDP do (bit for bit), and learns."""
+    ex = _example()
+    mesh = tc.mesh_2d(*layout)
+    got, want = (ex.train(mesh, face, impl, steps=4) for impl in ("cfsdp", "torch"))
+    mm = wp.Mismatches(ctx)
+    mm.check(got == want, f"losses {got} != torch's {want}")
+    mm.check(got[-1] < got[0], f"the example does not learn: losses {got}")
+    mm.raise_if_any()
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 

@@ -43,7 +43,10 @@ SCALES = [1.0, 0.5, 0.25, 1 / 3, 7.3, -2.0]
 
 
 def shm_entries():
-    return sorted(e for e in os.listdir("/dev/shm") if "cfsdp" in e)
+    """This process's test segments in /dev/shm (their names carry our pid): another cfsdp
+    job on the same host must not fail these tests."""
+    mine = f"cfsdp-test-{os.getpid()}-"
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(mine))
 
 
 class Groups:
