@@ -168,7 +168,7 @@ class ChunkUnit(UnshardStates):
             shard += c * row_numel
         self.natural_numel = nat
         self.shard_numel = shard
-        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off) for q in self.params]
+        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off, 1) for q in self.params]
         self._plan_bytes = comm.pack_plan(self._plan)
         self._split_sizes = [q.numel for q in self.params]
 
