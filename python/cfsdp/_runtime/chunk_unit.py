@@ -1,14 +1,20 @@
-"""A unit of the composable face (``fully_shard``): per-parameter dim-0 chunks.
+"""A unit of the composable face (``fully_shard``): per-parameter chunks.
 
 [Note: chunk layout]
 torch's FSDP2 shards every parameter of shape ``(d0, *rest)`` on its own, as
 ``torch.chunk(p, W)`` does: ``c = ceil(d0 / W)`` rows per rank, rank ``k``
-holding rows ``[k*c, min((k+1)*c, d0))`` (possibly none).  A unit keeps:
+holding rows ``[k*c, min((k+1)*c, d0))`` (possibly none).  A parameter that
+``shard_placement_fn`` puts on ``Shard(d)``, ``d > 0`` (``W`` divides
+``shape[d]``, as torch requires), is split the same way along ``d``: rank ``k``
+holds ``torch.chunk(p, W, dim=d)[k]``, contiguous, which is ``outer =
+prod(shape[:d])`` blocks of the flat parameter (cfsdp._ref.chunk); its
+DTensor's placement is ``Shard(d)``.  A unit keeps:
 
-* ``shard``: this rank's padded chunks back to back, ``S = sum_p c_p * r_p``
-  elements (``r_p``: elements per row) in the parameters' dtype.  The user's
-  parameters are ``DTensor`` s whose local tensors are views of it (narrowed
-  to the rows this rank really holds), so the optimizer updates it in place.
+* ``shard``: this rank's padded chunks back to back, ``S = sum_p outer_p * c_p *
+  r_p`` elements (``r_p``: elements per row, ``prod(shape[d+1:])``; ``outer_p`` 1
+  on dim 0) in the parameters' dtype.  The user's parameters are ``DTensor`` s
+  whose local tensors are views of it (narrowed to the rows this rank really
+  holds), so the optimizer updates it in place.
 * ``gathered``: the all-gather output, ``W * S`` elements of ``param_dtype``,
   rank-major (rank ``k``'s shard at ``[k*S, (k+1)*S)``).  Only alive between
   the all-gather and the copy-out.
@@ -28,10 +34,11 @@ exactly, so local shards and gradients match torch's bit for bit.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,9 +85,9 @@ class ChunkParam:
     fqn: str  # relative to the unit's (first) module, for errors
     shape: torch.Size
     numel: int
-    rows: int  # d0
-    row_numel: int  # elements per row
-    chunk_rows: int  # c = ceil(d0 / W)
+    rows: int  # shape[dim]
+    row_numel: int  # elements per row: prod(shape[dim + 1:])
+    chunk_rows: int  # c = ceil(rows / W)
     local_rows: int  # rows this rank holds
     nat_off: int  # offset in ``natural``
     shard_off: int  # offset in ``shard`` (and in each rank's part of ``gathered``)
@@ -90,14 +97,22 @@ class ChunkParam:
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
     orig_uid: int = -1  # the original parameter's id (replaced.orig_uid): tied across units
+    dim: int = 0  # the dim it is sharded on (Shard(dim)); torch requires W | rows when > 0
+    outer: int = 1  # prod(shape[:dim]): blocks of a chunk (the plan's ``outer``)
+    placements: tuple = ()  # its DTensors': (Shard(dim),); HSDP (Replicate(), Shard(dim))
 
     @property
     def chunk_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
+        return self.outer * self.chunk_rows * self.row_numel
 
     @property
     def local_numel(self) -> int:
-        return self.local_rows * self.row_numel
+        return self.outer * self.local_rows * self.row_numel
+
+    @property
+    def local_shape(self) -> tuple:
+        """The shape of this rank's chunk (``torch.chunk(p, W, dim)[rank]``)."""
+        return (*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :])
 
 
 def gradient_divide(
@@ -138,14 +153,18 @@ class ChunkUnit(UnshardStates):
         device: torch.device,
         mp_param_dtype: Optional[torch.dtype],
         mp_reduce_dtype: Optional[torch.dtype],
+        shard_dims: Optional[Mapping[nn.Parameter, int]] = None,
     ):
+        """``shard_dims``: the dim (>= 0) of each parameter not sharded on dim 0, as
+        ``fully_shard`` validated them (``shard_placement_fn``)."""
         self.mesh = mesh
         self.group = group
         self.rank = group.rank()
         self.world_size = W = group.size()
         self.replicate_group = replicate_group
         self.device = device
-        self.placements = (Shard(0),) if replicate_group is None else (Replicate(), Shard(0))
+        replicated = () if replicate_group is None else (Replicate(),)
+        shard_dims = shard_dims or {}
         dtype = entries[0][3].dtype
         self._mp_dtypes = (mp_param_dtype, mp_reduce_dtype)
         self._set_dtypes(dtype)
@@ -155,20 +174,23 @@ class ChunkUnit(UnshardStates):
         self.params: list[ChunkParam] = []
         nat = shard = 0
         for module, name, fqn, p, aliases in entries:
-            rows = p.shape[0]
-            row_numel = p.numel() // rows if rows else 0
+            dim = shard_dims.get(p, 0)
+            rows = p.shape[dim]
             c = -(-rows // W)
             local = max(0, min(c, rows - self.rank * c))
-            self.params.append(
-                ChunkParam(module, name, fqn, p.shape, p.numel(), rows, row_numel, c, local,
-                           nat, shard, p.requires_grad, _contiguous_stride(tuple(p.shape)),
-                           aliases=aliases, orig_uid=orig_uid(p))
-            )
+            q = ChunkParam(module, name, fqn, p.shape, p.numel(), rows,
+                           math.prod(p.shape[dim + 1 :]), c, local, nat, shard, p.requires_grad,
+                           _contiguous_stride(tuple(p.shape)), aliases=aliases,
+                           orig_uid=orig_uid(p), dim=dim, outer=math.prod(p.shape[:dim]),
+                           placements=(*replicated, Shard(dim)))
+            self.params.append(q)
             nat += p.numel()
-            shard += c * row_numel
+            shard += q.chunk_numel
         self.natural_numel = nat
         self.shard_numel = shard
-        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off, 1) for q in self.params]
+        # (an empty parameter's chunk has no blocks to speak of: outer 1 then)
+        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off, max(q.outer, 1))
+                      for q in self.params]
         self._plan_bytes = comm.pack_plan(self._plan)
         self._split_sizes = [q.numel for q in self.params]
 
@@ -181,6 +203,10 @@ class ChunkUnit(UnshardStates):
             # shard (one C pass, padding zeroed): the unit is never concatenated.
             rows_here = []
             for q, (*_, p, _) in zip(self.params, entries):
+                if q.dim:  # Shard(d > 0): this rank's blocks, gathered in one small copy
+                    rows_here.append(p.detach().narrow(q.dim, self.rank * q.chunk_rows,
+                                                       q.local_rows).reshape(-1))
+                    continue
                 start = self.rank * q.chunk_numel
                 rows_here.append(p.detach().reshape(-1)[start : start + q.local_numel])
             _core.shard_fill(self.shard, 0, rows_here, [q.shard_off for q in self.params])
@@ -252,14 +278,14 @@ class ChunkUnit(UnshardStates):
         return tuple(per_param[i] for i in self._occ_index)
 
     def _local_view(self, buf: torch.Tensor, q: ChunkParam) -> torch.Tensor:
-        return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_rows, *q.shape[1:])
+        return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_shape)
 
     def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
         """``local`` as this parameter's sharded DTensor (no autograd edge).  The
         spec comes from the shared cache (``_spec``) and the DTensor is constructed
         directly: ``DTensor.from_local`` goes through an autograd Function and
         rebuilds the spec, which dominated publishing small units' gradients."""
-        spec = _spec(self.mesh, self.placements, q.shape, q.stride, local.dtype)
+        spec = _spec(self.mesh, q.placements, q.shape, q.stride, local.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     def _new_natural(self) -> None:
@@ -341,18 +367,18 @@ class ChunkUnit(UnshardStates):
             cur = q.module._parameters.get(q.name)
             if cur is not None and (cur is not q.sharded or self._moved(q)):
                 local = cur.to_local() if isinstance(cur, DTensor) else None
-                want = (q.local_rows, *q.shape[1:])
+                want = q.local_shape
                 if local is None or tuple(local.shape) != want:
                     raise ValueError(
                         f"fully_shard: parameter '{q.fqn}' was replaced by a {type(cur).__name__} "
                         f"of shape {tuple(getattr(local, 'shape', cur.shape))}; expected a DTensor "
                         f"whose local shard has shape {want}."
                     )
-                if cur.placements != self.placements or cur.device_mesh != self.mesh:
+                if cur.placements != q.placements or cur.device_mesh != self.mesh:
                     raise ValueError(
                         f"fully_shard: parameter '{q.fqn}' was replaced by a DTensor with "
                         f"placements {cur.placements} on {cur.device_mesh}; the unit shards it as "
-                        f"{self.placements} on {self.mesh}. Load values sharded the unit's way "
+                        f"{q.placements} on {self.mesh}. Load values sharded the unit's way "
                         "(e.g. distribute_tensor(full, mesh, placements) with the unit's mesh)."
                     )
                 replaced[id(q)] = cur
@@ -388,7 +414,7 @@ class ChunkUnit(UnshardStates):
                 mark_replaced(q.sharded, q.fqn, ADOPTED)
             # the object stays the user's; its local tensor is the shard's rows again
             cur._local_tensor = self._shard_local(q)
-            cur._spec = _spec(self.mesh, self.placements, q.shape, q.stride, self.dtype)
+            cur._spec = _spec(self.mesh, q.placements, q.shape, q.stride, self.dtype)
             q.sharded = cur
         self._bind_sharded_params()
 
