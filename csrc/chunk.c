@@ -219,13 +219,13 @@ static int cf_chunk_threads(int64_t gathered_numel, size_t bytes_per, int64_t ma
 }
 
 /* The blocks [*lo, *hi) of a chunk at gathered element `start` (outer blocks of
- * blk elements) that meet gathered elements [a, b); the caller knows the chunk
- * meets [a, b). */
+ * blk >= 1 elements) that meet gathered elements [a, b); the caller knows the
+ * chunk meets [a, b) (so start < b). */
 static void cf_chunk_blocks_in(int64_t start, int64_t blk, int64_t outer, int64_t a, int64_t b,
                                int64_t *lo, int64_t *hi)
 {
     *lo = a > start ? (a - start) / blk : 0;
-    *hi = b - start >= outer * blk ? outer : (b - start + blk - 1) / blk;
+    *hi = b - start >= outer * blk ? outer : (b - start - 1) / blk + 1; /* ceil, no overflow */
 }
 
 typedef struct {

@@ -874,6 +874,7 @@ typedef struct {
     size_t esz;
 } cf_shm_unpack_ctx;
 
+/* Elements [a, b) of the W pieces side by side (rank q's at [q*len, (q+1)*len)). */
 static void cf_shm_unpack_range(void *ctx_, int64_t a, int64_t b)
 {
     const cf_shm_unpack_ctx *c = ctx_;
