@@ -134,7 +134,7 @@ typedef struct {
     const char *row_name; /* ValueError "<row_name> <i> must be <shape>, got <k> items" */
     const char *shape;
     Py_ssize_t width; /* values a row (1 when flat) */
-    cf_py_col cols[4];
+    cf_py_col cols[5];
 } cf_py_rows_spec;
 
 /*

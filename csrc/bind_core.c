@@ -180,14 +180,15 @@ done:
 }
 
 static const cf_py_rows_spec cf_py_plan_spec = {
-    "plan must be a sequence of (nat_off, numel, chunk_numel, shard_off) tuples",
-    "each plan entry must be a tuple (nat_off, numel, chunk_numel, shard_off)", "plan param",
-    "(nat_off, numel, chunk_numel, shard_off)", 4,
-    {{"nat_off", false}, {"numel", false}, {"chunk_numel", false}, {"shard_off", false}}};
+    "plan must be a sequence of (nat_off, numel, chunk_numel, shard_off, outer) tuples",
+    "each plan entry must be a tuple (nat_off, numel, chunk_numel, shard_off, outer)",
+    "plan param", "(nat_off, numel, chunk_numel, shard_off, outer)", 5,
+    {{"nat_off", false}, {"numel", false}, {"chunk_numel", false}, {"shard_off", false},
+     {"outer", false}}};
 
 /*
  * Read a unit's plan: `params_obj`, a sequence of (nat_off, numel,
- * chunk_numel, shard_off) rows, into a malloc'd array that plan->params
+ * chunk_numel, shard_off, outer) rows, into a malloc'd array that plan->params
  * points at (the caller frees it; NULL after an error); plan->world_size and
  * plan->shard_numel are the caller's.  0, or -1 with an exception set.
  */
@@ -208,10 +209,11 @@ static int cf_py_chunk_plan(PyObject *params_obj, cf_chunk_plan *plan)
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
-        out[i].nat_off = rows[4 * i];
-        out[i].numel = rows[4 * i + 1];
-        out[i].chunk_numel = rows[4 * i + 2];
-        out[i].shard_off = rows[4 * i + 3];
+        out[i].nat_off = rows[5 * i];
+        out[i].numel = rows[5 * i + 1];
+        out[i].chunk_numel = rows[5 * i + 2];
+        out[i].shard_off = rows[5 * i + 3];
+        out[i].outer = rows[5 * i + 4];
     }
     free(rows);
     plan->params = out;
@@ -226,10 +228,14 @@ CF_PY_DOC(chunk_unpack,
 "\n"
 "FSDP2 copy-out: the rank-major all-gather output src -> the natural buffer dst.\n"
 "\n"
-"plan is a sequence of (nat_off, numel, chunk_numel, shard_off), one per\n"
-"parameter; src has world_size * shard_numel elements; rank k's part of a\n"
-"parameter, natural elements [nat_off + k*chunk_numel, nat_off +\n"
-"min((k+1)*chunk_numel, numel)), is read from src[k*shard_numel + shard_off:].\n"
+"plan is a sequence of (nat_off, numel, chunk_numel, shard_off, outer), one\n"
+"per parameter; src has world_size * shard_numel elements.  With outer == 1\n"
+"(sharded on dim 0) rank k's part of a parameter, natural elements\n"
+"[nat_off + k*chunk_numel, nat_off + min((k+1)*chunk_numel, numel)), is read\n"
+"from src[k*shard_numel + shard_off:]; with outer > 1 (Shard(d), d > 0, even:\n"
+"numel == world_size * chunk_numel) rank k's chunk is outer blocks of\n"
+"blk = chunk_numel / outer elements, block o at natural element\n"
+"nat_off + o*(numel / outer) + k*blk.\n"
 "Bytes are copied exactly (elem_size bytes per element); chunk padding is\n"
 "not read and dst outside the parameters is not written.  Same bytes as\n"
 "cfsdp._ref.chunk_unpack.  Runs with the GIL released, on up to\n"

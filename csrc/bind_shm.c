@@ -369,7 +369,7 @@ fail:
     return NULL;
 }
 
-/* A plan argument (bytes of int64 quadruples) copied into a->plan (malloc'd, for
+/* A plan argument (bytes of int64 quintuples, cf_chunk_param) copied into a->plan (malloc'd, for
  * cf_py_shm_enqueue to hand to the op's ShmWork: the worker reads the op's own copy,
  * whatever the caller does with the bytes) and a->n_plan; 0 or -1. */
 static int cf_py_shm_plan(PyObject *obj, cf_shm_args *a)
@@ -377,7 +377,7 @@ static int cf_py_shm_plan(PyObject *obj, cf_shm_args *a)
     Py_ssize_t len;
     cf_chunk_param *copy;
     if (!PyBytes_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "plan must be bytes of int64 quadruples, not %.100s",
+        PyErr_Format(PyExc_TypeError, "plan must be bytes of int64 quintuples, not %.100s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
@@ -441,7 +441,7 @@ PyDoc_STRVAR(cf_py_shm_group_all_gather_unpack_doc,
 "\n"
 "Queue an all-gather whose copy-out is chunk_unpack's: every rank's numel\n"
 "elements at src land in the natural buffer (natural_numel) by the plan, a\n"
-"bytes object of int64 (nat_off, numel, chunk_numel, shard_off) quadruples\n"
+"bytes object of int64 (nat_off, numel, chunk_numel, shard_off, outer) quintuples\n"
 "(world_size: the group's, shard_numel: numel).  The rank-major buffer is\n"
 "never built.  The op reads its own copy of the plan; `keep` is held until\n"
 "the op is done.");
@@ -470,7 +470,7 @@ PyDoc_STRVAR(cf_py_shm_group_reduce_scatter_pack_doc,
 "\n"
 "Queue a reduce-scatter whose input is chunk_pack's: the natural gradient\n"
 "(natural_numel elements) is packed rank-major by the plan (bytes of int64\n"
-"quadruples, as all_gather_unpack's), cast to dtype after dividing by divisor,\n"
+"quintuples, as all_gather_unpack's), cast to dtype after dividing by divisor,\n"
 "piece by piece straight into the shared slots; dst (numel) = scale * sum\n"
 "over ranks of this rank's block.  The rank-major buffer is never built.\n"
 "The op reads its own copy of the plan; `keep` is held until the op is done.");

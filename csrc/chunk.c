@@ -2,8 +2,8 @@
  * chunk.c -- FSDP2 (fully_shard) copy-in and copy-out, one pass each
  * (twin: cfsdp/_ref/chunk.py).
  *
- * Design.  In FSDP2 a parameter of shape (d0, *rest) is split along dim 0
- * as torch.chunk(p, W): chunk rows c = ceil(d0 / W), rank k holds rows
+ * Design.  In FSDP2 a parameter sharded on dim 0, of shape (d0, *rest), is
+ * split as torch.chunk(p, W): chunk rows c = ceil(d0 / W), rank k holds rows
  * [k*c, min((k+1)*c, d0)), possibly none.  With r elements per row, the
  * parameter's elements [k*c*r, min((k+1)*c*r, numel)) go to rank k, padded
  * with zeros to chunk_numel = c*r.  A rank's shard (shard_numel elements)
@@ -11,28 +11,44 @@
  * is rank-major: element j of rank k's chunk of p is G[k*S + shard_off + j].
  * The natural buffer holds the whole parameters, p at nat_off.
  *
+ * Sharded on dim d > 0 (Shard(d); torch requires an even split there: the
+ * size s_d of dim d is W*c), rank k's chunk is torch.chunk(p, W, dim=d)[k]
+ * made contiguous: `outer` = s_0 * ... * s_{d-1} blocks of blk = c * inner
+ * elements (inner = s_{d+1} * ... * s_n), block o being natural elements
+ * [nat_off + o*row + k*blk, + blk) (row = s_d * inner = numel / outer) and
+ * chunk elements [o*blk, (o+1)*blk).  So chunk_numel = outer * blk and
+ * numel = W * chunk_numel.  Dim 0 is outer = 1: one block, the chunk itself
+ * (and only then may the last chunks be short or empty).
+ *
  * Plan invariants (checked by cf_chunk_check, in this order, each error
  * naming the parameter index; the twin raises the same messages):
  *   1 <= world_size <= CF_MAX_WORLD_SIZE, n_params * world_size <=
- *   CF_MAX_PIECES (cfsdp.h), shard_numel >= 0; the four numbers of every parameter
- *   are >= 0; numel <= world_size * chunk_numel (every element has a rank);
- *   [shard_off, shard_off + chunk_numel) lies in the shard and non-empty
- *   chunks come in order without overlap; [nat_off, nat_off + numel) lies
- *   in the natural buffer and non-empty parameters come in order without
- *   overlap (gaps are allowed in both buffers).  Because the segments are
- *   disjoint, every element is written by at most one (rank, parameter)
- *   piece, which is what lets the loops below split freely.
+ *   CF_MAX_PIECES (cfsdp.h), shard_numel >= 0; the first four numbers of
+ *   every parameter are >= 0 and outer >= 1; numel <= world_size *
+ *   chunk_numel (every element has a rank); outer > 1 only with numel ==
+ *   world_size * chunk_numel and chunk_numel a multiple of outer (whole
+ *   blocks, every rank a full chunk); [shard_off, shard_off + chunk_numel)
+ *   lies in the shard and non-empty chunks come in order without overlap;
+ *   [nat_off, nat_off + numel) lies in the natural buffer and non-empty
+ *   parameters come in order without overlap (gaps are allowed in both
+ *   buffers).  The blocks of a parameter tile its two segments, so every
+ *   element is written by at most one (rank, parameter, block) piece, which
+ *   is what lets the loops below split freely.
  *
  * Loops.  Both directions walk the gathered buffer: a range [a, b) of it
  * is handled by visiting its ranks, and in each rank its parameters in
- * order, clipping every piece to [a, b).  So the work splits across threads
- * by plain index ranges of the gathered buffer (cf_parallel_for), with no
- * two threads writing the same element.  Pack writes every element of its
- * range (data, or zero for padding and gaps: one sweep with a cursor, as in
- * copy.c); unpack reads data pieces only.  Casts reuse reduce.c's loops, so
- * pack rounds exactly as scale_cast_add without accumulate.
+ * order, clipping every piece to [a, b) (and, for outer > 1, visiting only
+ * the blocks that meet [a, b): at most one visit per element moved beyond
+ * the (rank, parameter) pairs, which CF_MAX_PIECES bounds).  So the work
+ * splits across threads by plain index ranges of the gathered buffer
+ * (cf_parallel_for), with no two threads writing the same element.  Pack
+ * writes every element of its range (data, or zero for padding and gaps:
+ * one sweep with a cursor, as in copy.c); unpack reads data pieces only.
+ * Casts reuse reduce.c's loops, so pack rounds exactly as scale_cast_add
+ * without accumulate.  Dim 0 (outer == 1) takes one copy per (rank,
+ * parameter), as it always did.
  * Workload: once per unit per all-gather (unpack) and per reduce-scatter
- * (pack); memory-bound.
+ * (pack); memory-bound.  With outer > 1 a copy moves blk elements at a time.
  */
 #include <string.h>
 
@@ -84,20 +100,31 @@ static cf_status cf_chunk_check_params(const cf_chunk_plan *plan, int64_t natura
     int64_t shard_end = 0, nat_end = 0, cover;
     for (size_t i = 0; i < plan->n_params; i++) {
         const cf_chunk_param *p = &plan->params[i];
+        bool cover_fits;
         if (p->nat_off < 0 || p->numel < 0 || p->chunk_numel < 0 || p->shard_off < 0)
             return cf_err_set(err, CF_EINVAL,
                               "plan param %zu: nat_off, numel, chunk_numel and shard_off "
                               "must be >= 0, got (%lld, %lld, %lld, %lld)",
                               i, (long long)p->nat_off, (long long)p->numel,
                               (long long)p->chunk_numel, (long long)p->shard_off);
+        if (p->outer < 1)
+            return cf_err_set(err, CF_EINVAL, "plan param %zu: outer must be >= 1, got %lld", i,
+                              (long long)p->outer);
         /* an overflowing product is more than any numel */
-        if (!cf_mul_i64_overflows(plan->world_size, p->chunk_numel, &cover) &&
-            cover < p->numel)
+        cover_fits = !cf_mul_i64_overflows(plan->world_size, p->chunk_numel, &cover);
+        if (cover_fits && cover < p->numel)
             return cf_err_set(err, CF_EINVAL,
                               "plan param %zu: numel %lld does not fit in %lld chunks of "
                               "%lld elements",
                               i, (long long)p->numel, (long long)plan->world_size,
                               (long long)p->chunk_numel);
+        if (p->outer > 1 && (!cover_fits || cover != p->numel || p->chunk_numel % p->outer != 0))
+            return cf_err_set(err, CF_EINVAL,
+                              "plan param %zu: a chunk of %lld blocks (outer) needs numel == "
+                              "world_size x chunk_numel and chunk_numel a multiple of outer, "
+                              "got numel %lld, world_size %lld, chunk_numel %lld",
+                              i, (long long)p->outer, (long long)p->numel,
+                              (long long)plan->world_size, (long long)p->chunk_numel);
         CF_CHECK(cf_chunk_check_segment(i, "shard", p->shard_off, p->chunk_numel,
                                         plan->shard_numel, &shard_end, err));
         CF_CHECK(cf_chunk_check_segment(i, "natural", p->nat_off, p->numel, natural_numel,
@@ -132,11 +159,6 @@ cf_status cf_chunk_plan_check(const cf_chunk_plan *plan, int64_t natural_numel, 
 {
     CF_CHECK(cf_chunk_check_dims(plan, err));
     return cf_chunk_check_params(plan, natural_numel, err);
-}
-
-int64_t cf_chunk_rank_len(const cf_chunk_param *p, int64_t k)
-{
-    return cf_chunk_len(p, k);
 }
 
 /* Check a buffer: numel >= 0, non-NULL if non-empty, bytes fit size_t (any address:
@@ -196,12 +218,34 @@ static int cf_chunk_threads(int64_t gathered_numel, size_t bytes_per, int64_t ma
                : 1;
 }
 
+/* The blocks [*lo, *hi) of a chunk at gathered element `start` (outer blocks of
+ * blk >= 1 elements) that meet gathered elements [a, b); the caller knows the
+ * chunk meets [a, b) (so start < b). */
+static void cf_chunk_blocks_in(int64_t start, int64_t blk, int64_t outer, int64_t a, int64_t b,
+                               int64_t *lo, int64_t *hi)
+{
+    *lo = a > start ? (a - start) / blk : 0;
+    *hi = b - start >= outer * blk ? outer : (b - start - 1) / blk + 1; /* ceil, no overflow */
+}
+
 typedef struct {
     const cf_chunk_plan *plan;
     unsigned char *natural;
     const unsigned char *gathered;
     size_t esz;
+    int64_t origin; /* the element index `gathered` points at (0: the whole buffer) */
 } cf_chunk_unpack_ctx;
+
+/* Natural elements from `nat` <- gathered elements [start, start + len) clipped
+ * to [a, b). */
+static void cf_chunk_unpack_copy(const cf_chunk_unpack_ctx *c, int64_t start, int64_t len,
+                                 int64_t nat, int64_t a, int64_t b)
+{
+    int64_t s = start > a ? start : a, e = start + len < b ? start + len : b;
+    if (e > s)
+        memcpy(c->natural + (size_t)(nat + (s - start)) * c->esz,
+               c->gathered + (size_t)(s - c->origin) * c->esz, (size_t)(e - s) * c->esz);
+}
 
 /* Unpack the data pieces inside gathered elements [a, b). */
 static void cf_chunk_unpack_range(void *ctx_, int64_t a, int64_t b)
@@ -209,21 +253,27 @@ static void cf_chunk_unpack_range(void *ctx_, int64_t a, int64_t b)
     const cf_chunk_unpack_ctx *c = ctx_;
     const cf_chunk_plan *plan = c->plan;
     const int64_t S = plan->shard_numel;
-    const size_t esz = c->esz;
 
     for (int64_t k = S > 0 ? a / S : plan->world_size; k < plan->world_size && k * S < b; k++) {
         for (size_t i = 0; i < plan->n_params; i++) {
             const cf_chunk_param *p = &plan->params[i];
-            int64_t len = cf_chunk_len(p, k), start = k * S + p->shard_off, s, e;
+            int64_t len = cf_chunk_len(p, k), start = k * S + p->shard_off, lo, hi, blk, row;
             if (len == 0)
                 continue;
             if (start >= b)
                 break; /* chunks are in order */
-            s = start > a ? start : a;
-            e = start + len < b ? start + len : b;
-            if (e > s)
-                memcpy(c->natural + (size_t)(p->nat_off + k * p->chunk_numel + (s - start)) * esz,
-                       c->gathered + (size_t)s * esz, (size_t)(e - s) * esz);
+            if (start + len <= a)
+                continue;
+            if (p->outer == 1) {
+                cf_chunk_unpack_copy(c, start, len, p->nat_off + k * p->chunk_numel, a, b);
+                continue;
+            }
+            blk = p->chunk_numel / p->outer;
+            row = p->numel / p->outer;
+            cf_chunk_blocks_in(start, blk, p->outer, a, b, &lo, &hi);
+            for (int64_t o = lo; o < hi; o++)
+                cf_chunk_unpack_copy(c, start + o * blk, blk, p->nat_off + o * row + k * blk, a,
+                                     b);
         }
     }
 }
@@ -245,6 +295,7 @@ cf_status cf_chunk_unpack(void *natural, int64_t natural_numel, const void *gath
     ctx.natural = natural;
     ctx.gathered = gathered;
     ctx.esz = (size_t)elem_size;
+    ctx.origin = 0;
     cf_parallel_for(gathered_numel, cf_chunk_threads(gathered_numel, 2 * ctx.esz, max_threads),
                     cf_chunk_unpack_range, &ctx);
     return CF_OK;
@@ -309,8 +360,15 @@ static void cf_chunk_pack_range(void *ctx_, int64_t a, int64_t b)
             if (start >= b)
                 break; /* chunks are in order; the rest of [a, b) is a gap */
             cf_chunk_pack_zero(c, cursor, start, a, b);
-            if (len > 0)
+            if (len > 0 && p->outer == 1) {
                 cf_chunk_pack_copy(c, start, len, p->nat_off + k * p->chunk_numel, a, b);
+            } else if (len > 0 && start + len > a) {
+                int64_t blk = p->chunk_numel / p->outer, row = p->numel / p->outer, lo, hi;
+                cf_chunk_blocks_in(start, blk, p->outer, a, b, &lo, &hi);
+                for (int64_t o = lo; o < hi; o++)
+                    cf_chunk_pack_copy(c, start + o * blk, blk, p->nat_off + o * row + k * blk,
+                                       a, b);
+            }
             cursor = start + len;
         }
         cf_chunk_pack_zero(c, cursor, base + S, a, b);
@@ -365,4 +423,11 @@ void cf_chunk_pack_piece(void *out, int out_dtype, const void *natural, int natu
     cf_chunk_pack_ctx_init(&ctx, out, out_dtype, natural, natural_dtype, plan, 0,
                            plan->world_size, divisor, a);
     cf_chunk_pack_range(&ctx, a, b);
+}
+
+void cf_chunk_unpack_piece(void *natural, const void *from, size_t elem_size,
+                           const cf_chunk_plan *plan, int64_t a, int64_t b)
+{
+    cf_chunk_unpack_ctx ctx = {plan, natural, from, elem_size, a};
+    cf_chunk_unpack_range(&ctx, a, b);
 }

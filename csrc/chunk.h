@@ -14,12 +14,15 @@
  * thread start-up would cost more than it saves. */
 #define CF_CHUNK_PARALLEL_BYTES ((int64_t)4 << 20)
 
-/* One parameter of a unit (see chunk.c for the layout). */
+/* One parameter of a unit (see chunk.c for the layout).  Sharded on dim d of
+ * shape (s_0, ..., s_n): outer = s_0 * ... * s_{d-1} (1 for dim 0), rows = s_d,
+ * inner = s_{d+1} * ... * s_n, c = ceil(rows / world_size). */
 typedef struct {
     int64_t nat_off;     /* first element of the parameter in the natural buffer */
-    int64_t numel;       /* elements of the parameter: d0 * r */
-    int64_t chunk_numel; /* one rank's padded chunk: ceil(d0 / world_size) * r */
+    int64_t numel;       /* elements of the parameter: outer * rows * inner */
+    int64_t chunk_numel; /* one rank's padded chunk: outer * c * inner */
     int64_t shard_off;   /* where the chunk starts in each rank's shard */
+    int64_t outer;       /* blocks of a chunk: 1 (dim 0), or outer for an even dim d > 0 */
 } cf_chunk_param;
 
 /* A unit's plan: its parameters in order, the world size and the per-rank
@@ -80,6 +83,17 @@ cf_status cf_chunk_pack(void *gathered, int64_t gathered_numel, int gathered_dty
 cf_status cf_chunk_plan_check(const cf_chunk_plan *plan, int64_t natural_numel, cf_err *err);
 
 /*
+ * Copy-out of one piece, without checks (the caller validated the plan with
+ * cf_chunk_plan_check against the natural buffer): elements [a, b) of the
+ * whole rank-major buffer (all world_size ranks, rank k at k * shard_numel),
+ * read from `from` (element a at from[0], elem_size bytes each), go to their
+ * places in `natural` as cf_chunk_unpack puts them (padding is not read).
+ * Single-threaded.  Needs no GIL.
+ */
+void cf_chunk_unpack_piece(void *natural, const void *from, size_t elem_size,
+                           const cf_chunk_plan *plan, int64_t a, int64_t b);
+
+/*
  * Copy-in of one piece, without checks (the caller validated the plan with
  * cf_chunk_plan_check against the natural buffer, and the dtype codes):
  * elements [a, b) of the whole rank-major buffer (all world_size ranks,
@@ -89,9 +103,5 @@ cf_status cf_chunk_plan_check(const cf_chunk_plan *plan, int64_t natural_numel, 
  */
 void cf_chunk_pack_piece(void *out, int out_dtype, const void *natural, int natural_dtype,
                          const cf_chunk_plan *plan, int64_t a, int64_t b, double divisor);
-
-/* Elements of parameter p held by rank k (0 <= k < world_size): chunk_numel,
- * the remainder, or 0. */
-int64_t cf_chunk_rank_len(const cf_chunk_param *p, int64_t k);
 
 #endif /* CF_CHUNK_H */

@@ -860,28 +860,31 @@ static int64_t cf_shm_block_numel(const cf_shm_group *g, size_t esz)
 }
 
 /*
- * The fused copy-out of one piece [off, off + len) of rank q's block (at
- * `from`) into the natural buffer: for each parameter of the plan, the part
- * of its chunk in the piece that rank q holds (chunk padding is skipped) goes
- * to nat_off + q * chunk_numel + (position in the chunk), as cf_chunk_unpack
- * places it.  Appends the copies to segs; returns their new count.
+ * The fused copy-out of one piece [off, off + len) of every rank's block: rank
+ * q's piece (at from[q]) is elements [q*n + off, q*n + off + len) of the
+ * rank-major buffer the plan describes, and goes to the natural buffer as
+ * cf_chunk_unpack would put it (chunk padding is skipped).  One parallel loop
+ * over the W pieces side by side, each range handed to cf_chunk_unpack_piece.
  */
-static int cf_shm_unpack_segs(const cf_shm_args *a, int64_t q, int64_t off, int64_t len,
-                              const unsigned char *from, size_t esz, cf_shm_seg *segs, int ns)
+typedef struct {
+    const cf_chunk_plan *plan;
+    void *natural;
+    const unsigned char *const *from;
+    int64_t n, off, len;
+    size_t esz;
+} cf_shm_unpack_ctx;
+
+/* Elements [a, b) of the W pieces side by side (rank q's at [q*len, (q+1)*len)). */
+static void cf_shm_unpack_range(void *ctx_, int64_t a, int64_t b)
 {
-    unsigned char *nat = a->dst;
-    for (int64_t i = 0; i < a->n_plan; i++) {
-        const cf_chunk_param *p = &a->plan[i];
-        int64_t held = cf_chunk_rank_len(p, q); /* elements of the chunk rank q holds */
-        int64_t lo = p->shard_off > off ? p->shard_off : off;
-        int64_t hi = p->shard_off + held < off + len ? p->shard_off + held : off + len;
-        if (hi <= lo)
-            continue;
-        segs[ns++] = (cf_shm_seg){
-            nat + (size_t)(p->nat_off + q * p->chunk_numel + (lo - p->shard_off)) * esz,
-            from + (size_t)(lo - off) * esz, (size_t)(hi - lo) * esz};
+    const cf_shm_unpack_ctx *c = ctx_;
+    for (int64_t q = a / c->len; q * c->len < b; q++) {
+        int64_t lo = a > q * c->len ? a - q * c->len : 0;
+        int64_t hi = b < (q + 1) * c->len ? b - q * c->len : c->len;
+        int64_t first = q * c->n + c->off; /* rank-major index of the piece's element 0 */
+        cf_chunk_unpack_piece(c->natural, c->from[q] + (size_t)lo * c->esz, c->esz, c->plan,
+                              first + lo, first + hi);
     }
-    return ns;
 }
 
 static cf_status cf_shm_all_gather(cf_shm_group *g, const cf_shm_args *a, cf_err *err)
@@ -891,41 +894,33 @@ static cf_status cf_shm_all_gather(cf_shm_group *g, const cf_shm_args *a, cf_err
     const int W = g->world, me = g->rank;
     unsigned char *dst = a->dst;
     const unsigned char *src = a->src;
-    cf_shm_seg fixed[CF_SHM_MAX_WORLD];
-    cf_shm_seg *segs = fixed;
-    cf_status st = CF_OK;
+    const cf_chunk_plan plan = {a->plan, (size_t)(a->n_plan > 0 ? a->n_plan : 0), W, n};
+    const unsigned char *from[CF_SHM_MAX_WORLD];
+    cf_shm_seg segs[CF_SHM_MAX_WORLD];
 
-    if (a->plan != NULL && a->n_plan > 0) {
-        /* at most one copy per parameter and rank per piece */
-        size_t cap;
-        if (cf_mul_size_overflows((size_t)a->n_plan, (size_t)W, &cap) ||
-            (segs = malloc(cap * sizeof *segs)) == NULL)
-            return cf_err_set(err, CF_ENOMEM, "all_gather: no memory for %lld x %d copies",
-                              (long long)a->n_plan, W);
-    }
     for (int64_t k = 0, np = cf_shm_pieces(n, per); k < np; k++) {
         int64_t off = k * per, len = cf_shm_clip(n, off, per);
         size_t bytes = (size_t)len * esz;
         int ns = 0;
-        CF_CHECK_GOTO(cf_shm_piece_begin(g, k, a, err), st, done);
+        CF_CHECK(cf_shm_piece_begin(g, k, a, err));
         segs[0] = (cf_shm_seg){cf_shm_slot(g, me), src + (size_t)off * esz, bytes};
         cf_shm_copies(segs, 1, a->max_threads);
-        CF_CHECK_GOTO(cf_shm_piece_exchange(g, k, a, err), st, done);
+        CF_CHECK(cf_shm_piece_exchange(g, k, a, err));
         for (int q = 0; q < W; q++) {
-            const unsigned char *from = q == me ? src + (size_t)off * esz : cf_shm_slot(g, q);
             unsigned char *to = dst + ((size_t)q * (size_t)n + (size_t)off) * esz;
-            if (a->plan != NULL)
-                ns = cf_shm_unpack_segs(a, q, off, len, from, esz, segs, ns);
-            else if (to != from)
-                segs[ns++] = (cf_shm_seg){to, from, bytes};
+            from[q] = q == me ? src + (size_t)off * esz : cf_shm_slot(g, q);
+            if (a->plan == NULL && to != from[q])
+                segs[ns++] = (cf_shm_seg){to, from[q], bytes};
+        }
+        if (a->plan != NULL && len > 0) {
+            cf_shm_unpack_ctx ctx = {&plan, a->dst, from, n, off, len, esz};
+            cf_parallel_for((int64_t)W * len, cf_shm_threads(2 * (size_t)W * bytes, a->max_threads),
+                            cf_shm_unpack_range, &ctx);
         }
         cf_shm_copies(segs, ns, a->max_threads);
         cf_shm_piece_end(g);
     }
-done:
-    if (segs != fixed)
-        free(segs);
-    return st;
+    return CF_OK;
 }
 
 static cf_status cf_shm_reduce_scatter(cf_shm_group *g, const cf_shm_args *a, cf_err *err)

@@ -194,13 +194,14 @@ def _check_1d(fn: str, **tensors: torch.Tensor) -> None:
 def chunk_unpack(
     dst_natural: torch.Tensor,
     src_gathered: torch.Tensor,
-    plan: Sequence[tuple[int, int, int, int]],
+    plan: Sequence[tuple[int, int, int, int, int]],
     world_size: int,
     shard_numel: int,
 ) -> None:
     """FSDP2 copy-out: the rank-major all-gather output -> the natural buffer, in one
-    pass.  ``plan`` holds ``(nat_off, numel, chunk_numel, shard_off)`` per parameter;
-    see ``cfsdp._ref.chunk`` for the layout and the plan's invariants (a plan that
+    pass.  ``plan`` holds ``(nat_off, numel, chunk_numel, shard_off, outer)`` per
+    parameter (``outer``: 1 for dim 0, the blocks of an even ``Shard(d)`` chunk); see
+    ``cfsdp._ref.chunk`` for the layout and the plan's invariants (a plan that
     breaks them is a ``ValueError`` naming the parameter index)."""
     _check_1d("chunk_unpack", dst_natural=dst_natural, src_gathered=src_gathered)
     if dst_natural.dtype != src_gathered.dtype:
@@ -226,7 +227,7 @@ def chunk_unpack(
 def chunk_pack(
     dst_gathered: torch.Tensor,
     src_natural: torch.Tensor,
-    plan: Sequence[tuple[int, int, int, int]],
+    plan: Sequence[tuple[int, int, int, int, int]],
     world_size: int,
     shard_numel: int,
     divisor: float = 1.0,

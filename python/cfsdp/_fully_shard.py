@@ -3,8 +3,9 @@
 ``fully_shard(module)`` swaps ``module``'s class for ``FSDP<Cls>`` (a subclass of
 both :class:`FSDPModule` and the original class: ``isinstance`` checks and FQNs
 are unchanged), turns each parameter it manages into a ``DTensor``
-(``Shard(0)``; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh) whose local
-tensor is a view into the unit's shard buffer, and registers forward hooks that
+(``Shard(0)``, or the ``Shard(dim)`` that ``shard_placement_fn`` returns for it;
+``(Replicate(), Shard(dim))`` on a 2-D HSDP mesh) whose local tensor is a view
+into the unit's shard buffer, and registers forward hooks that
 drive the runtime shared with the wrapper face (``_runtime.hooks``).  The unit
 itself (the per-parameter chunk layout, copy-in/copy-out in C) is
 ``_runtime.chunk_unit.ChunkUnit``.
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 
 import torch.distributed.fsdp as _torch_fsdp
@@ -36,7 +37,7 @@ from torch.distributed._composable.contract import _get_registry
 
 from ._docs import adopt_class_docs, adopt_function_doc
 from ._runtime.chunk_group import chunk_units
-from ._runtime.chunk_unit import ChunkUnit
+from ._runtime.chunk_unit import ChunkUnit, local_data
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
 from ._runtime.base import TrainingState, wrappers_in
@@ -392,7 +393,15 @@ _DEFAULT_MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         # as torch: the default group from the environment (torchrun's variables)
-        dist.init_process_group()
+        try:
+            dist.init_process_group()
+        except ValueError as e:  # no torchrun environment: torch's message, then what to do
+            raise ValueError(
+                f"{e} (cfsdp: fully_shard without a mesh initialises the default process "
+                "group from torchrun's environment variables, and they are not set; launch "
+                "with torchrun, or call torch.distributed.init_process_group(...) or pass "
+                "mesh= before fully_shard)"
+            ) from e
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     per_device = _DEFAULT_MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
     mesh = per_device.get(dev)
@@ -443,25 +452,55 @@ class ShardDimError(NotImplementedError, AssertionError):
     cfsdp's error for placements it cannot use has been a ``NotImplementedError``."""
 
 
-def _check_placement(pl: Any, p: nn.Parameter, fqn: str, shard_size: int) -> Optional[NotImplementedError]:
-    """cfsdp shards on dim 0 only: a result torch rejects raises torch's error (with
-    cfsdp's note); one torch accepts is returned as cfsdp's ``NotImplementedError``, for
-    the caller to raise once no other parameter has an error torch would raise first."""
-    if pl is None or (isinstance(pl, Shard) and pl.dim in (0, -p.dim())):
-        return None
-    nyi = str(_nyi(f"shard_placement_fn returning {pl} for '{fqn}' (only Shard(0))"))
-    if not isinstance(pl, (Shard, ShardPlacementResult)):
-        raise PlacementError(f"Invalid shard_placement_fn result: {pl} (cfsdp: {nyi})")
-    if isinstance(pl, Shard):
-        dim = pl.dim + p.dim() if pl.dim < 0 else pl.dim
-        if dim >= p.dim():
-            raise ShardDimError(f"Shard dim {dim} is invalid for {p.dim()}D tensor: {p.shape} (cfsdp: {nyi})")
-        if dim > 0 and p.size(dim) % shard_size != 0:
-            raise NotImplementedError(
-                f"FSDP does not support uneven sharding on dim {dim}: {p.size()} (world size: "
-                f"{shard_size}) (cfsdp: {nyi})"
-            )
-    return NotImplementedError(nyi)
+def _check_placement_result(pl: Any, fqn: str) -> None:
+    """torch resolves every parameter's ``shard_placement_fn`` result before any other
+    per-parameter check: a result of the wrong type is its ``ValueError``."""
+    if pl is not None and not isinstance(pl, (Shard, ShardPlacementResult)):
+        raise PlacementError(
+            f"Invalid shard_placement_fn result: {pl} (cfsdp: the result for '{fqn}'; return "
+            "None or a Shard(dim))"
+        )
+
+
+def _shard_dim(pl: Any, p: nn.Parameter, fqn: str, shard_size: int,
+               hsdp: bool) -> Union[int, NotImplementedError]:
+    """The dim ``p`` is sharded on by the ``shard_placement_fn`` result ``pl`` (None:
+    0; ``Shard(d)``, ``d < 0`` meaning ``d + ndim``), with torch's errors for the dims it
+    rejects (past the end; uneven on a dim other than 0; still negative after adding
+    ``ndim``), in torch's order.  A result torch accepts that cfsdp cannot use (a
+    per-parameter mesh, a ``Shard`` subclass) is returned as cfsdp's
+    ``NotImplementedError``, for the caller to raise once no parameter has an error torch
+    would raise first."""
+    if isinstance(pl, ShardPlacementResult):
+        dim = _shard_dim(pl.placement, p, fqn, shard_size, hsdp)  # torch checks it too
+        return dim if isinstance(dim, NotImplementedError) else _nyi(
+            f"shard_placement_fn returning a ShardPlacementResult (a per-parameter mesh) for "
+            f"'{fqn}'")
+    if pl is None:
+        return 0
+    dim = pl.dim + p.dim() if pl.dim < 0 else pl.dim
+    if dim >= p.dim():
+        raise ShardDimError(
+            f"Shard dim {dim} is invalid for {p.dim()}D tensor: {p.shape} (cfsdp: the parameter "
+            f"is '{fqn}'; return Shard(d) with -{p.dim()} <= d < {p.dim()} for it)"
+        )
+    data = local_data(p)  # a tensor-parallel parameter: its local tensor is what is sharded
+    if dim > 0 and data.size(dim) % shard_size != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {data.size()} (world size: "
+            f"{shard_size}) (cfsdp: the parameter is '{fqn}'; shard it on dim 0, where chunks "
+            f"may be uneven, or on a dim whose size {shard_size} divides)"
+        )
+    if dim < 0:
+        placements = (Replicate(), Shard(dim)) if hsdp else (Shard(dim),)
+        raise ShardDimError(
+            f"Shard dim {dim} in placements {placements} must be normalized (cfsdp: the "
+            f"parameter '{fqn}' has {p.dim()} dims; return Shard(d) with -{p.dim()} <= d < "
+            f"{p.dim()} for it)"
+        )
+    if type(pl) is not Shard:
+        return _nyi(f"shard_placement_fn returning {pl} for '{fqn}' (a Shard subclass)")
+    return dim
 
 
 def fully_shard(
@@ -564,6 +603,12 @@ def fully_shard(
                 f"is '{fqn_of.get(p, occ[0][1])}'; e.g. nn.Parameter(torch.tensor([v])), or pass "
                 "it in ignored_params.)"
             )
+    placements: dict[nn.Parameter, Any] = {}
+    if shard_placement_fn is not None:  # as torch, every result is resolved first
+        for p, occ in params:
+            placements[p] = shard_placement_fn(p)
+            _check_placement_result(placements[p], fqn_of.get(p, occ[0][1]))
+    shard_dims: dict[nn.Parameter, int] = {}
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
         check_plain_param(p, fqn, "fully_shard", tp_ok=True)
@@ -578,15 +623,18 @@ def fully_shard(
                 f"param.stride()={p.stride()} (cfsdp: the parameter is '{fqn}'; make it "
                 "contiguous before fully_shard, e.g. nn.Parameter(p.contiguous()).)"
             )
-        if shard_placement_fn is not None:
-            not_implemented = not_implemented or _check_placement(shard_placement_fn(p), p, fqn, shard_size)
+        dim = _shard_dim(placements.get(p), p, fqn, shard_size, replicate_group is not None)
+        if isinstance(dim, NotImplementedError):
+            not_implemented = not_implemented or dim
+        elif dim:
+            shard_dims[p] = dim
         entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
     if not_implemented is not None:
         raise not_implemented
     # one chunk unit, or one per dtype when the call's parameters have several
     unit = chunk_units(entries, lambda es: ChunkUnit(
         es, mesh, shard_group, replicate_group, device, mp_policy.param_dtype,
-        mp_policy.reduce_dtype))
+        mp_policy.reduce_dtype, shard_dims=shard_dims))
     if unit is not None:
         unit.post_forward_group = post_forward_group
         for _, _, fqn, p, _ in entries:  # an optimizer still holding them fails at step()

@@ -328,15 +328,19 @@ def _shard_fill(draw):
 
 @st.composite
 def chunk_layout(draw, world):
-    """A valid FSDP2 unit: its plan rows, natural numel and shard numel (gaps allowed)."""
+    """A valid FSDP2 unit: its plan rows, natural numel and shard numel (gaps allowed);
+    each parameter sharded on dim 0 (outer 1) or, as (outer, rows, inner) sharded on dim 1
+    (Shard(1): rows a multiple of the world size), in blocks."""
     rows, nat, shard = [], 0, 0
     for _ in range(draw(st.integers(0, 4))):
-        d0, r = draw(st.integers(0, 7)), draw(st.integers(1, 4))
-        c = -(-d0 // world) * r
+        outer, d0, r = 1, draw(st.integers(0, 7)), draw(st.integers(1, 4))
+        if draw(st.booleans()):
+            outer, d0 = draw(st.integers(1, 5)), world * draw(st.integers(0, 3))
+        c = outer * -(-d0 // world) * r
         nat += draw(st.integers(0, 2))
         shard += draw(st.integers(0, 2))
-        rows.append([nat, d0 * r, c, shard])
-        nat, shard = nat + d0 * r, shard + c
+        rows.append([nat, outer * d0 * r, c, shard, outer])
+        nat, shard = nat + outer * d0 * r, shard + c
     return rows, nat + draw(st.integers(0, 3)), shard + draw(st.integers(0, 2))
 
 
@@ -767,7 +771,7 @@ def _collective(draw, op):
         rows, nat, n = draw(chunk_layout(world))
         plan = [[h.checked(v) for v in r] for r in rows]
         if h.bad():
-            plan = draw(st.one_of(junk, st.just("SHORT")))  # not bytes, or not 32-byte rows
+            plan = draw(st.one_of(junk, st.just("SHORT")))  # not bytes, or not 40-byte rows
         if op == "all_gather_unpack":
             args = [h.addr(h.buf(nat * esz)), h.promise(nat), h.addr(h.buf(n * esz)),
                     h.promise(n), code, ("PLAN", plan), mt]
@@ -797,15 +801,15 @@ def _collective(draw, op):
 
 
 def _plan_blob(plan):
-    """The plan's bytes (int64 quadruples), made per call: only the op may keep them."""
+    """The plan's bytes (int64 quintuples), made per call: only the op may keep them."""
     if plan == "SHORT":
-        return b"\0" * 31
+        return b"\0" * 39
     if not isinstance(plan, list):
         return Call()(plan)
     try:
         return array.array("q", [value_of(v, 0) for r in plan for v in r]).tobytes()
     except OverflowError:
-        return b"\xff" * 32
+        return b"\xff" * 40
 
 
 def _args_for(call, args, world, rank):

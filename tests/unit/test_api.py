@@ -64,8 +64,12 @@ def test_bad_arguments_are_named_before_any_communication(kwargs, exc, needle):
         FSDP(nn.Linear(2, 2), **kwargs)
 
 
-def test_fully_shard_without_process_group_says_what_to_do():
-    with pytest.raises(ValueError, match="init_process_group"):
+def test_fully_shard_without_process_group_says_what_to_do(monkeypatch):
+    """As torch, the default group comes from torchrun's environment; without it, torch's
+    message and then what to do."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="(?s)environment variable RANK expected.*init_process_group"):
         cfsdp.fully_shard(nn.Linear(2, 2))
 
 

@@ -85,8 +85,8 @@ def test_shard_fill_reads_a_snapshot():
 @pytest.mark.parametrize("which", ["unpack", "pack"])
 def test_chunk_plans_read_a_snapshot(which):
     nat, gathered = torch.arange(8.0), torch.arange(8.0) + 100
-    plan = clearing_list([(0, 8, 4, 0)], 0, lambda l: (Clearing(l, 0), 8, 4, 0))
-    row = [0, 8, 4, 0]
+    plan = clearing_list([(0, 8, 4, 0, 1)], 0, lambda l: (Clearing(l, 0), 8, 4, 0, 1))
+    row = [0, 8, 4, 0, 1]
     row[2] = Clearing(row, 4)
     for p in (plan, [row]):
         if which == "unpack":
@@ -194,10 +194,10 @@ def test_queued_op_reads_its_own_plan():
             shards = [torch.full((n,), float(r + 1)) for r in range(2)]
             nats = [torch.zeros(2 * n) for _ in range(2)]
             works = [v.all_gather_unpack(nat.data_ptr(), 2 * n, sh.data_ptr(), n, F32,
-                                         array.array("q", [0, 2 * n, n, 0]).tobytes(), 1,
+                                         array.array("q", [0, 2 * n, n, 0, 1]).tobytes(), 1,
                                          (nat, sh))
                      for v, nat, sh in zip(views, nats, shards)]
-            junk = [array.array("q", [0] * 4).tobytes() for _ in range(2000)]  # reuse the memory
+            junk = [array.array("q", [0] * 5).tobytes() for _ in range(2000)]  # reuse the memory
             del junk
             gc.collect(0)
             for w in works:
@@ -208,10 +208,10 @@ def test_queued_op_reads_its_own_plan():
             outs = [torch.empty(n) for _ in range(2)]
             works = [v.reduce_scatter_pack(o.data_ptr(), n, F32, gr.data_ptr(), 2 * n, F32,
                                            1.0, 1.0,
-                                           array.array("q", [0, 2 * n, n, 0]).tobytes(), 1,
+                                           array.array("q", [0, 2 * n, n, 0, 1]).tobytes(), 1,
                                            (o, gr))
                      for v, o, gr in zip(views, outs, grads)]
-            junk = [array.array("q", [0] * 4).tobytes() for _ in range(2000)]
+            junk = [array.array("q", [0] * 5).tobytes() for _ in range(2000)]
             del junk
             gc.collect(0)
             for w in works:
@@ -323,7 +323,7 @@ def test_odd_addresses_give_the_aligned_bits(dtype):
         assert torch.equal(a_dst, o_dst)
         assert (C.norm_partial(o_src.data_ptr(), _core.DTYPE_CODES[dtype], n, 2.0)
                 == C.norm_partial(a_src.data_ptr(), _core.DTYPE_CODES[dtype], n, 2.0))
-        plan = [(0, n, -(-n // 2), 0)]
+        plan = [(0, n, -(-n // 2), 0, 1)]
         outs = [torch.empty(2 * -(-n // 2)), odd(2 * -(-n // 2), torch.float32, shift)]
         for out, s in zip(outs, (a_src, o_src)):
             C.chunk_pack(out.data_ptr(), out.numel(), F32, s.data_ptr(), n,
@@ -358,7 +358,7 @@ def test_odd_addresses_in_collectives():
             assert all(torch.equal(i, total.to(dtype)) for i in ins)
             grads = [odd(2 * n, torch.float32, 1, torch.arange(2 * n, dtype=torch.float32))
                      for _ in range(2)]
-            blob = array.array("q", [0, 2 * n, n, 0]).tobytes()
+            blob = array.array("q", [0, 2 * n, n, 0, 1]).tobytes()
             for w in [v.reduce_scatter_pack(o.data_ptr(), n, code, g.data_ptr(), 2 * n, F32,
                                             2.0, 1.0, blob, 1, (o, g))
                       for v, o, g in zip(views, outs, grads)]:
@@ -410,7 +410,7 @@ def test_layout_sizes_are_bounded(args, exc, match):
 def test_chunk_plans_are_bounded():
     nat, g = torch.zeros(4), torch.zeros(4)
     for world, plan, match in [(MAX_WORLD_SIZE + 1, [], "world_size must be <= 65536"),
-                               (2**16, [(0, 0, 0, 0)] * 65, "more than 4194304")]:
+                               (2**16, [(0, 0, 0, 0, 1)] * 65, "more than 4194304")]:
         with pytest.raises(ValueError, match=match):
             C.chunk_unpack(nat.data_ptr(), 4, g.data_ptr(), 0, 4, plan, world, 0, 1)
         with pytest.raises(ValueError, match=match):
@@ -479,7 +479,7 @@ def test_core_routes_tensors_that_must_not_cross(kind, monkeypatch):
     _ref.scale_cast_add(want, b, 2.0, True)
     assert torch.equal(unwrap(dst), want)
     assert _core.norm_partial(_make(kind, a), 2.0).item() == _ref.norm_partial(a, 2.0).item()
-    plan = [(0, 8, 4, 0)]
+    plan = [(0, 8, 4, 0, 1)]
     g = _make(kind, torch.zeros(8))
     _core.chunk_pack(g, _make(kind, a), plan, 2, 4, divisor=2.0)
     want = torch.zeros(8)

@@ -1,7 +1,8 @@
 """cfsdp._C.chunk_pack / chunk_unpack (FSDP2 copy-in / copy-out) against their twins
 in cfsdp._ref.chunk, and both against an oracle built the way torch's FSDP2 lays out
-its all-gather: per rank, the concatenation of each parameter's ``torch.chunk(p, W)``
-chunk padded with zero rows to ``ceil(d0 / W)`` rows.
+its all-gather: per rank, the concatenation of each parameter's ``torch.chunk(p, W,
+dim=d)`` chunk, contiguous, padded with zero rows to ``ceil(d0 / W)`` rows on dim 0
+(``Shard(d)`` with ``d > 0`` needs an even split: no padding).
 
 Byte copies (unpack, and pack without cast or divide) must match bit for bit; casts and
 divides follow scale_cast_add's contract (bit equality except NaN payloads).
@@ -35,42 +36,58 @@ BYTE_DTYPES = DTYPES + [torch.uint8, torch.int64, torch.complex128]
 
 @dataclass
 class Unit:
-    shapes: list  # parameter shapes, dim 0 first
+    shapes: list  # parameter shapes
     world_size: int
-    plan: list  # (nat_off, numel, chunk_numel, shard_off) per parameter
+    plan: list  # (nat_off, numel, chunk_numel, shard_off, outer) per parameter
     shard_numel: int
     natural_numel: int
     shard_gaps: list  # zeros before each chunk (and after the last) in a shard
+    dims: list  # the dim each parameter is sharded on (Shard(d))
 
 
-def make_unit(shapes, world_size, nat_gaps, shard_gaps):
-    """The FSDP2 plan of `shapes`, with `nat_gaps[i]` elements before parameter i in
-    the natural buffer (`nat_gaps[-1]` after the last), and likewise `shard_gaps`."""
+def plan_entry(shape, dim, world_size, nat_off, shard_off):
+    """A parameter's plan entry, sharded on ``dim``, as fully_shard builds it."""
+    outer, rows, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+    chunk = outer * -(-rows // world_size) * inner
+    return (nat_off, math.prod(shape), chunk, shard_off, max(outer, 1))
+
+
+def make_unit(shapes, world_size, nat_gaps, shard_gaps, dims=None):
+    """The FSDP2 plan of `shapes` (sharded on `dims`, default all 0), with `nat_gaps[i]`
+    elements before parameter i in the natural buffer (`nat_gaps[-1]` after the last),
+    and likewise `shard_gaps`."""
+    dims = [0] * len(shapes) if dims is None else list(dims)
     plan, nat, shard = [], 0, 0
-    for shape, ng, sg in zip(shapes, nat_gaps, shard_gaps):
-        d0, row = shape[0], math.prod(shape[1:])
-        chunk = -(-d0 // world_size) * row
+    for shape, dim, ng, sg in zip(shapes, dims, nat_gaps, shard_gaps):
         nat, shard = nat + ng, shard + sg
-        plan.append((nat, d0 * row, chunk, shard))
-        nat, shard = nat + d0 * row, shard + chunk
+        plan.append(plan_entry(shape, dim, world_size, nat, shard))
+        nat, shard = nat + plan[-1][1], shard + plan[-1][2]
     return Unit(list(shapes), world_size, plan, shard + shard_gaps[-1],
-                nat + nat_gaps[-1], list(shard_gaps))
+                nat + nat_gaps[-1], list(shard_gaps), dims)
 
 
-# d0 from 0 to 7 against world sizes 1..5: d0 < W (ranks with no rows), d0 = 1, and
-# exact multiples; 1-D, 2-D and 3-D parameters
-SHAPES = st.tuples(st.integers(0, 7), st.lists(st.integers(1, 3), max_size=2)).map(
-    lambda t: (t[0], *t[1]))
+@st.composite
+def sharded_shape(draw, world_size):
+    """(shape, dim): 1-D to 3-D; dim 0 with d0 from 0 to 7 against world sizes 1..5 (d0 < W:
+    ranks with no rows, d0 = 1, exact multiples), or a dim d > 0 (Shard(d)) whose size W
+    divides (torch requires it), the dims before it anything (0 too: an empty parameter)."""
+    shape = [draw(st.integers(0, 7))] + draw(st.lists(st.integers(1, 3), max_size=2))
+    dim = draw(st.integers(0, len(shape) - 1))
+    if dim > 0:
+        shape[dim] = world_size * draw(st.integers(0, 3))
+    return tuple(shape), dim
 
 
 @st.composite
 def units(draw, max_params=5):
-    shapes = draw(st.lists(SHAPES, max_size=max_params))
-    n = len(shapes) + 1
+    world_size = draw(st.integers(1, 5))
+    sharded = draw(st.lists(sharded_shape(world_size), max_size=max_params))
+    n = len(sharded) + 1
     nat_gaps = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
     shard_gaps = (draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
                   if draw(st.booleans()) else [0] * n)
-    return make_unit(shapes, draw(st.integers(1, 5)), nat_gaps, shard_gaps)
+    return make_unit([s for s, _ in sharded], world_size, nat_gaps, shard_gaps,
+                     [d for _, d in sharded])
 
 
 @st.composite
@@ -82,23 +99,26 @@ def rank_ranges(draw, world_size):
 def place(unit, params, background):
     """The natural buffer: `background` with each parameter at its natural offset."""
     natural = background.clone()
-    for (off, numel, _, _), p in zip(unit.plan, params):
+    for (off, numel, *_), p in zip(unit.plan, params):
         natural[off : off + numel] = p.reshape(-1)
     return natural
 
 
 def fsdp2_gathered(unit, params, dtype):
     """The rank-major all-gather output as FSDP2 builds it: per rank, each parameter's
-    torch.chunk chunk padded with zero rows to ceil(d0 / W) rows (empty when the rank
-    holds no rows), in order, with the unit's shard gaps as zeros."""
+    ``torch.chunk(p, W, dim=d)`` chunk, contiguous, padded with zeros to ceil(size_d / W)
+    along d (empty when the rank holds nothing), in order, with the unit's shard gaps as
+    zeros."""
     w, ranks = unit.world_size, []
     for k in range(w):
         pieces = []
-        for p, gap in zip(params, unit.shard_gaps):
-            chunks = torch.chunk(p, w, dim=0)
-            part = chunks[k] if k < len(chunks) else p[:0]
-            pad = p.new_zeros((-(-p.shape[0] // w) - part.shape[0], *p.shape[1:]))
-            pieces += [torch.zeros(gap, dtype=dtype), torch.cat([part, pad]).reshape(-1)]
+        for p, d, gap in zip(params, unit.dims, unit.shard_gaps):
+            chunks = torch.chunk(p, w, dim=d)
+            part = chunks[k] if k < len(chunks) else p.narrow(d, 0, 0)
+            pad_shape = list(p.shape)
+            pad_shape[d] = -(-p.shape[d] // w) - part.shape[d]
+            padded = torch.cat([part, p.new_zeros(pad_shape)], dim=d)
+            pieces += [torch.zeros(gap, dtype=dtype), padded.reshape(-1)]
         ranks.append(torch.cat(pieces + [torch.zeros(unit.shard_gaps[-1], dtype=dtype)]))
     return torch.cat(ranks)
 
@@ -107,7 +127,7 @@ def natural_tags(unit):
     """Each parameter as 1 + its natural indices (int64): in a gathered layout, 0 marks
     padding and t > 0 natural element t - 1."""
     return [torch.arange(off + 1, off + 1 + numel).reshape(shape)
-            for (off, numel, _, _), shape in zip(unit.plan, unit.shapes)]
+            for (off, numel, *_), shape in zip(unit.plan, unit.shapes)]
 
 
 def as_bytes(t):
@@ -198,15 +218,18 @@ def test_unpack_of_pack_is_identity(unit, dtype, seed):
     back = background.clone()
     _core.chunk_unpack(back, gathered, unit.plan, unit.world_size, unit.shard_numel)
     inside = torch.zeros(unit.natural_numel, dtype=torch.bool)
-    for off, numel, _, _ in unit.plan:
+    for off, numel, *_ in unit.plan:
         inside[off : off + numel] = True
     assert torch.equal(as_bytes(back[inside]), as_bytes(natural[inside]))  # the params
     assert torch.equal(as_bytes(back[~inside]), as_bytes(background[~inside]))  # gaps
 
 
-# a fixed unit with every awkward case: d0 < W, d0 = 1, d0 = 0, 1-D / 2-D / 3-D, gaps
-FIXED = make_unit([(5, 3), (1,), (2, 2, 3), (0, 4), (7,), (4, 1, 2)], 4,
-                  [2, 0, 1, 3, 0, 1, 2], [0, 1, 0, 0, 2, 0, 1])
+# a fixed unit with every awkward case: d0 < W, d0 = 1, d0 = 0, 1-D / 2-D / 3-D, gaps,
+# Shard(1) and Shard(2) next to Shard(0) (blocks of 3 and of 1 elements), an empty Shard(1)
+FIXED = make_unit([(5, 3), (1,), (2, 2, 3), (2, 8, 3), (0, 4), (7,), (3, 4), (4, 1, 2),
+                   (2, 3, 4)], 4,
+                  [2, 0, 1, 0, 3, 0, 1, 1, 0, 2], [0, 1, 0, 1, 0, 2, 0, 0, 1, 1],
+                  [0, 0, 0, 1, 1, 0, 1, 0, 2])
 
 
 @pytest.mark.parametrize("divisor", [1, 2, 3, 0.1])
@@ -233,11 +256,12 @@ def test_pack_casts_round_as_scale_cast_add(pair, divisor):
 
 
 def big_unit(world_size=3):
-    """About 1.5 M elements per all-gather, odd sizes so thread borders fall inside
-    chunks and padding: 6 bytes moved per element (fp32 -> bf16) is above
-    CHUNK_PARALLEL_BYTES already."""
-    return make_unit([(1201, 1001), (333, 1003), (7,), (2, 5)], world_size,
-                     [3, 1, 0, 2, 5], [0, 1, 0, 3, 3])
+    """About 1.9 M elements per all-gather, odd sizes so thread borders fall inside
+    chunks, blocks (Shard(1): blocks of 400 or 300 elements, and of 4 or 3) and padding:
+    6 bytes moved per element (fp32 -> bf16) is above CHUNK_PARALLEL_BYTES already."""
+    return make_unit([(1201, 1001), (333, 1003), (7,), (2, 5), (301, 1200), (3001, 12)],
+                     world_size, [3, 1, 0, 2, 5, 0, 1], [0, 1, 0, 3, 3, 1, 2],
+                     [0, 0, 0, 0, 1, 1])
 
 
 def test_threaded_path_matches_twin():
@@ -310,7 +334,7 @@ def test_core_rejects_misuse():
 
 
 # (plan, world_size, shard_numel, natural_numel, gathered_numel, ranks, message start)
-GOOD = [(0, 6, 2, 0), (6, 4, 2, 2)]  # W = 3, S = 4, natural 10
+GOOD = [(0, 6, 2, 0, 1), (6, 4, 2, 2, 1)]  # W = 3, S = 4, natural 10
 BAD_PLANS = [
     (GOOD, 0, 4, 10, 0, (0, 0), "world_size must be >= 1, got 0"),
     (GOOD, 3, -1, 10, 0, (0, 3), "shard_numel must be >= 0, got -1"),
@@ -318,20 +342,30 @@ BAD_PLANS = [
     (GOOD, 3, 4, 10, 4, (-1, 0), "ranks (-1, 0) must satisfy"),
     (GOOD, 3, 4, 10, 16, (0, 4), "ranks (0, 4) must satisfy"),
     (GOOD, 3, 4, 10, 11, (0, 3), "gathered buffer has 11 elements, expected 12"),
-    ([(0, 6, 2, 0), (6, 4, -2, 2)], 3, 4, 10, 12, (0, 3), "plan param 1: nat_off, numel"),
-    ([(0, 6, 2, 0), (-6, 4, 2, 2)], 3, 4, 10, 12, (0, 3), "plan param 1: nat_off, numel"),
-    ([(0, 6, 2, 0), (6, 4, 1, 2)], 3, 4, 10, 12, (0, 3), "plan param 1: numel 4 does not fit"),
-    ([(0, 6, 2, 0), (6, 4, 2, 3)], 3, 4, 10, 12, (0, 3), "plan param 1: shard segment of 2 elements at 3"),
-    ([(0, 6, 2, 1), (6, 4, 2, 2)], 3, 4, 10, 12, (0, 3), "plan param 1: shard segment at 2 overlaps"),
-    ([(0, 6, 2, 0), (7, 4, 2, 2)], 3, 4, 10, 12, (0, 3), "plan param 1: natural segment of 4 elements at 7"),
-    ([(0, 6, 2, 0), (5, 4, 2, 2)], 3, 4, 10, 12, (0, 3), "plan param 1: natural segment at 5 overlaps"),
-    ([(0, 6, 2, 0), (0, 0, 0, 9)], 3, 4, 10, 12, (0, 3), "plan param 1: shard segment of 0 elements at 9"),
+    ([(0, 6, 2, 0, 1), (6, 4, -2, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: nat_off, numel"),
+    ([(0, 6, 2, 0, 1), (-6, 4, 2, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: nat_off, numel"),
+    ([(0, 6, 2, 0, 1), (6, 4, 1, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: numel 4 does not fit"),
+    ([(0, 6, 2, 0, 1), (6, 4, 2, 3, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: shard segment of 2 elements at 3"),
+    ([(0, 6, 2, 1, 1), (6, 4, 2, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: shard segment at 2 overlaps"),
+    ([(0, 6, 2, 0, 1), (7, 4, 2, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: natural segment of 4 elements at 7"),
+    ([(0, 6, 2, 0, 1), (5, 4, 2, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: natural segment at 5 overlaps"),
+    ([(0, 6, 2, 0, 1), (0, 0, 0, 9, 1)], 3, 4, 10, 12, (0, 3), "plan param 1: shard segment of 0 elements at 9"),
+    # the blocks of a Shard(d > 0) chunk: outer >= 1, whole blocks, every rank a full chunk
+    ([(0, 6, 2, 0, 0), (6, 4, 2, 2, 1)], 3, 4, 10, 12, (0, 3), "plan param 0: outer must be >= 1, got 0"),
+    ([(0, 6, 2, 0, -2)], 3, 4, 10, 12, (0, 3), "plan param 0: outer must be >= 1, got -2"),
+    ([(0, 6, 2, 0, 2), (6, 4, 2, 2, 2)], 3, 4, 10, 12, (0, 3),
+     "plan param 1: a chunk of 2 blocks (outer) needs numel == world_size x chunk_numel"),
+    ([(0, 6, 2, 0, 3)], 3, 4, 10, 12, (0, 3), "plan param 0: a chunk of 3 blocks (outer)"),
+    ([(0, 0, 0, 0, 5), (0, 6, 2, 0, 4)], 3, 4, 10, 12, (0, 3), "plan param 1: a chunk of 4 blocks"),
     # world_size * chunk_numel overflows int64 (so every numel fits); the chunk does not
-    ([(0, 0, 2**62, 0)], 4, 2**62 - 1, 10, 0, (0, 0), "plan param 0: shard segment of 4611686"),
-    ([(0, 6, 2, 0), (2**62, 2**62, 2**60, 0)], 3, 4, 10, 12, (0, 3),
+    ([(0, 0, 2**62, 0, 1)], 4, 2**62 - 1, 10, 0, (0, 0), "plan param 0: shard segment of 4611686"),
+    ([(0, 6, 2, 0, 1), (2**62, 2**62, 2**60, 0, 1)], 3, 4, 10, 12, (0, 3),
      "plan param 1: numel 4611686018427387904 does not fit"),
+    # ... and with blocks it cannot be numel
+    ([(0, 2**62, 2**62, 0, 2)], 4, 2**62, 10, 0, (0, 0),
+     "plan param 0: a chunk of 2 blocks (outer) needs"),
     # nat_off + numel overflows int64
-    ([(0, 2, 1, 0), (2**62, 2**62, 2**61, 1)], 2, 2**61 + 1, 2, 2**62 + 2, (0, 2),
+    ([(0, 2, 1, 0, 1), (2**62, 2**62, 2**61, 1, 1)], 2, 2**61 + 1, 2, 2**62 + 2, (0, 2),
      "plan param 1: natural segment of 4611686018427387904 elements"),
 ]
 
@@ -368,9 +402,12 @@ def test_bad_plans_raise_the_same_value_error(case):
 def test_zero_sizes_and_null_addresses():
     C.chunk_unpack(0, 0, 0, 0, 4, [], 1, 0, 1)
     C.chunk_pack(0, 0, 0, 0, 0, 0, [], 3, 0, 0, 3, 1.0, 1)
-    C.chunk_pack(0, 0, 0, 0, 0, 0, [(0, 0, 0, 0)] * 3, 2, 0, 0, 2, 2.0, 1)  # all empty
+    C.chunk_pack(0, 0, 0, 0, 0, 0, [(0, 0, 0, 0, 1)] * 3, 2, 0, 0, 2, 2.0, 1)  # all empty
+    # empty Shard(d) chunks of any number of blocks: nothing visited (2**62 would never end)
+    C.chunk_pack(0, 0, 0, 0, 0, 0, [(0, 0, 0, 0, 2**62)] * 2, 2, 0, 0, 2, 2.0, 1)
+    C.chunk_unpack(0, 0, 0, 0, 4, [(0, 0, 0, 0, 2**62)] * 2, 2, 0, 1)
     g = torch.full((6,), 7.0)
-    C.chunk_pack(g.data_ptr(), 6, 0, 0, 0, 0, [(0, 0, 0, 1)], 3, 2, 0, 3, 1.0, 1)
+    C.chunk_pack(g.data_ptr(), 6, 0, 0, 0, 0, [(0, 0, 0, 1, 1)], 3, 2, 0, 3, 1.0, 1)
     assert g.tolist() == [0.0] * 6  # every element of a shard is written
 
 
@@ -395,11 +432,14 @@ def test_zero_sizes_and_null_addresses():
                                    1.0, 1), OverflowError, "overflows"),
         (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, [(0, 1, 1)], 1, 4, 1),
          ValueError, "plan param 0 must be"),
+        (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, [(0, 4, 4, 0)], 1, 4,
+                                     1), ValueError, r"plan param 0 must be \(nat_off, numel, "
+         r"chunk_numel, shard_off, outer\), got 4 items"),
         (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, [0], 1, 4, 1),
          TypeError, "plan entry"),
         (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, 5, 1, 4, 1),
          TypeError, "plan must be"),
-        (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, [(0, 1.5, 1, 0)], 1,
+        (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, [(0, 1.5, 1, 0, 1)], 1,
                                      4, 1), TypeError, "numel"),
         (lambda n, g: C.chunk_unpack(n.data_ptr(), 4, g.data_ptr(), 4, 4, [], 1, 4),
          TypeError, "9 positional"),

@@ -14,6 +14,7 @@ disagree about the collective, a closed group, bad arguments.
 The distributed twin (the process group) is compared in tests/distributed/test_shm.py.
 """
 
+import array
 import itertools
 import os
 import secrets
@@ -228,13 +229,20 @@ def test_collectives_match_torch(groups, world):
 
 def chunk_plan(shapes, world):
     """fully_shard's plan for parameters of these shapes: (nat_off, numel, chunk_numel,
-    shard_off) each, and the per-rank shard numel."""
+    shard_off, outer) each, and the per-rank shard numel.  A shape (rows, row_numel) is
+    sharded on dim 0; (outer, k, inner) is (outer, k * world, inner) sharded on dim 1."""
     plan, nat, shard = [], 0, 0
-    for rows, row_numel in shapes:
-        c = -(-rows // world)
-        plan.append((nat, rows * row_numel, c * row_numel, shard))
-        nat += rows * row_numel
-        shard += c * row_numel
+    for shape in shapes:
+        if len(shape) == 2:
+            (rows, row_numel), outer = shape, 1
+            chunk = -(-rows // world) * row_numel
+            numel = rows * row_numel
+        else:
+            outer, k, inner = shape
+            chunk, numel = outer * k * inner, outer * k * world * inner
+        plan.append((nat, numel, chunk, shard, outer))
+        nat += numel
+        shard += chunk
     return plan, nat, shard
 
 
@@ -250,7 +258,8 @@ def test_all_gather_unpack_is_all_gather_then_chunk_unpack(groups, world):
     gs.wait_attached()
     gen = torch.Generator().manual_seed(100 + world)
     shape_sets = [[(1, 1)], [(5, 3), (1, 7), (world + 1, 1), (2, 64)], [(37, 11), (3, 129), (8, 8)],
-                  [(world - 1, 5), (1, 1000)]]
+                  [(world - 1, 5), (1, 1000)], [(3, 2, 5), (5, 3), (40, 1, 3), (1, 1, 1)],
+                  [(2, 40, 7), (300, 1, 1), (7, 1)]]  # Shard(1) blocks across piece borders
     for dtype, shapes in itertools.product(DTYPES, shape_sets):
         plan, nat_numel, shard_numel = chunk_plan(shapes, world)
         shards = [random_tensor(shard_numel, dtype, gen) for _ in range(world)]
@@ -280,7 +289,8 @@ def test_reduce_scatter_pack_is_chunk_pack_then_reduce_scatter(groups, world):
     gs.wait_attached()
     gen = torch.Generator().manual_seed(200 + world)
     shape_sets = [[(1, 1)], [(5, 3), (1, 7), (world + 1, 1), (2, 64)], [(37, 11), (3, 129)],
-                  [(world - 1, 5), (1, 1000)]]
+                  [(world - 1, 5), (1, 1000)], [(3, 2, 5), (5, 3), (40, 1, 3)],
+                  [(2, 40, 7), (300, 1, 1), (7, 1)]]  # Shard(1) blocks across piece borders
     cases = [(d, d) for d in DTYPES] + [(torch.bfloat16, torch.float32),
                                         (torch.float16, torch.float32)]
     for (rdt, gdt), shapes, (divisor, scale) in itertools.product(
@@ -306,6 +316,33 @@ def test_reduce_scatter_pack_is_chunk_pack_then_reduce_scatter(groups, world):
             assert_same(o, w, f"reduce_scatter_pack {rdt}<-{gdt} {shapes} /{divisor} rank {r}")
 
 
+def test_all_gather_unpack_threads_match_one_thread(groups):
+    """Pieces large enough for the threaded copy-out (above CHUNK_PARALLEL_BYTES): thread
+    borders fall inside dim-0 chunks, padding and Shard(1) blocks (of 5 and of 1
+    elements); every thread count writes what chunk_unpack does."""
+    from cfsdp._ref import chunk_unpack as ref_unpack
+    from cfsdp._runtime.comm import pack_plan
+
+    world = 2
+    plan, nat_numel, shard_numel = chunk_plan([(1001, 301), (3, 20011, 5), (70001, 1, 1), (7, 3)],
+                                              world)
+    gen = torch.Generator().manual_seed(7)
+    shards = [random_tensor(shard_numel, torch.float32, gen) for _ in range(world)]
+    want = torch.zeros(nat_numel)
+    ref_unpack(want, torch.cat(shards), plan, world, shard_numel)
+    blob = pack_plan(plan)
+    for threads in (1, 2, C.MAX_THREADS):
+        gs = groups(world, slot_per_rank=1 << 20)  # 512 K fp32 a piece: about 3 pieces
+        assert 2 * world * (world << 20) > C.CHUNK_PARALLEL_BYTES  # bytes a piece moves
+        nats = [torch.zeros(nat_numel) for _ in range(world)]
+        run_all([g.all_gather_unpack(n.data_ptr(), nat_numel, sh.data_ptr(), shard_numel,
+                                     CODE[torch.float32], blob, threads, (n, sh, blob))
+                 for g, n, sh in zip(gs.views, nats, shards)])
+        for n in nats:
+            assert torch.equal(n.view(torch.int32), want.view(torch.int32)), threads
+        gs.close()
+
+
 def test_all_gather_unpack_bad_plans_raise_before_queuing(groups):
     from cfsdp._runtime.comm import pack_plan
 
@@ -314,26 +351,32 @@ def test_all_gather_unpack_bad_plans_raise_before_queuing(groups):
     g, nat, sh = gs.views[0], torch.zeros(10), torch.zeros(5)
     args = (nat.data_ptr(), 10, sh.data_ptr(), 5, CODE[torch.float32])
     with pytest.raises(TypeError, match="plan must be bytes"):
-        g.all_gather_unpack(*args, [(0, 10, 5, 0)], 1, ())
-    with pytest.raises(ValueError, match="multiple of 32"):
-        g.all_gather_unpack(*args, b"123", 1, ())
+        g.all_gather_unpack(*args, [(0, 10, 5, 0, 1)], 1, ())
+    with pytest.raises(ValueError, match="multiple of 40"):
+        g.all_gather_unpack(*args, array.array("q", [0, 10, 5, 0]).tobytes(), 1, ())
     with pytest.raises(ValueError, match="does not fit in 2 chunks"):  # chunks too small
-        g.all_gather_unpack(*args, pack_plan([(0, 10, 4, 0)]), 1, ())
+        g.all_gather_unpack(*args, pack_plan([(0, 10, 4, 0, 1)]), 1, ())
     with pytest.raises(ValueError, match="passes the end 10"):  # natural too small
-        g.all_gather_unpack(*args, pack_plan([(1, 10, 5, 0)]), 1, ())
+        g.all_gather_unpack(*args, pack_plan([(1, 10, 5, 0, 1)]), 1, ())
+    with pytest.raises(ValueError, match="outer must be >= 1, got 0"):
+        g.all_gather_unpack(*args, pack_plan([(0, 10, 5, 0, 0)]), 1, ())
+    with pytest.raises(ValueError, match="a chunk of 2 blocks"):  # 5 is not 2 whole blocks
+        g.all_gather_unpack(*args, pack_plan([(0, 10, 5, 0, 2)]), 1, ())
+    with pytest.raises(ValueError, match="plan param 0 must be"):  # a short row
+        pack_plan([(0, 10, 5, 0)])
     with pytest.raises(ValueError, match="overlap"):
         g.all_gather_unpack(nat.data_ptr(), 10, nat.data_ptr(), 5, CODE[torch.float32],
-                            pack_plan([(0, 10, 5, 0)]), 1, ())
+                            pack_plan([(0, 10, 5, 0, 1)]), 1, ())
     f32 = CODE[torch.float32]
     with pytest.raises(ValueError, match="divisor must be finite and non-zero"):
         g.reduce_scatter_pack(sh.data_ptr(), 5, f32, nat.data_ptr(), 10, f32, 0.0, 1.0,
-                              pack_plan([(0, 10, 5, 0)]), 1, ())
+                              pack_plan([(0, 10, 5, 0, 1)]), 1, ())
     with pytest.raises(ValueError, match="passes the end 10"):
         g.reduce_scatter_pack(sh.data_ptr(), 5, f32, nat.data_ptr(), 10, f32, 1.0, 1.0,
-                              pack_plan([(1, 10, 5, 0)]), 1, ())
+                              pack_plan([(1, 10, 5, 0, 1)]), 1, ())
     with pytest.raises(ValueError, match="overlap"):
         g.reduce_scatter_pack(nat.data_ptr(), 5, f32, nat.data_ptr(), 10, f32, 1.0, 1.0,
-                              pack_plan([(0, 10, 5, 0)]), 1, ())
+                              pack_plan([(0, 10, 5, 0, 1)]), 1, ())
 
 
 def test_async_ops_overlap_and_wait_out_of_order(groups):

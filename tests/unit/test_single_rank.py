@@ -36,7 +36,7 @@ def no_transport(monkeypatch):
             monkeypatch.setattr(dist, name, boom)
 
 
-PLAN = [(0, 6, 6, 0), (6, 4, 4, 6), (10, 9, 9, 10)]
+PLAN = [(0, 6, 6, 0, 1), (6, 4, 4, 6, 1), (10, 9, 9, 10, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

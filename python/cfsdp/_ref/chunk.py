@@ -1,23 +1,32 @@
 """FSDP2 copy-in / copy-out (twin of ``csrc/chunk.c``).
 
-The layout of a ``fully_shard`` unit: each parameter of shape ``(d0, *rest)``
-is split along dim 0 as ``torch.chunk(p, W)``, so with ``c = ceil(d0 / W)``
+The layout of a ``fully_shard`` unit: a parameter sharded on dim 0, of shape
+``(d0, *rest)``, is split as ``torch.chunk(p, W)``, so with ``c = ceil(d0 / W)``
 rows per chunk and ``r`` elements per row, rank ``k`` holds the parameter's
 flat elements ``[k*c*r, min((k+1)*c*r, numel))`` (possibly none), padded with
-zeros to ``chunk_numel = c*r``.  A rank's shard (``shard_numel`` elements)
-holds one padded chunk per parameter, at ``shard_off``; the all-gather output
-``G`` is rank-major, ``G[k*shard_numel + shard_off + j]`` being element ``j``
-of rank ``k``'s chunk.  The *natural* buffer holds the whole parameters,
-parameter ``p`` at ``nat_off``.
+zeros to ``chunk_numel = c*r``.  A parameter sharded on dim ``d > 0``
+(``Shard(d)``, an even split: ``shape[d] == W*c``) gives rank ``k``
+``torch.chunk(p, W, dim=d)[k]`` made contiguous: ``outer = prod(shape[:d])``
+blocks of ``blk = c * prod(shape[d+1:])`` elements, block ``o`` being the
+parameter's flat elements ``[o*row + k*blk, o*row + (k+1)*blk)`` with ``row =
+numel / outer``; so ``chunk_numel = outer * blk`` and ``numel = W *
+chunk_numel``.  Dim 0 is ``outer = 1``.  A rank's shard (``shard_numel``
+elements) holds one padded chunk per parameter, at ``shard_off``; the
+all-gather output ``G`` is rank-major, ``G[k*shard_numel + shard_off + j]``
+being element ``j`` of rank ``k``'s chunk.  The *natural* buffer holds the
+whole parameters, parameter ``p`` at ``nat_off``.
 
-A *plan* is a sequence of ``(nat_off, numel, chunk_numel, shard_off)``, one
-per parameter, in order; with ``world_size`` and ``shard_numel`` it describes
-the unit.  Invariants, checked (in this order, naming the parameter index)
-by ``check_plan`` here and by the C core with the same messages:
+A *plan* is a sequence of ``(nat_off, numel, chunk_numel, shard_off, outer)``,
+one per parameter, in order; with ``world_size`` and ``shard_numel`` it
+describes the unit.  Invariants, checked (in this order, naming the parameter
+index) by ``check_plan`` here and by the C core with the same messages:
 
 * ``1 <= world_size <= MAX_WORLD_SIZE`` and ``len(plan) * world_size <= MAX_PIECES``
-  (``cfsdp._ref.layout``), ``shard_numel >= 0``, the four numbers are ``>= 0``;
+  (``cfsdp._ref.layout``), ``shard_numel >= 0``, the first four numbers are
+  ``>= 0`` and ``outer >= 1``;
 * ``numel <= world_size * chunk_numel`` (every element belongs to a rank);
+* ``outer > 1`` only with ``numel == world_size * chunk_numel`` and
+  ``chunk_numel`` a multiple of ``outer`` (whole blocks, every rank a full chunk);
 * the shard segment (the chunk) ``[shard_off, shard_off + chunk_numel)`` lies
   in the shard, and non-empty ones come in parameter order without overlap;
 * the natural segment ``[nat_off, nat_off + numel)`` lies in the natural
@@ -33,7 +42,7 @@ import torch
 
 from .layout import check_dims
 
-PlanEntry = tuple[int, int, int, int]  # (nat_off, numel, chunk_numel, shard_off)
+PlanEntry = tuple[int, int, int, int, int]  # (nat_off, numel, chunk_numel, shard_off, outer)
 
 
 def check_plan(
@@ -59,16 +68,24 @@ def check_plan(
             f"{(hi - lo) * shard_numel} ({hi - lo} ranks x shard_numel {shard_numel})"
         )
     shard_end = nat_end = 0
-    for i, (nat_off, numel, chunk, shard_off) in enumerate(plan):
+    for i, (nat_off, numel, chunk, shard_off, outer) in enumerate(plan):
         if min(nat_off, numel, chunk, shard_off) < 0:
             raise ValueError(
                 f"plan param {i}: nat_off, numel, chunk_numel and shard_off must be "
                 f">= 0, got ({nat_off}, {numel}, {chunk}, {shard_off})"
             )
+        if outer < 1:
+            raise ValueError(f"plan param {i}: outer must be >= 1, got {outer}")
         if world_size * chunk < numel:
             raise ValueError(
                 f"plan param {i}: numel {numel} does not fit in {world_size} chunks of "
                 f"{chunk} elements"
+            )
+        if outer > 1 and (world_size * chunk != numel or chunk % outer):
+            raise ValueError(
+                f"plan param {i}: a chunk of {outer} blocks (outer) needs numel == "
+                f"world_size x chunk_numel and chunk_numel a multiple of outer, got numel "
+                f"{numel}, world_size {world_size}, chunk_numel {chunk}"
             )
         shard_end = _check_segment(i, "shard", shard_off, chunk, shard_numel, shard_end)
         nat_end = _check_segment(i, "natural", nat_off, numel, natural_numel, nat_end)
@@ -93,16 +110,25 @@ def _check_segment(i: int, what: str, off: int, n: int, limit: int, prev_end: in
 
 
 def _pieces(plan: Sequence[PlanEntry], lo: int, hi: int):
-    """Per parameter with a non-empty chunk: ``(nat_off, chunk, shard_off, a, b, rem)``:
-    of the ranks ``[lo, hi)``, ranks ``[a, b)`` (``a == lo``) hold a whole chunk and
-    rank ``b`` holds the ``rem`` trailing elements (``rem == 0``: none, or ``b`` is
-    past ``hi``); ranks after that hold nothing."""
-    for nat_off, numel, chunk, shard_off in plan:
+    """Per parameter with a non-empty chunk: ``(nat_off, numel, chunk, shard_off, outer,
+    a, b, rem)``: of the ranks ``[lo, hi)``, ranks ``[a, b)`` (``a == lo``) hold a whole
+    chunk and rank ``b`` holds the ``rem`` trailing elements (``rem == 0``: none, or
+    ``b`` is past ``hi``); ranks after that hold nothing (``outer > 1``: every rank
+    holds a whole chunk)."""
+    for nat_off, numel, chunk, shard_off, outer in plan:
         if chunk == 0:
             continue
         full = numel // chunk  # ranks holding a whole chunk
         rem = numel - full * chunk if lo <= full < hi else 0
-        yield nat_off, chunk, shard_off, lo, max(lo, min(hi, full)), rem
+        yield nat_off, numel, chunk, shard_off, outer, lo, max(lo, min(hi, full)), rem
+
+
+def _blocks(natural: torch.Tensor, nat_off: int, numel: int, outer: int, world_size: int,
+            a: int, b: int) -> torch.Tensor:
+    """Ranks ``[a, b)``'s chunks of a parameter with ``outer > 1`` blocks, as a view of
+    ``natural`` shaped ``(b - a, outer, blk)`` (rank, block, element)."""
+    blk = numel // (outer * world_size)
+    return natural[nat_off : nat_off + numel].view(outer, world_size, blk)[:, a:b].transpose(0, 1)
 
 
 def chunk_unpack(
@@ -119,12 +145,15 @@ def chunk_unpack(
     check_plan(plan, world_size, shard_numel, dst_natural.numel(), src_gathered.numel(),
                (0, world_size))
     g = src_gathered.view(world_size, shard_numel)
-    for nat_off, chunk, shard_off, a, b, rem in _pieces(plan, 0, world_size):
+    for nat_off, numel, chunk, shard_off, outer, a, b, rem in _pieces(plan, 0, world_size):
+        part = g[a:b, shard_off : shard_off + chunk]
+        if outer > 1:
+            _blocks(dst_natural, nat_off, numel, outer, world_size, a, b).copy_(
+                part.view(b - a, outer, -1))
+            continue
         n = (b - a) * chunk
         if n:
-            dst_natural[nat_off : nat_off + n].view(b - a, chunk).copy_(
-                g[a:b, shard_off : shard_off + chunk]
-            )
+            dst_natural[nat_off : nat_off + n].view(b - a, chunk).copy_(part)
         if rem:
             dst_natural[nat_off + n : nat_off + n + rem].copy_(g[b, shard_off : shard_off + rem])
 
@@ -154,13 +183,17 @@ def chunk_pack(
     def scaled(t: torch.Tensor) -> torch.Tensor:
         return t / divisor if divisor != 1 else t
 
-    for nat_off, chunk, shard_off, a, b, rem in _pieces(plan, lo, hi):
+    for nat_off, numel, chunk, shard_off, outer, a, b, rem in _pieces(plan, lo, hi):
+        part = g[a - lo : b - lo, shard_off : shard_off + chunk]
+        if outer > 1:
+            if b > a:
+                part.view(b - a, outer, -1).copy_(
+                    scaled(_blocks(src_natural, nat_off, numel, outer, world_size, a, b)))
+            continue
         start = nat_off + a * chunk  # natural element of rank a's part
         n = (b - a) * chunk
         if n:
-            g[a - lo : b - lo, shard_off : shard_off + chunk].copy_(
-                scaled(src_natural[start : start + n]).view(b - a, chunk)
-            )
+            part.copy_(scaled(src_natural[start : start + n]).view(b - a, chunk))
         if rem:
             g[b - lo, shard_off : shard_off + rem].copy_(
                 scaled(src_natural[start + n : start + n + rem])

@@ -1,14 +1,20 @@
-"""A unit of the composable face (``fully_shard``): per-parameter dim-0 chunks.
+"""A unit of the composable face (``fully_shard``): per-parameter chunks.
 
 [Note: chunk layout]
 torch's FSDP2 shards every parameter of shape ``(d0, *rest)`` on its own, as
 ``torch.chunk(p, W)`` does: ``c = ceil(d0 / W)`` rows per rank, rank ``k``
-holding rows ``[k*c, min((k+1)*c, d0))`` (possibly none).  A unit keeps:
+holding rows ``[k*c, min((k+1)*c, d0))`` (possibly none).  A parameter that
+``shard_placement_fn`` puts on ``Shard(d)``, ``d > 0`` (``W`` divides
+``shape[d]``, as torch requires), is split the same way along ``d``: rank ``k``
+holds ``torch.chunk(p, W, dim=d)[k]``, contiguous, which is ``outer =
+prod(shape[:d])`` blocks of the flat parameter (cfsdp._ref.chunk); its
+DTensor's placement is ``Shard(d)``.  A unit keeps:
 
-* ``shard``: this rank's padded chunks back to back, ``S = sum_p c_p * r_p``
-  elements (``r_p``: elements per row) in the parameters' dtype.  The user's
-  parameters are ``DTensor`` s whose local tensors are views of it (narrowed
-  to the rows this rank really holds), so the optimizer updates it in place.
+* ``shard``: this rank's padded chunks back to back, ``S = sum_p outer_p * c_p *
+  r_p`` elements (``r_p``: elements per row, ``prod(shape[d+1:])``; ``outer_p`` 1
+  on dim 0) in the parameters' dtype.  The user's parameters are ``DTensor`` s
+  whose local tensors are views of it (narrowed to the rows this rank really
+  holds), so the optimizer updates it in place.
 * ``gathered``: the all-gather output, ``W * S`` elements of ``param_dtype``,
   rank-major (rank ``k``'s shard at ``[k*S, (k+1)*S)``).  Only alive between
   the all-gather and the copy-out.
@@ -28,10 +34,11 @@ exactly, so local shards and gradients match torch's bit for bit.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +74,7 @@ def _spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torc
     return spec
 
 
-def _local_data(p: torch.Tensor) -> torch.Tensor:
+def local_data(p: torch.Tensor) -> torch.Tensor:
     """What a unit shards of parameter ``p``: a DTensor's (tensor-parallel) local tensor,
     else ``p`` itself."""
     return p._local_tensor if isinstance(p, DTensor) else p
@@ -87,9 +94,9 @@ class ChunkParam:
     fqn: str  # relative to the unit's (first) module, for errors
     shape: torch.Size
     numel: int
-    rows: int  # d0
-    row_numel: int  # elements per row
-    chunk_rows: int  # c = ceil(d0 / W)
+    rows: int  # shape[dim]
+    row_numel: int  # elements per row: prod(shape[dim + 1:])
+    chunk_rows: int  # c = ceil(rows / W)
     local_rows: int  # rows this rank holds
     nat_off: int  # offset in ``natural``
     shard_off: int  # offset in ``shard`` (and in each rank's part of ``gathered``)
@@ -99,22 +106,30 @@ class ChunkParam:
     unsharded: Optional[nn.Parameter] = None  # registered while the unit is unsharded
     aliases: tuple = ()  # further (module, name) occurrences of a shared parameter
     orig_uid: int = -1  # the original parameter's id (replaced.orig_uid): tied across units
-    # tensor parallelism ([Note: tensor-parallel parameters]): the DTensorSpec of the
-    # parameter as the module uses it (on the TP mesh; None: a plain parameter), and
-    # the sharded DTensor's mesh, placements and global shape/stride
-    tp_spec: Any = None
+    dim: int = 0  # the dim it is sharded on (Shard(dim)); torch requires W | rows when > 0
+    outer: int = 1  # prod(shape[:dim]): blocks of a chunk (the plan's ``outer``)
+    # its sharded DTensors' mesh and placements: (Shard(dim),), HSDP (Replicate(), Shard(dim));
+    # a tensor-parallel parameter ([Note: tensor-parallel parameters]) adds the TP mesh and
+    # placements, and keeps the DTensorSpec it has as the module uses it (on the TP mesh;
+    # None: a plain parameter) and its global shape/stride
     mesh: Any = None
     placements: tuple = ()
+    tp_spec: Any = None
     global_shape: Optional[torch.Size] = None
     global_stride: tuple = ()
 
     @property
     def chunk_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
+        return self.outer * self.chunk_rows * self.row_numel
 
     @property
     def local_numel(self) -> int:
-        return self.local_rows * self.row_numel
+        return self.outer * self.local_rows * self.row_numel
+
+    @property
+    def local_shape(self) -> tuple:
+        """The shape of this rank's chunk (``torch.chunk(p, W, dim)[rank]``)."""
+        return (*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :])
 
 
 def gradient_divide(
@@ -155,15 +170,19 @@ class ChunkUnit(UnshardStates):
         device: torch.device,
         mp_param_dtype: Optional[torch.dtype],
         mp_reduce_dtype: Optional[torch.dtype],
+        shard_dims: Optional[Mapping[nn.Parameter, int]] = None,
     ):
+        """``shard_dims``: the dim (>= 0) of each parameter not sharded on dim 0, as
+        ``fully_shard`` validated them (``shard_placement_fn``)."""
         self.mesh = mesh
         self.group = group
         self.rank = group.rank()
         self.world_size = W = group.size()
         self.replicate_group = replicate_group
         self.device = device
-        self.placements = (Shard(0),) if replicate_group is None else (Replicate(), Shard(0))
-        dtype = _local_data(entries[0][3]).dtype
+        replicated = () if replicate_group is None else (Replicate(),)
+        shard_dims = shard_dims or {}
+        dtype = local_data(entries[0][3]).dtype
         self._tp = False  # any tensor-parallel parameter
         self._mp_dtypes = (mp_param_dtype, mp_reduce_dtype)
         self._set_dtypes(dtype)
@@ -173,39 +192,46 @@ class ChunkUnit(UnshardStates):
         self.params: list[ChunkParam] = []
         nat = shard = 0
         for module, name, fqn, p, aliases in entries:
-            data = _local_data(p)  # the tensor this unit shards: a TP parameter's local tensor
-            rows = data.shape[0]
-            row_numel = data.numel() // rows if rows else 0
+            data = local_data(p)  # the tensor this unit shards: a TP parameter's local tensor
+            dim = shard_dims.get(p, 0)
+            rows = data.shape[dim]
             c = -(-rows // W)
             local = max(0, min(c, rows - self.rank * c))
-            q = ChunkParam(module, name, fqn, data.shape, data.numel(), rows, row_numel, c, local,
-                           nat, shard, p.requires_grad, _contiguous_stride(tuple(data.shape)),
-                           aliases=aliases, orig_uid=orig_uid(p))
+            q = ChunkParam(module, name, fqn, data.shape, data.numel(), rows,
+                           math.prod(data.shape[dim + 1 :]), c, local, nat, shard, p.requires_grad,
+                           _contiguous_stride(tuple(data.shape)), aliases=aliases,
+                           orig_uid=orig_uid(p), dim=dim, outer=math.prod(data.shape[:dim]),
+                           mesh=mesh, placements=(*replicated, Shard(dim)))
             if isinstance(p, DTensor):
                 self._init_tp(q, p, fqn)
             else:
-                q.mesh, q.placements = mesh, self.placements
                 q.global_shape, q.global_stride = q.shape, q.stride
             self.params.append(q)
             nat += data.numel()
-            shard += c * row_numel
+            shard += q.chunk_numel
         self.natural_numel = nat
         self.shard_numel = shard
-        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off) for q in self.params]
+        # (an empty parameter's chunk has no blocks to speak of: outer 1 then)
+        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off, max(q.outer, 1))
+                      for q in self.params]
         self._plan_bytes = comm.pack_plan(self._plan)
         self._split_sizes = [q.numel for q in self.params]
 
         # This rank's shard, straight from the original parameters (on the meta
         # device for deferred initialisation: see ``reset_sharded_params``).
-        is_meta = _local_data(entries[0][3]).is_meta
+        is_meta = local_data(entries[0][3]).is_meta
         self.shard = torch.empty(shard, dtype=dtype, device="meta" if is_meta else device)
         if not is_meta:
             # Only this rank's rows of each parameter are read, straight into the
             # shard (one C pass, padding zeroed): the unit is never concatenated.
             rows_here = []
             for q, (*_, p, _) in zip(self.params, entries):
+                if q.dim:  # Shard(d > 0): this rank's blocks, gathered in one small copy
+                    rows_here.append(local_data(p).detach().narrow(q.dim, self.rank * q.chunk_rows,
+                                                       q.local_rows).reshape(-1))
+                    continue
                 start = self.rank * q.chunk_numel
-                rows_here.append(_local_data(p).detach().reshape(-1)[start : start + q.local_numel])
+                rows_here.append(local_data(p).detach().reshape(-1)[start : start + q.local_numel])
             _core.shard_fill(self.shard, 0, rows_here, [q.shard_off for q in self.params])
         self._new_natural()
         self._init_unshard_states()  # ``_buf``: ``natural`` while unsharded
@@ -282,7 +308,7 @@ class ChunkUnit(UnshardStates):
         return tuple(per_param[i] for i in self._occ_index)
 
     def _local_view(self, buf: torch.Tensor, q: ChunkParam) -> torch.Tensor:
-        return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_rows, *q.shape[1:])
+        return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_shape)
 
     def _init_tp(self, q: ChunkParam, p: DTensor, fqn: str) -> None:
         """A tensor-parallel parameter (see [Note: tensor-parallel parameters]): the unit
@@ -304,8 +330,8 @@ class ChunkUnit(UnshardStates):
                 "DeviceMesh, e.g. mesh['dp'] for fully_shard and mesh['tp'] for "
                 "parallelize_module."
             ) from e
-        split = tp_spec.num_shards_map[0]
-        dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        split = tp_spec.num_shards_map[q.dim]  # TP shards on the dim the unit shards
+        dp_placement = _StridedShard(q.dim, split_factor=split) if split > 1 else Shard(q.dim)
         q.placements = ((Replicate(),) if self.replicate_group is not None else ()) + (
             dp_placement, *tp_spec.placements)
         q.tp_spec = tp_spec
@@ -409,7 +435,7 @@ class ChunkUnit(UnshardStates):
             cur = q.module._parameters.get(q.name)
             if cur is not None and (cur is not q.sharded or self._moved(q)):
                 local = cur.to_local() if isinstance(cur, DTensor) else None
-                want = (q.local_rows, *q.shape[1:])
+                want = q.local_shape
                 if local is None or tuple(local.shape) != want:
                     raise ValueError(
                         f"fully_shard: parameter '{q.fqn}' was replaced by a {type(cur).__name__} "

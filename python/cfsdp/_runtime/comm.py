@@ -406,8 +406,13 @@ def all_gather(
 
 
 def pack_plan(plan) -> bytes:
-    """A chunk plan ``[(nat_off, numel, chunk_numel, shard_off), ...]`` as the bytes
-    :func:`all_gather_unpack` takes (int64 quadruples, csrc/chunk.h's cf_chunk_param)."""
+    """A chunk plan ``[(nat_off, numel, chunk_numel, shard_off, outer), ...]`` as the
+    bytes :func:`all_gather_unpack` takes (int64 quintuples, csrc/chunk.h's
+    cf_chunk_param)."""
+    for i, entry in enumerate(plan):  # C sees only bytes: a short row would shift the rest
+        if len(entry) != 5:
+            raise ValueError(f"plan param {i} must be (nat_off, numel, chunk_numel, shard_off, "
+                             f"outer), got {len(entry)} items")
     return array.array("q", [int(v) for entry in plan for v in entry]).tobytes()
 
 
