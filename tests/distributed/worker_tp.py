@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import _harness as h
 import tp_common as tc
@@ -160,6 +160,29 @@ def check_pair(ctx, out, exact: bool = True) -> None:
 @h.subtest(grid={"layout": tc.meshes(WORLD), "sp": [False, True], "optim": ["adamw", "sgd"]})
 def fs_parity(ctx, layout, sp: bool, optim: str):
     check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), sp, optim=optim))
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "sp": [False, True]})
+def fs_shard_dim(ctx, layout, sp: bool):
+    """shard_placement_fn puts every matrix on Shard(1) (torch's
+    test_init_2d_transformer_shard_diff_dim): the dp shards of a row-wise weight, which TP
+    shards on dim 1 too, are _StridedShard(1), those of a column-wise one Shard(1) beside
+    TP's Shard(0); bitwise as torch's FSDP2 + TP."""
+    mesh = tc.mesh_2d(*layout)
+    dp = dp_size(mesh)
+
+    def on_dim1(p):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return Shard(1) if local.dim() == 2 and local.size(1) % dp == 0 else None
+
+    out = run_pair(ctx, mesh, sp, fs_kw={"shard_placement_fn": on_dim1})
+    mm = wp.Mismatches(ctx)
+    placements = {n: v[0] for n, v in out["cfsdp"][1].items()}
+    mm.check(any(Shard(1) in pl or any(getattr(x, "dim", 0) == 1 and type(x).__name__ ==
+                                       "_StridedShard" for x in pl) for pl in placements.values()),
+             f"no parameter sharded on dim 1: {placements}")
+    mm.raise_if_any()
+    check_pair(ctx, out)
 
 
 @h.subtest(grid={"layout": tc.meshes(WORLD)})
