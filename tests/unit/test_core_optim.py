@@ -527,6 +527,34 @@ def test_plan_is_reused_across_grad_buffers_and_rebuilt_on_change():
     assert float(opt.state[model.params[0]]["step"]) == 4.0
 
 
+@pytest.mark.parametrize("name,kw", [ADAM_CASES[0], SGD_CASES[1]])
+def test_plan_follows_moved_parameters_and_replaced_state(monkeypatch, name, kw):
+    """What torch's ZeroRedundancyOptimizer (and cfsdp's) do to a local optimizer between
+    steps: move a parameter's memory (``p.data = bucket view``) and replace a parameter's
+    whole state dict (its ``load_state_dict``).  The plan must follow both (before, the C
+    step wrote to the freed old memory, or kept stepping the old state)."""
+    ieee_sqrt_torch(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(1000, generator=gen))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = getattr(co, name)([p], **kw)
+    ref = getattr(torch.optim, name)([q], foreach=False, **kw)
+    for step in range(4):
+        g = torch.randn(1000, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        if step == 0:  # move p into a bucket; the old memory is freed
+            bucket = torch.zeros(3000)
+            bucket[1000:2000].copy_(p.detach())
+            p.data = bucket[1000:2000]
+            del bucket
+        if step == 1:  # a fresh state dict, with other values
+            opt.state[p] = {k: v.clone() * 0.5 for k, v in opt.state[p].items()}
+            ref.state[q] = {k: v.clone() * 0.5 for k, v in ref.state[q].items()}
+        assert_bits(p.detach(), q.detach(), f"param after step {step}")
+
+
 # ------------------------------------------------------------------- errors
 @pytest.mark.parametrize("cls", ["Adam", "AdamW", "SGD"])
 @pytest.mark.parametrize("option", ["foreach", "fused", "capturable", "differentiable"])

@@ -33,7 +33,12 @@ loses its gradient, a gradient moves relative to the others, the group's
 ``load_state_dict`` (states replaced by fresh tensors are re-packed into flat
 buffers at the next step, so the fast path comes back).  Each group keeps
 its C parameters' ``step`` tensors as 0-dim views of one float32 buffer,
-incremented by one op per step.  State tensors replaced by hand
+incremented by one op per step.  The plan also checks every step that each
+C parameter's memory has not moved (``p.data = t``, as a
+``ZeroRedundancyOptimizer`` rebuilding its buckets does) and that its state
+dict is still the same object (``opt.state[p] = {...}``, as torch's
+``ZeroRedundancyOptimizer.load_state_dict`` does); either rebuilds the plan.
+State tensors replaced by hand inside a state dict
 (``opt.state[p]["exp_avg"] = t``) are not noticed until the next
 ``load_state_dict``; in-place edits are fine.
 
@@ -68,7 +73,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
-from . import _core
+from .. import _core
 
 __all__ = ["Adam", "AdamW", "SGD"]
 
@@ -146,6 +151,7 @@ class _Entry:
     cur_delta: int = 0  # this step's
     states: dict = field(default_factory=dict)  # kind -> local state tensor
     first: bool = False  # SGD: no momentum buffer yet
+    state_obj: Optional[dict] = None  # the optimizer's state dict of the parameter at build
 
 
 @dataclass(eq=False)
@@ -240,10 +246,14 @@ class _FusedStep:
             plan = self._cf_build(gi, group, params, grads)
         return plan
 
-    @staticmethod
-    def _cf_refresh(plan: _Plan, grads: list) -> bool:
+    def _cf_refresh(self, plan: _Plan, grads: list) -> bool:
         """Check this step's gradients against the plan (cheaply: one pass over
-        the parameters) and record each bucket's gradient offset."""
+        the parameters) and record each bucket's gradient offset.  A parameter
+        whose memory moved (``p.data = ...``, e.g. a ZeroRedundancyOptimizer
+        rebuilding its buckets) or whose state dict was replaced
+        (``opt.state[p] = {...}``, as torch's ZeroRedundancyOptimizer loads a
+        checkpoint) also fails the check: the plan's addresses are stale."""
+        state = self.state
         for kind, g in zip(plan.kind, grads):
             if kind is None:
                 if g is not None:
@@ -252,6 +262,8 @@ class _FusedStep:
             if kind is _TORCH:
                 continue
             if g is None:
+                return False
+            if _local(kind.param).data_ptr() != kind.ptr or state.get(kind.param) is not kind.state_obj:
                 return False
             if kind.placements is not None:
                 if not isinstance(g, DTensor) or g.placements != kind.placements:
@@ -302,6 +314,8 @@ class _FusedStep:
                     self.state[p]  # noqa: B018  (creates the entry)
         self._cf_pack(entries, group)
         steps = self._cf_home_steps(entries) if self._cf_uses_step else None
+        for e in entries:
+            e.state_obj = self.state.get(e.param)
         plan = _Plan(params, tuple(map(id, params)), kinds, self._cf_layout_key(group),
                      self._cf_version, _buckets(entries, self._cf_kinds_of(group)), entries,
                      steps)
