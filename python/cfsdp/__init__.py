@@ -8,7 +8,9 @@ Public names mirror ``torch.distributed.fsdp.__all__`` (torch 2.13); configs and
 enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
 (default) or ``"python"`` (``CFSDP_IMPL=python``, the pure-Python twins).
 ``cfsdp.patch_torch()`` (or ``python -m cfsdp.run script.py``) points torch's own FSDP names at
-cfsdp's, for code you cannot edit.
+cfsdp's, for code you cannot edit.  ``cfsdp.ZeroRedundancyOptimizer`` (also
+``cfsdp.optim.ZeroRedundancyOptimizer``) is torch.distributed.optim's ZeRO-1; like
+``patch_torch`` it is not in ``__all__``, which mirrors ``torch.distributed.fsdp``'s.
 """
 
 from ._core import backend
@@ -44,7 +46,8 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .parallel import pre_dp_module_transform
 from ._patch import patch_torch, unpatch_torch  # torch's FSDP names -> cfsdp's (code you cannot edit)
 from . import wrap  # noqa: E402  (as torch.distributed.fsdp.wrap after importing the package)
-from . import optim  # noqa: E402  (cfsdp.optim: fused Adam/AdamW/SGD over flat shards)
+from . import optim  # noqa: E402  (cfsdp.optim: fused Adam/AdamW/SGD over flat shards, ZeRO)
+from .optim import ZeroRedundancyOptimizer  # noqa: E402  (torch.distributed.optim's ZeRO-1)
 from .checkpoint import state_dict as _checkpoint_state_dict  # noqa: E402
 
 # torch.distributed.checkpoint.state_dict's helpers (get_state_dict, set_state_dict, ...) hand

@@ -33,6 +33,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import _harness as h
+import _ieee_sqrt
 import cfsdp
 from cfsdp import FullyShardedDataParallel as CFSDP
 from cfsdp import optim as co
@@ -43,14 +44,7 @@ STEPS, SAVE_AT = 8, 4
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 
-_real_sqrt = torch.Tensor.sqrt
-
-
-def _ieee_sqrt(self):
-    return self.double().sqrt().to(self.dtype) if self.dtype == torch.float32 else _real_sqrt(self)
-
-
-torch.Tensor.sqrt = _ieee_sqrt  # see the module docstring
+_ieee_sqrt.install()  # see the module docstring
 
 
 class Block(nn.Module):

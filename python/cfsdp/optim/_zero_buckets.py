@@ -1,0 +1,243 @@
+"""The parameter sync of cfsdp's ZeroRedundancyOptimizer: rank-major flat buckets.
+
+[Note: ZeRO buckets]
+The parameters are grouped by (device, dtype).  For each group a :class:`RankMajor`
+layout puts the parameters each rank owns, in partition order (the param groups in
+order, each group's parameters as torch's sorted-greedy partition lists them: the order
+of torch's own buckets and of the local optimizer's parameters), one after the other in
+that rank's *segment*.  Every segment has the same length ``seg`` (the largest rank's
+total, rounded up to 64 bytes; the rest of a shorter segment is padding), and the W
+segments, rank after rank, form one flat buffer of ``W * seg`` elements: exactly an
+all-gather whose input is this rank's segment.
+
+* ``parameters_as_bucket_view=True`` (:class:`BucketViews`): the flat buffer is
+  allocated once and every parameter in it becomes a view of its place (``p.data =
+  flat[o:o + n].view_as(p)``), as torch's buckets do (torch keeps one buffer per rank;
+  cfsdp one for all ranks).  A view keeps its parameter's strides when the parameter is
+  dense but not contiguous (a transposed weight stays transposed, its elements in memory
+  order): DDP computes wrong gradients for a parameter whose strides change after it was
+  wrapped, which torch's contiguous bucket views do.  The owner's step writes its segment
+  in place, so the sync
+  is ONE all-gather, in place: ``comm.all_gather(flat, flat[segment])`` -- shared memory
+  within a host, the process group across hosts or with ``CFSDP_SHM=0`` (the rule of
+  ``cfsdp._runtime.comm``).  Only trainable parameters are in buckets (torch's rule: a
+  frozen parameter keeps memory of its own, a clone if it was in a bucket, and is not
+  synced).
+* ``parameters_as_bucket_view=False`` (:class:`StagedSync`; torch's default, and its
+  promise that each ``p.data`` stays intact): the same layout over every parameter,
+  frozen ones included (torch broadcasts those too), through a staging buffer of at most
+  ``STAGING_BYTES``.  The segment is cut in windows of ``win`` elements; per window each
+  rank packs its parameters' elements into its block (``_core.shard_fill``: one C pass,
+  padding zeroed), one all-gather, and the other ranks' elements are copied out into
+  their parameters (``torch._foreach_copy_``: one call).  Memory stays bounded and the
+  bytes moved are the all-gather's.  A non-contiguous parameter (rare: a transposed
+  tensor made a parameter) cannot take a flat window; it is synced by a broadcast of its
+  own from its owner.
+
+Either way the sync is byte copies: every rank ends with the owner's bits.
+
+Addresses.  Both keep per-parameter addresses (bucket views: where each view must be;
+staged: where the copy-out writes).  ``moved()`` says whether any parameter's memory
+is no longer where it was (``model.to(...)``, ``p.data = t``); the optimizer then
+rebuilds the layout from the parameters' current values, so a stale address is never
+written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _core
+from .._runtime import comm
+
+_ALIGN_BYTES = 64
+STAGING_BYTES = 32 << 20  # StagedSync's staging buffer, all ranks' blocks together
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive places in some dimension
+    order (non-overlapping and dense: a permuted contiguous tensor, e.g. a transpose)."""
+    expected = 1
+    dims = sorted(((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1))
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(frozen=True)
+class Place:
+    """One parameter's place in a :class:`RankMajor` layout."""
+
+    param: Tensor
+    rank: int  # its owner
+    offset: int  # in the owner's segment
+    numel: int
+
+
+class RankMajor:
+    """Where each parameter of one (device, dtype) sits in the rank-major flat layout.
+
+    ``per_rank[r]`` lists rank r's parameters in partition order; ``places[r]`` their
+    places; ``seg`` the common segment length (elements); ``numel = world_size * seg``."""
+
+    def __init__(self, per_rank: list[list[Tensor]]):
+        first = next(p for ps in per_rank for p in ps)
+        self.dtype, self.device = first.dtype, first.device
+        self.world_size = len(per_rank)
+        self.places: list[list[Place]] = []
+        totals = []
+        for r, ps in enumerate(per_rank):
+            off, row = 0, []
+            for p in ps:
+                row.append(Place(p, r, off, p.numel()))
+                off += p.numel()
+            self.places.append(row)
+            totals.append(off)
+        self.elem_size = first.element_size()
+        self.align = max(1, _ALIGN_BYTES // self.elem_size)
+        self.seg = _round_up(max(totals), self.align)
+        self.numel = self.world_size * self.seg
+
+    def params(self) -> list[Tensor]:
+        return [pl.param for row in self.places for pl in row]
+
+
+class BucketViews:
+    """``parameters_as_bucket_view=True``: the parameters live in one flat buffer."""
+
+    def __init__(self, layout: RankMajor):
+        self.layout = layout
+        seg = layout.seg
+        self.flat = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+        with torch.no_grad():
+            for r, row in enumerate(layout.places):
+                for pl in row:
+                    view = self.flat[r * seg + pl.offset : r * seg + pl.offset + pl.numel]
+                    p = pl.param
+                    if p.numel() and not p.is_contiguous() and _dense(p):  # its strides
+                        view = view.as_strided(p.shape, p.stride())
+                    else:
+                        view = view.view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view
+        self._ptrs = [(pl.param, pl.param.data_ptr()) for row in layout.places for pl in row]
+
+    def holds(self, p: Tensor) -> bool:
+        """Whether ``p``'s memory lies in this bucket buffer."""
+        lo = self.flat.data_ptr()
+        return lo <= p.data_ptr() < lo + self.flat.numel() * self.flat.element_size()
+
+    def moved(self) -> bool:
+        return any(p.data_ptr() != ptr for p, ptr in self._ptrs)
+
+    def sync(self, rank: int, group: Any) -> None:
+        seg = self.layout.seg
+        if seg and self.layout.world_size > 1:
+            comm.all_gather(self.flat, self.flat[rank * seg : (rank + 1) * seg], group,
+                            async_op=False)
+
+
+class StagedSync:
+    """``parameters_as_bucket_view=False``: each parameter keeps its memory; the sync
+    goes through a bounded staging buffer, window by window (see the module doc)."""
+
+    def __init__(self, layout: RankMajor, rank: int):
+        self.layout, self.rank = layout, rank
+        W, seg = layout.world_size, layout.seg
+        cap = STAGING_BYTES // (W * layout.elem_size)  # elements per rank's block
+        self.win = min(seg, max(layout.align, cap // layout.align * layout.align))
+        self.staging = (torch.empty(W * self.win, dtype=layout.dtype, device=layout.device)
+                        if self.win else None)
+        own = layout.places[rank]
+        self._own = ([pl.param.detach() for pl in own], [pl.offset for pl in own])
+        self._rounds = []  # per window: (lo, n, dsts, srcs)
+        for lo in range(0, seg, self.win or 1):
+            n = min(self.win, seg - lo)
+            dsts, srcs = [], []
+            for q, row in enumerate(layout.places):
+                if q == rank:
+                    continue
+                for pl in row:
+                    s, e = max(pl.offset, lo), min(pl.offset + pl.numel, lo + n)
+                    if e > s:
+                        dsts.append(pl.param.detach().view(-1)[s - pl.offset : e - pl.offset])
+                        srcs.append(self.staging[q * n + s - lo : q * n + e - lo])
+            self._rounds.append((lo, n, dsts, srcs))
+        self._ptrs = [(p, p.data_ptr()) for p in layout.params()]
+
+    def moved(self) -> bool:
+        return any(p.data_ptr() != ptr for p, ptr in self._ptrs)
+
+    def sync(self, rank: int, group: Any) -> None:
+        if self.staging is None or self.layout.world_size == 1:
+            return
+        srcs, offs = self._own
+        with torch.no_grad():
+            for lo, n, dsts, outs in self._rounds:
+                block = self.staging[rank * n : (rank + 1) * n]
+                _core.shard_fill(block, lo, srcs, offs)
+                comm.all_gather(self.staging[: self.layout.world_size * n], block, group,
+                                async_op=False)
+                if dsts:
+                    torch._foreach_copy_(dsts, outs)
+
+
+class OwnBroadcast:
+    """A parameter synced on its own: a broadcast from its owner (non-contiguous
+    parameters under ``StagedSync``)."""
+
+    def __init__(self, param: Tensor, owner: int):
+        self.param, self.owner = param, owner
+
+    def moved(self) -> bool:
+        return False  # nothing is cached: the broadcast reads the parameter as it is
+
+    def sync(self, rank: int, group: Any) -> None:
+        with torch.no_grad():
+            p = self.param
+            buf = p.detach().contiguous() if rank == self.owner else torch.empty(
+                p.shape, dtype=p.dtype, device=p.device)
+            comm.broadcast(buf, self.owner, group, async_op=False)
+            if rank != self.owner:
+                p.copy_(buf)
+
+
+def build_syncs(per_rank: list[list[Tensor]], rank: int, bucket_view: bool,
+                old: Optional[list] = None) -> list:
+    """The syncs for a partition: ``per_rank[r]`` lists rank r's parameters to sync in
+    partition order (bucket view: the trainable ones; else all).  One layout per
+    (device, dtype), in order of first appearance (the same on every rank).  ``old``:
+    the previous syncs, whose bucket buffers frozen parameters are cloned out of."""
+    keys: dict = {}
+    for r, ps in enumerate(per_rank):
+        for p in ps:
+            if not bucket_view and not p.is_contiguous():
+                keys.setdefault(("own", id(p)), (p, r))
+                continue
+            keys.setdefault((p.device, p.dtype), [[] for _ in per_rank])[r].append(p)
+    if bucket_view and old:
+        synced = {id(p) for ps in per_rank for p in ps}
+        with torch.no_grad():
+            for s in old:
+                if isinstance(s, BucketViews):
+                    for p in s.layout.params():
+                        if id(p) not in synced and s.holds(p):
+                            p.data = p.data.detach().clone()
+    out: list = []
+    for key, v in keys.items():
+        if key[0] == "own":
+            out.append(OwnBroadcast(*v))
+        else:
+            layout = RankMajor(v)
+            out.append(BucketViews(layout) if bucket_view else StagedSync(layout, rank))
+    return out

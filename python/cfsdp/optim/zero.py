@@ -1,0 +1,424 @@
+"""``cfsdp.optim.ZeroRedundancyOptimizer``: torch's ZeRO-1, stepped in C, synced through shared memory.
+
+A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch 2.13): the
+same constructor (``optimizer_class``, ``process_group``, ``parameters_as_bucket_view``,
+``overlap_with_ddp``, ``**defaults``), methods (``step(closure, **kwargs)``,
+``zero_grad``, ``add_param_group``, ``consolidate_state_dict(to)``, ``state_dict``,
+``load_state_dict``, the ``Join`` hook) and state-dict formats.  Each rank keeps the
+optimizer state of a partition of the parameters, steps it, and the ranks then share
+the updated parameters.
+
+What is torch's, exactly:
+
+* the partition ([Note: ZeRO partition]), so a checkpoint moves between torch's ZeRO,
+  cfsdp's and a plain optimizer, both ways, at any world size;
+* the local optimizer: ``optimizer_class(<this rank's param groups>, **defaults)``, any
+  torch optimizer; with cfsdp's ``Adam``/``AdamW``/``SGD`` its step is one C pass per
+  bucket (see ``_fused.py``), which the bucket views make one pass over the rank's
+  segment;
+* ``param_groups``: the global groups, their hyperparameters copied to the local
+  optimizer's groups before its step (so LR schedulers work) and back after it;
+* state dicts: ``state_dict()`` raises (torch's ``RuntimeError``) on a rank that did not
+  receive the last ``consolidate_state_dict(to)``; the consolidated dict has the plain
+  optimizer's structure and values (global parameter indices); ``load_state_dict`` loads
+  this rank's entries into the local optimizer and overwrites the other ranks' entries
+  of the dict it is given with ``None`` (torch does: it frees them);
+* ``Join``: ``join_hook()`` steps (and syncs) on a rank that has run out of inputs;
+* the errors for bad ``params`` and functional optimizers (torch's types and messages).
+
+What cfsdp does instead:
+
+* the sync: one all-gather per (device, dtype) of rank-major flat buckets, shared memory
+  within a host (see [Note: ZeRO buckets] in ``_zero_buckets.py``); torch broadcasts
+  every bucket (bucket view) or every parameter (the default) through the process group;
+* consolidation moves flat state buffers, not pickled dicts ([Note: ZeRO consolidation]
+  in ``_zero_state.py``), and the consolidated dict is a snapshot (torch's holds the
+  target rank's live state tensors);
+* parameters of several dense dtypes are accepted (one bucket per dtype; torch raises
+  ``ValueError``);
+* ``overlap_with_ddp=True`` is refused at construction (torch accepts it, then its
+  ``step()`` does nothing and its DDP hook refuses gloo); on gloo with torch's
+  ``RuntimeError`` message;
+* a parameter whose memory moved (``model.to(...)``, ``p.data = t``) is noticed at the
+  next ``step()`` and the buckets are rebuilt from its current value (torch would keep
+  writing the old bucket);
+* the optimizer's own ``state`` stays empty: the state lives in ``self.optim``.
+
+[Note: ZeRO partition]
+torch's sorted-greedy partition: for each param group in order, its parameters sorted
+by ``numel()``, largest first (a stable sort: equal sizes keep their order), each to the
+rank with the smallest total so far (the lowest such rank), totals carried across
+groups; frozen parameters count.  Every rank computes it from the same ``param_groups``,
+without communication.  ``add_param_group`` recomputes it; the groups before the new one
+keep their assignment (they come first and their sizes have not changed).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from itertools import chain
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeRO
+from torch.distributed.optim.utils import functional_optim_map
+from torch.optim import Optimizer
+
+from .. import _docs
+from . import _zero_buckets, _zero_state
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _min_index(values: list) -> int:
+    """The first index of the smallest value."""
+    best, best_i = None, -1
+    for i, v in enumerate(values):
+        if best is None or v < best:
+            best, best_i = v, i
+    return best_i
+
+
+def partition_params(groups_params: list, world_size: int) -> list:
+    """[Note: ZeRO partition]: ``groups_params[g]`` lists group g's parameters; returns
+    ``per_rank[r][g]``, the parameters of group g that rank r steps, in partition order."""
+    per_rank: list = [[] for _ in range(world_size)]
+    sizes = [0] * world_size
+    for params in groups_params:
+        lists: list = [[] for _ in range(world_size)]
+        for p in sorted(params, key=lambda t: t.numel(), reverse=True):
+            r = _min_index(sizes)
+            lists[r].append(p)
+            sizes[r] += p.numel()
+        for r in range(world_size):
+            per_rank[r].append(lists[r])
+    return per_rank
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """torch's recursive copy of a state value to ``device`` (tensors by ``.to``)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        vals = [_to_device(v, device) for v in value]
+        return vals if isinstance(value, list) else tuple(vals)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class _ZeroJoinHook(JoinHook):
+    """A rank that joined early shadows the others' ``step()`` (and its collectives)."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer"):
+        if not isinstance(zero, ZeroRedundancyOptimizer):
+            raise AssertionError("the ZeRO join hook needs a ZeroRedundancyOptimizer")
+        self.zero = zero
+        super().__init__()
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """cfsdp's ZeroRedundancyOptimizer (see ``cfsdp.optim.zero``): torch's partition,
+    local optimizer, ``param_groups`` and state-dict formats; the sync is one all-gather
+    of flat rank-major buckets per dtype (shared memory within a host), consolidation
+    moves flat state buffers."""
+
+    def __init__(
+        self,
+        params,
+        optimizer_class: type[Optimizer],
+        process_group: Optional[Any] = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ):
+        params = self._verify_and_init_params(params)
+        self._verify_dense_params(self._all_params)
+        self.initialized = False  # add_param_group during Optimizer.__init__: no partition
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+        self._partition_cache: list = []
+        self._param_to_rank_cache: dict = {}
+        self._param_to_index_cache: dict = {}
+        self._index_to_param_cache: list = []
+        self._is_trainable_mask = self._get_is_trainable_mask()
+        self._default_device = self._all_params[0].device
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size: int = dist.get_world_size(self.process_group)
+        self.rank: int = dist.get_rank(self.process_group)
+        self.global_rank: int = dist.distributed_c10d.get_global_rank(self.process_group,
+                                                                      self.rank)
+        self._overlap_with_ddp = bool(overlap_with_ddp)
+        self._optim_defaults = defaults
+        self._optim_constructor = self._get_optimizer_constructor(optimizer_class)
+        self._init_local_optimizer()
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self._syncs: list = []
+        self._build_syncs()
+        self._consolidated: Optional[dict] = None  # on the target of the last consolidation
+        self._consolidated_to: Optional[int] = None
+        self.initialized = True
+
+    # ------------------------------------------------------------ verification
+    def _verify_and_init_params(self, params: Any) -> list:
+        """torch's checks on ``params`` (its types and messages); sets ``_all_params``."""
+        if isinstance(params, torch.Tensor):
+            raise TypeError("`params` argument should be an iterable of "
+                            f"Tensors, but got {torch.typename(params)}")
+        try:
+            all_params = list(params)
+        except TypeError as e:
+            raise TypeError("`params` argument should be an iterable of Tensors"
+                            f" or dicts, but got {torch.typename(params)}") from e
+        if len(all_params) == 0:
+            raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        all_tensors = all(isinstance(p, torch.Tensor) for p in all_params)
+        all_dicts = all(isinstance(p, dict) for p in all_params)
+        if not all_tensors and not all_dicts:
+            raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+        if all_tensors:
+            self._all_params = all_params
+        else:
+            self._all_params = []
+            for group in all_params:
+                if "params" not in group:
+                    raise ValueError(
+                        "Each parameter group passed-in via `params` must "
+                        "have a 'params' key mapping to the parameters in the group")
+                ps = group["params"]
+                self._all_params.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+        return all_params
+
+    @staticmethod
+    def _verify_dense_params(params: list) -> None:
+        """Dense strided CPU/accelerator tensors, any float dtypes (one bucket each).
+        torch requires one dense type for all; a sparse one is its ValueError."""
+        for i, p in enumerate(params):
+            if p.is_sparse or p.layout is not torch.strided:
+                raise ValueError(
+                    "ZeroRedundancyOptimizer only supports using the same dense type for all "
+                    f"parameters but got {torch.typename(p)} (cfsdp: parameter {i} has layout "
+                    f"{p.layout}; give the optimizer dense parameters)")
+            if type(p) not in (torch.Tensor, torch.nn.Parameter):
+                raise NotImplementedError(
+                    f"cfsdp.optim.ZeroRedundancyOptimizer: parameter {i} is a "
+                    f"{type(p).__name__}; ZeRO shards the optimizer state of plain "
+                    "(replicated) parameters. For DTensor / sharded parameters use "
+                    "cfsdp.fully_shard or cfsdp.FullyShardedDataParallel with cfsdp.optim.")
+
+    def _get_optimizer_constructor(self, optimizer_class: Any) -> Any:
+        functional = functional_optim_map.values()
+        if not self._overlap_with_ddp:
+            if optimizer_class in functional:
+                raise ValueError(f"Passing in a functional optimizer {optimizer_class} "
+                                 "when `overlap_with_ddp=False`")
+            return optimizer_class
+        if optimizer_class not in functional and optimizer_class not in functional_optim_map:
+            raise ValueError(
+                "Using `ddp_with_overlap=True` requires using a functional optimizer, but "
+                f"there is no supported functional optimizer equivalent for {optimizer_class}")
+        advice = ("cfsdp.optim.ZeroRedundancyOptimizer does not overlap its step with DDP: "
+                  "pass overlap_with_ddp=False (the default) and call step() after backward; "
+                  "cfsdp.optim.reduce_scatter_hook partitions DDP's gradients (ZeRO-2)")
+        if dist.get_backend(self.process_group) == dist.Backend.GLOO:
+            raise RuntimeError("Gloo backend using Overlapping DDP with ZeRO may meet hangs "
+                               f"(cfsdp: {advice})")
+        raise NotImplementedError(f"overlap_with_ddp=True: {advice}; or use "
+                                  "torch.distributed.optim.ZeroRedundancyOptimizer")
+
+    def _get_is_trainable_mask(self) -> list:
+        return [p.requires_grad for p in self._all_params]
+
+    # --------------------------------------------------------------- partition
+    def _clear_cache(self) -> None:
+        self._partition_cache = []
+        self._param_to_rank_cache = {}
+        self._param_to_index_cache = {}
+        self._index_to_param_cache = []
+
+    def _partition_parameters(self) -> list:
+        """``[rank][group]``: the param group dicts of each rank (copies of the global
+        groups holding that rank's parameters; this rank's are its local optimizer's)."""
+        if not self._partition_cache:
+            per_rank = partition_params([g["params"] for g in self.param_groups],
+                                        self.world_size)
+            out: list = [[] for _ in range(self.world_size)]
+            for r, lists in enumerate(per_rank):
+                for group, ps in zip(self.param_groups, lists):
+                    g = copy.copy(group)
+                    g["params"] = ps
+                    out[r].append(g)
+            self._partition_cache = out
+        return self._partition_cache
+
+    @property
+    def _param_to_rank(self) -> dict:
+        if not self._param_to_rank_cache:
+            for r, groups in enumerate(self._partition_parameters()):
+                for g in groups:
+                    for p in g["params"]:
+                        self._param_to_rank_cache[p] = r
+        return self._param_to_rank_cache
+
+    @property
+    def _param_to_index(self) -> dict:
+        if not self._param_to_index_cache:
+            self._param_to_index_cache = {p: i for i, p in enumerate(self._index_to_param)}
+        return self._param_to_index_cache
+
+    @property
+    def _index_to_param(self) -> list:
+        if not self._index_to_param_cache:
+            self._index_to_param_cache = list(chain.from_iterable(
+                g["params"] for g in self.param_groups))
+        return self._index_to_param_cache
+
+    def _init_local_optimizer(self) -> None:
+        self.optim: Optimizer = self._optim_constructor(
+            self._partition_parameters()[self.rank], **self._optim_defaults)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    def _build_syncs(self) -> None:
+        """The parameter sync of the current partition ([Note: ZeRO buckets])."""
+        bucket_view = self.parameters_as_bucket_view
+        per_rank = [[p for g in groups for p in g["params"] if p.requires_grad or not bucket_view]
+                    for groups in self._partition_parameters()]
+        self._syncs = _zero_buckets.build_syncs(per_rank, self.rank, bucket_view, self._syncs)
+
+    @staticmethod
+    def _sync_param_groups(src: list, dst: list) -> None:
+        """Copy every key but ``params`` of each group of ``src`` to ``dst``'s."""
+        if len(src) != len(dst):
+            raise AssertionError(
+                "Mismatch between number of source and destination parameter groups")
+        for s, d in zip(src, dst):
+            for k in s:
+                if k != "params":
+                    d[k] = s[k]
+
+    # ------------------------------------------------------------------- API
+    def add_param_group(self, param_group: dict) -> None:
+        if self.initialized and self._overlap_with_ddp:
+            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only "
+                               "supports a single parameter group")
+        super().add_param_group(param_group)
+        if not self.initialized:
+            return
+        new = self.param_groups[-1]["params"]
+        self._verify_dense_params(new)
+        self._all_params.extend(new)
+        self._is_trainable_mask = self._get_is_trainable_mask()
+        self._clear_cache()
+        groups = self._partition_parameters()[self.rank]
+        if len(groups) == len(self.optim.param_groups) + 1:
+            self.optim.add_param_group(groups[-1])
+        self._build_syncs()
+
+    def _local_step(self, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
+        Join.notify_join_context(self)
+        mask = self._get_is_trainable_mask()
+        if mask != self._is_trainable_mask:
+            logger.warning("ZeroRedundancyOptimizer detected that the trainable parameters "
+                           "changed; rebuilding the parameter buckets if enabled")
+            self._is_trainable_mask = mask
+            if self.parameters_as_bucket_view:
+                self._build_syncs()
+        if any(s.moved() for s in self._syncs):
+            self._build_syncs()
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        return loss
+
+    def _sync_params(self) -> None:
+        for s in self._syncs:
+            s.sync(self.rank, self.process_group)
+
+    def step(self, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
+        """The local step, then one all-gather per (device, dtype) bucket."""
+        loss = self._local_step(closure=closure, **kwargs)
+        self._sync_params()
+        return loss
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Every rank's state to rank ``to`` as flat buffers (one broadcast per rank and
+        state run); the dict ``state_dict()`` then returns on ``to`` is a snapshot."""
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        self._consolidated, self._consolidated_to = None, to
+        if not 0 <= to < self.world_size:
+            return  # torch moves every rank's state to nobody; state_dict() then raises
+        skeleton, payload = _zero_state.split_state(self.optim.state_dict()["state"])
+        skeletons: list = [None] * self.world_size
+        dist.all_gather_object(skeletons, skeleton, group=self.process_group)
+        bufs = _zero_state.move_to(to, self.rank, skeletons, payload, self.process_group)
+        if self.rank != to:
+            return
+        out: dict = {}
+        index = self._param_to_index
+        for r, groups in enumerate(self._partition_parameters()):
+            local = [p for g in groups for p in g["params"]]
+            for li, st in _zero_state.assemble(skeletons[r], bufs, r).items():
+                out[index[local[li]]] = st
+        self._consolidated = out
+
+    def state_dict(self) -> dict:
+        """The consolidated state (see ``consolidate_state_dict``) with the current
+        ``param_groups``."""
+        if self._consolidated is None:
+            msg = ("Optimizer state has not been consolidated on this rank. "
+                   f"Please call `consolidate_state_dict(to={self.rank})` on "
+                   "all ranks beforehand if you meant to save the global state.")
+            to = self._consolidated_to
+            if to is not None and not 0 <= to < self.world_size:
+                msg += (f" (cfsdp: the last consolidate_state_dict call had to={to}, which is "
+                        f"not a rank of this optimizer's process group of {self.world_size} "
+                        "ranks: pass a group rank)")
+            raise RuntimeError(msg)
+        sd = super().state_dict()
+        state = sd["state"]
+        state.update(self._consolidated)
+        sd["state"] = dict(sorted(state.items()))
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """This rank's entries into the local optimizer; the other ranks' entries of
+        ``state_dict`` are set to ``None`` (torch's behaviour)."""
+        for index, value in state_dict["state"].items():
+            param = self._index_to_param[index]
+            if self._param_to_rank[param] != self.rank:
+                state_dict["state"][index] = None
+            elif value is not None:
+                st = _to_device(value, param.device)
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.dim() == 0:
+                        st[k] = v.cpu()
+                self.optim.state[param] = st
+        super().load_state_dict({**state_dict, "state": {}})
+        self._sync_param_groups(state_dict["param_groups"], self.param_groups)
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    # ------------------------------------------------------------------ Join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+
+_docs.adopt_class_docs(ZeroRedundancyOptimizer, _TorchZeRO)
