@@ -35,6 +35,7 @@ import _harness as h
 import _ieee_sqrt
 import cfsdp
 from cfsdp import optim as co
+from cfsdp.optim import _zero_buckets
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -316,6 +317,30 @@ def mixed_dtypes(ctx):
         t.train(STEPS)
         t.check_same(f"bucket_view={bucket_view}: ")
         t.check_state_dicts()
+
+
+@h.subtest
+def staged_sync_in_windows(ctx):
+    """Without bucket views, a staging buffer of a few hundred bytes: the sync runs in
+    many windows of 80 elements (40 for float64), the last one shorter, parameters cut
+    across windows, against torch's ZeRO and plain DDP (frozen layer, and a float64 layer
+    without torch)."""
+    old = _zero_buckets.STAGING_BYTES
+    _zero_buckets.STAGING_BYTES = 320 * ctx.world_size
+    try:
+        t = Trio(ctx.pg, "adamw", False, net=dict(frozen=True))
+        sync = t.opts["cfsdp"]._syncs[0]
+        assert sync.win == 80 and len(sync._rounds) > 5, (sync.win, len(sync._rounds))
+        assert sync.layout.seg % sync.win, "the last window must be a short one"
+        t.train(STEPS)
+        t.check_same()
+        t.check_state_dicts()
+        t = Trio(ctx.pg, "cfsdp_sgd", False, net=dict(fp64=True), torch_zero=False)
+        assert [s.win for s in t.opts["cfsdp"]._syncs] == [80, 40]
+        t.train(STEPS)
+        t.check_same("float64: ")
+    finally:
+        _zero_buckets.STAGING_BYTES = old
 
 
 @h.subtest(grid={"bucket_view": [False, True]})
