@@ -6,9 +6,12 @@
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1) with flat rank-major
   buckets synced by one all-gather per dtype (``_zero_buckets.py``) and consolidation by
   flat state buffers (``_zero_state.py``).
+* ``reduce_scatter_hook`` (``_zero_hook.py``): optional ZeRO-2 under DDP, a DDP
+  communication hook that reduce-scatters each gradient bucket to its owners.
 """
 
 from ._fused import SGD, Adam, AdamW
+from ._zero_hook import reduce_scatter_hook
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["Adam", "AdamW", "SGD", "ZeroRedundancyOptimizer"]
+__all__ = ["Adam", "AdamW", "SGD", "ZeroRedundancyOptimizer", "reduce_scatter_hook"]

@@ -68,6 +68,7 @@ from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 from .. import _docs
+from .._runtime import comm
 from . import _zero_buckets, _zero_state
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -165,6 +166,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._build_syncs()
         self._consolidated: Optional[dict] = None  # on the target of the last consolidation
         self._consolidated_to: Optional[int] = None
+        # the ZeRO-2 hook's state ([Note: ZeRO-2 hook] in _zero_hook.py): its bucket plans
+        # and scratch, whether a backward pass is under way, whether the gradients this
+        # rank holds are its owned ones only
+        self._rs_plans: dict = {}
+        self._rs_scratch: dict = {}
+        self._rs_in_backward = False
+        self._grads_partitioned = False
         self.initialized = True
 
     # ------------------------------------------------------------ verification
@@ -349,7 +357,55 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The local step, then one all-gather per (device, dtype) bucket."""
         loss = self._local_step(closure=closure, **kwargs)
         self._sync_params()
+        self._grads_partitioned = self._rs_in_backward = False
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._grads_partitioned = self._rs_in_backward = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters (in
+        ``param_groups`` order), right whether each rank holds every gradient (ZeRO-1:
+        torch's function) or only those of the parameters it owns (after a backward pass
+        through ``cfsdp.optim.reduce_scatter_hook``).  In the second case each owner
+        computes its gradients' norms as torch does, one all-reduce gives every rank every
+        norm (each from its owner alone, so exactly), and the total and the clipping are
+        torch's: the same bits as torch's function on the full gradients.  Call it on
+        every rank."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not self._grads_partitioned:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite, foreach)
+        norm_type = float(norm_type)
+        owner = self._param_to_rank
+        mine = [i for i, p in enumerate(params) if owner[p] == self.rank and p.grad is not None]
+        # [norms | has-grad flags], each entry from its owner alone: the sum is exact
+        table = torch.zeros(2 * len(params), dtype=torch.float64)
+        if mine:
+            per = torch._foreach_norm([params[i].grad for i in mine], norm_type)
+            for i, n in zip(mine, per):
+                table[i] = n.double()
+                table[len(params) + i] = 1.0
+        comm.all_reduce(table, self.process_group, async_op=False)
+        groups: dict = {}  # torch's grouping: by (device, dtype), in order of appearance
+        for i, p in enumerate(params):
+            if table[len(params) + i] > 0:
+                groups.setdefault((p.device, p.dtype), []).append(table[i].to(p.dtype))
+        if not groups:
+            return torch.tensor(0.0)
+        first = next(iter(groups))[0]
+        total = torch.linalg.vector_norm(
+            torch.stack([n.to(first) for ns in groups.values() for n in ns]), norm_type)
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        torch.nn.utils.clip_grads_with_norm_([params[i] for i in mine], max_norm, total, foreach)
+        return total
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Every rank's state to rank ``to`` as flat buffers (one broadcast per rank and
