@@ -80,6 +80,9 @@ class _BucketPlan:
                     "ZeroRedundancyOptimizer the hook was registered with; give that "
                     "optimizer all of the DDP model's trainable parameters")
             off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+            if g.numel() != p.numel() or not 0 <= off <= buf.numel() - p.numel():
+                raise AssertionError(f"DDP bucket {bucket.index()}: gradient {i} is not a view "
+                                     "of the bucket's buffer")
             spans[r].append((buf[off : off + p.numel()], p))
             if r != rank:
                 self.foreign.append(p)

@@ -247,6 +247,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # --------------------------------------------------------------- partition
     def _clear_cache(self) -> None:
+        self._rs_plans = {}  # the ZeRO-2 hook's bucket plans hold owners
         self._partition_cache = []
         self._param_to_rank_cache = {}
         self._param_to_index_cache = {}
