@@ -691,6 +691,10 @@ def hook_accumulation(ctx):
     z.backward("zero", x, y)
     e = raises(z.backward, "zero", x, y)
     assert isinstance(e, RuntimeError) and "ddp.no_sync()" in str(e), e
+    wrong = DDP(Net(), process_group=ctx.pg)  # registered with a state that is not the ZeRO
+    wrong.register_comm_hook(None, co.reduce_scatter_hook)
+    e = raises(lambda: F.mse_loss(wrong(x), y).backward())
+    assert "register it with the cfsdp.optim.ZeroRedundancyOptimizer" in str(e), e
 
 
 @h.subtest(grid={"bucket_view": [False, True]})
