@@ -1,4 +1,4 @@
-"""``cfsdp.patch_torch()``: torch's public FSDP names point at cfsdp's objects (a face).
+"""``cfsdp.patch_torch()``: torch's public FSDP (and ZeRO) names point at cfsdp's objects (a face).
 
 For code you cannot edit (accelerate, Lightning, torchtitan, the HF Trainer) that imports
 torch's FSDP names itself.  After ``patch_torch()``, every *later* lookup of these names,
@@ -20,6 +20,9 @@ module                                                         names pointed at 
 ``torch.distributed._composable.fsdp``                         ``FSDPModule``, ``fully_shard``,
                                                                ``register_fsdp_forward_method``
 ``torch.distributed._composable.fsdp.fully_shard``             those and ``UnshardHandle``
+``torch.distributed.optim`` and its                            ``ZeroRedundancyOptimizer``
+``.zero_redundancy_optimizer``
+``torch.distributed.tensor.parallel.ddp``                      ``_pre_dp_module_transform``
 =============================================================  ===========================
 
 (A module gets exactly the names of that list it defines in torch 2.13.)  Configs, enums and
@@ -78,8 +81,13 @@ from ._fully_shard import (
     share_comm_ctx,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .optim.zero import ZeroRedundancyOptimizer
+from .parallel import pre_dp_module_transform
 
-# torch's public FSDP names that cfsdp implements (everything else it re-exports)
+# torch's names that cfsdp implements (everything else it re-exports): the FSDP faces,
+# ZeRO-1, and the TP-for-DDP transform (DistributedDataParallel(device_mesh=...) imports it
+# from torch.distributed.tensor.parallel.ddp when it is built, so while patched DDP runs
+# cfsdp's, which keeps the parameters visible: cfsdp/parallel.py)
 CFSDP_OBJECTS: dict[str, Any] = {
     "FullyShardedDataParallel": FullyShardedDataParallel,
     "FSDPModule": FSDPModule,
@@ -87,6 +95,8 @@ CFSDP_OBJECTS: dict[str, Any] = {
     "fully_shard": fully_shard,
     "register_fsdp_forward_method": register_fsdp_forward_method,
     "share_comm_ctx": share_comm_ctx,
+    "ZeroRedundancyOptimizer": ZeroRedundancyOptimizer,
+    "_pre_dp_module_transform": pre_dp_module_transform,
 }
 
 # the modules third-party code imports them from (torch 2.13)
@@ -97,6 +107,9 @@ TORCH_MODULES: tuple[str, ...] = (
     "torch.distributed.fsdp._fully_shard._fully_shard",
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
+    "torch.distributed.optim",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+    "torch.distributed.tensor.parallel.ddp",
 )
 
 # torch's other modules that bind some of these names at import (torch 2.13; a unit test scans
@@ -105,6 +118,7 @@ TORCH_MODULES: tuple[str, ...] = (
 TORCH_IMPORTERS: tuple[str, ...] = (
     "torch.distributed._composable.replicate_with_fsdp",
     "torch.distributed._tools.fsdp2_mem_tracker",
+    "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook",
     "torch.distributed.algorithms._optimizer_overlap.optimizer_overlap",
     "torch.distributed.checkpoint.state_dict",
     "torch.distributed.optim.named_optimizer",

@@ -73,7 +73,7 @@ def load_copy(name: str):
 
 
 cfsdp.unpatch_torch()
-TORCH_OBJECTS = {n: getattr(_torch_fsdp, n) for n in _patch.CFSDP_OBJECTS}
+TORCH_OBJECTS = {n: getattr(_torch_fsdp, n) for n in SEEN_AT_START["names"]}
 torch_names = load_copy("torch_names_trainer_torch")  # imported while unpatched
 cfsdp.patch_torch()
 
@@ -247,6 +247,80 @@ def dsd_helpers(ctx: h.Context) -> None:
         t.train_fsdp1(model, opt, data)
         msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
         results[who] = {"msd": msd, "osd": osd}
+    all_same(ctx, results)
+
+
+@h.subtest
+def zero(ctx: h.Context) -> None:
+    """``torch.distributed.optim.ZeroRedundancyOptimizer`` looked up while patched is cfsdp's,
+    and trains (under DDP) bit for bit as torch's, read before the patch: losses, parameters
+    and the consolidated state dict."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torch.distributed.optim as torch_optim
+
+    if ZeroRedundancyOptimizer is not cfsdp.ZeroRedundancyOptimizer:
+        raise AssertionError(f"patched lookup gave {ZeroRedundancyOptimizer}, not cfsdp's")
+    data = patched.batches(ctx.rank, STEPS)
+    results = {}
+    for who, cls in (("torch", vars(torch_optim)["ZeroRedundancyOptimizer"]),
+                     ("patched", ZeroRedundancyOptimizer)):
+        model = DDP(patched.build())
+        opt = cls(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+        losses = []
+        for x, y in data:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        opt.consolidate_state_dict(to=0)
+        results[who] = {"losses": losses, "params": dict(model.module.state_dict()),
+                        "optim": opt.state_dict() if ctx.rank == 0 else None}
+    all_same(ctx, results)
+
+
+@h.subtest
+def ddp_tensor_parallel(ctx: h.Context) -> None:
+    """While patched, ``DistributedDataParallel(tp_model, device_mesh=mesh["dp"])`` imports
+    ``_pre_dp_module_transform`` from torch and so runs cfsdp's: the same losses and
+    parameters as torch's transform (built with torch unpatched), and the model's parameters
+    stay visible as DTensors between steps (torch's lose them: pytorch issue 152712)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import tp_common as tc
+
+    layout = (1, 2) if ctx.world_size == 2 else (2, 2)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(STEPS, layout[0])
+    dp_rank = mesh["dp"].get_local_rank()
+    results, visible = {}, {}
+    for who in ("torch", "patched"):
+        model = tc.parallelize(tc.build(), mesh["tp"], sp=False)
+        if who == "torch":
+            cfsdp.unpatch_torch()
+        try:
+            ddp = DDP(model, device_mesh=mesh["dp"])
+        finally:
+            cfsdp.patch_torch()
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        losses = []
+        for step in data:
+            x, y = step[dp_rank]
+            loss = tc.loss_fn(ddp(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        visible[who] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+        results[who] = {"losses": losses}
+    if not visible["patched"]:
+        raise AssertionError("patched DDP + TP: no DTensor parameter visible after training "
+                             "(torch's transform ran, not cfsdp's)")
+    if visible["torch"]:
+        raise AssertionError(f"torch's transform now keeps its parameters {visible['torch']}: "
+                             "pytorch issue 152712 fixed? Revisit cfsdp.parallel")
     all_same(ctx, results)
 
 

@@ -37,7 +37,11 @@ EXPECTED = {
     "torch.distributed._composable.fsdp.fully_shard": ("FSDPModule", "UnshardHandle",
                                                        "fully_shard",
                                                        "register_fsdp_forward_method"),
+    "torch.distributed.optim": ("ZeroRedundancyOptimizer",),
+    "torch.distributed.optim.zero_redundancy_optimizer": ("ZeroRedundancyOptimizer",),
+    "torch.distributed.tensor.parallel.ddp": ("_pre_dp_module_transform",),
 }
+DEFINED_IN = {n: m for m, names in EXPECTED.items() for n in names}  # a module defining it
 PKG_ROOT = Path(cfsdp.__file__).resolve().parent
 
 
@@ -59,7 +63,7 @@ def test_patch_points_each_name_at_cfsdp_and_unpatch_gives_torch_back():
     classes = {m: type(importlib.import_module(m)) for m in EXPECTED}
     for name, obj in _patch.CFSDP_OBJECTS.items():  # cfsdp's own, not torch's
         assert obj.__module__.startswith("cfsdp."), name
-        assert orig["torch.distributed.fsdp"][name] is not obj
+        assert orig[DEFINED_IN[name]][name] is not obj
 
     got = cfsdp.patch_torch()
     assert {m: set(n) for m, n in got.items()} == {m: set(n) for m, n in EXPECTED.items()}
@@ -123,7 +127,8 @@ def _torch_modules_binding_patched_names() -> dict[str, set[tuple[str, str]]]:
     out: dict[str, set[tuple[str, str]]] = {}
     for path in root.rglob("*.py"):
         text = path.read_text(errors="replace")
-        if "fsdp" not in text and "fully_shard" not in text:
+        if not any(k in text for k in ("fsdp", "fully_shard", "ZeroRedundancyOptimizer",
+                                       "_pre_dp_module_transform")):
             continue
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
         package = parts[:-1]  # of a module: its package; of a package's __init__: itself
@@ -157,12 +162,13 @@ def test_torch_modules_that_bind_the_names_keep_torch_objects():
     assert "torch.distributed.pipelining.stage" in binders  # the scan sees what it must
     missing = sorted(set(binders) - set(_patch.TORCH_MODULES) - set(_patch.TORCH_IMPORTERS))
     assert not missing, f"add to cfsdp._patch.TORCH_IMPORTERS: {missing}"
-    torch_objects = originals()["torch.distributed.fsdp"]
+    assert "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook" in binders
+    orig = originals()
     cfsdp.patch_torch()
     for modname, names in binders.items():
         mod = sys.modules[modname]  # imported by patch_torch() at the latest
         for bound, n in names:
-            assert vars(mod)[bound] is torch_objects[n], (modname, bound)
+            assert vars(mod)[bound] is orig[DEFINED_IN[n]][n], (modname, bound)
 
 
 def test_assigning_a_patched_name_changes_torch_module_not_the_patch():
