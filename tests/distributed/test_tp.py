@@ -1,4 +1,5 @@
-"""Tensor parallelism with both faces against torch (see worker_tp.py for what is compared).
+"""Tensor parallelism with both faces against torch (see worker_tp.py and worker_tp_wrapper.py
+for what is compared).
 
 One torchrun launch per world size runs every subtest; the checkpoint-across-meshes test
 chains two launches sharing the test's tmp_path: 4 ranks on (2, 2) save, 2 ranks load on
@@ -16,6 +17,14 @@ LAUNCH_TIMEOUT_S = 300
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel(tmp_path, world_size):
     run_worker("worker_tp.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
+               env={"CFSDP_CKPT_DIR": str(tmp_path)})
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_wrapper(tmp_path, world_size):
+    """FullyShardedDataParallel(device_mesh=mesh["dp"]) on TP models against torch's FSDP1."""
+    run_worker("worker_tp_wrapper.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
                env={"CFSDP_CKPT_DIR": str(tmp_path)})
 
 

@@ -1,0 +1,441 @@
+"""The wrapper (``FullyShardedDataParallel(device_mesh=mesh["dp"])``) on tensor-parallel models:
+cfsdp against torch's FSDP1 with its DTensor extension.
+
+Run by test_tp.py (``test_tensor_parallel_wrapper``) under torchrun (gloo, CPU).  The models are
+tp_common's: ``TPModel`` (an 11-token vocabulary: uneven TP shards) and ``EvenTPModel`` (12
+tokens), tensor-parallel on ``mesh["tp"]`` with every parallel style (sequence parallel on and
+off), then wrapped on ``mesh["dp"]`` with an auto-wrap policy (one unit per block, the root's
+unit holding the embedding, the final norm and the output projection): every unit mixes TP
+parameters with plain ones (the blocks' LayerNorms without sequence parallelism, the final
+norm).  Meshes: (1, 2) and (2, 1) at 2 ranks, (2, 2) at 4.
+
+Oracle: torch's FSDP1 on the same model, seed and data; cfsdp is **bitwise** equal (the same
+local tensors through the same collectives and DTensor ops).  Compared: losses per step, the
+flat (or original) gradients of the last backward, full parameters after training (FULL state
+dict: keys, types, placements, local values), SHARDED state dicts (keys, placements, local
+values), and optimizer state dicts of both types.
+
+Where torch cannot be the oracle (each measured on torch 2.13, each test says which):
+* ``use_orig_params=True`` at dp=1: torch fails on the second forward ("Cannot writeback when
+  the parameter shape changes") and in summon_full_params;
+* ``use_orig_params=True`` with uneven TP shards: torch fails on the first forward ("Cannot
+  flatten unevenly sharded tensor"), and its FULL optimizer state dict at (2, 2) too;
+* SHARDED state dicts (model, and optimizer even at dp=1) with uneven TP shards: torch aborts
+  the process in gloo (a collective mismatch while redistributing);
+* ``use_orig_params=True`` and ``no_sync()``: torch fails on the next forward ("Attempted to
+  access the data pointer on an invalid python storage");
+* ``use_orig_params=True``, FULL optimizer state dict: torch's holds each parameter's
+  exp_avg_sq as its exp_avg too (silently);
+* loading an optimizer state dict at dp=1, even torch's own: "Tensor optimizer state does not
+  have same shape as its parameter" (the TP-local shape against the global one).
+There the oracle is cfsdp's ``use_orig_params=False`` run, itself checked against torch
+(bitwise: the same math on the same local tensors), and sharded values are checked against
+the torch-checked FULL ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictType
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
+
+import _harness as h
+import tp_common as tc
+import worker_parity as wp
+
+del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
+
+import cfsdp  # noqa: E402
+
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))
+WRAPPERS = {"torch": TorchFSDP, "cfsdp": cfsdp.FullyShardedDataParallel}
+STEPS = 3
+VE = 12  # EvenTPModel's vocabulary (divides by 2)
+
+warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+warnings.filterwarnings("ignore", message=".*FSDP.state_dict_type.*")
+warnings.filterwarnings("ignore", message=".*optim_input.*")
+
+
+class EvenTPModel(tc.TPModel):
+    """TPModel with a 12-token vocabulary: every TP shard even, so torch runs every path."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VE, tc.D)
+        self.out = nn.Linear(tc.D, VE)
+
+
+def vocab(kind: str) -> int:
+    return VE if kind == "even" else tc.V
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return EvenTPModel() if kind == "even" else tc.TPModel()
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def wrap(impl: str, kind: str, mesh, sp: bool, uop: bool, seed: int = 0, **kw) -> nn.Module:
+    """The TP model on mesh["tp"], wrapped on mesh["dp"] with one unit per block."""
+    model = tc.parallelize(build(kind, seed), mesh["tp"], sp)
+    return WRAPPERS[impl](model, device_mesh=mesh["dp"], use_orig_params=uop,
+                          auto_wrap_policy=ModuleWrapPolicy({tc.TPBlock}),
+                          device_id=torch.device("cpu"), **kw)
+
+
+def dp_rank(mesh) -> int:
+    return mesh["dp"].get_local_rank()
+
+
+def dp_size(mesh) -> int:
+    return mesh["dp"].size()
+
+
+# ------------------------------------------------------------------------------ descriptions
+
+
+def describe(v: Any) -> Any:
+    """A state-dict value as compared: (type, placements, mesh shape, local value)."""
+    if isinstance(v, DTensor):
+        return ("DTensor", tuple(v.placements), tuple(v.device_mesh.shape), tuple(v.shape),
+                v.to_local().detach().clone())
+    if isinstance(v, ShardedTensor):
+        return ("ShardedTensor", tuple(v.size()), [s.tensor.detach().clone() for s in v.local_shards()])
+    if isinstance(v, torch.Tensor):
+        return ("Tensor", v.detach().clone())
+    if isinstance(v, dict):
+        return {k: describe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(describe(x) for x in v)
+    return v
+
+
+def compare(mm: wp.Mismatches, what: str, c: Any, t: Any, ordered: bool = True) -> None:
+    """``c`` (cfsdp's) against ``t`` (the oracle's), recursively; tensors bitwise.  Unordered:
+    dict keys and the ``params`` lists of param groups as sets (use_orig_params=True orders an
+    optimizer state dict's entries otherwise, as torch does)."""
+    if c is None or t is None:
+        mm.check(c is None and t is None, f"{what}: cfsdp {c!r}, torch {t!r}")
+    elif isinstance(t, dict):
+        same = isinstance(c, dict) and (list(c) == list(t) if ordered else set(c) == set(t))
+        mm.check(same, f"{what}: keys {list(c)[:6]}... != the oracle's {list(t)[:6]}...")
+        if isinstance(c, dict):
+            for k in t:
+                if k in c:
+                    a, b = c[k], t[k]
+                    if not ordered and k == "params":
+                        a, b = sorted(a), sorted(b)
+                    compare(mm, f"{what}[{k}]", a, b, ordered)
+    elif isinstance(t, (list, tuple)):
+        mm.check(type(c) is type(t) and len(c) == len(t), f"{what}: {c!r:.200} != the oracle's {t!r:.200}")
+        for i, (a, b) in enumerate(zip(c, t)):
+            compare(mm, f"{what}[{i}]", a, b, ordered)
+    elif isinstance(t, torch.Tensor) or isinstance(c, torch.Tensor):
+        mm.tensors(what, c, t)
+    else:
+        mm.check(c == t, f"{what}: {c!r} != torch's {t!r}")
+
+
+def grads(model) -> dict:
+    return {wp.clean(n): None if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def model_sd(model, sd_type: StateDictType) -> dict:
+    with WRAPPERS["torch"].state_dict_type(model, sd_type) if isinstance(model, TorchFSDP) else \
+            cfsdp.FullyShardedDataParallel.state_dict_type(model, sd_type):
+        return describe(model.state_dict())
+
+
+def optim_sd(model, opt, sd_type: StateDictType) -> dict:
+    cls = TorchFSDP if isinstance(model, TorchFSDP) else cfsdp.FullyShardedDataParallel
+    with cls.state_dict_type(model, sd_type):
+        return describe(cls.optim_state_dict(model, opt))
+
+
+def train(model, opt, data, rank: int) -> list[torch.Tensor]:
+    losses = []
+    for step in data:
+        x, y = step[rank]
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def run(impl: str, kind: str, mesh, sp: bool, uop: bool, sharded_sd: bool, optim: str = "adamw",
+        steps: int = STEPS, **kw) -> dict:
+    """Train ``impl``; its losses, last gradients and state dicts (SHARDED ones if asked)."""
+    model = wrap(impl, kind, mesh, sp, uop, **kw)
+    opt = wp.make_optim(optim, model.parameters())
+    data = tc.batches(steps, dp_size(mesh))
+    out: dict = {"losses": []}
+    for i, step in enumerate(data):
+        x, y = step[dp_rank(mesh)]
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if i == len(data) - 1:
+            out["grads"] = grads(model)
+        opt.step()
+        if i < len(data) - 1:
+            opt.zero_grad()
+        out["losses"].append(loss.detach().clone())
+    out["full"] = model_sd(model, StateDictType.FULL_STATE_DICT)
+    out["optim_full"] = optim_sd(model, opt, StateDictType.FULL_STATE_DICT)
+    if sharded_sd:
+        out["sharded"] = model_sd(model, StateDictType.SHARDED_STATE_DICT)
+        out["optim_sharded"] = optim_sd(model, opt, StateDictType.SHARDED_STATE_DICT)
+    out["model"], out["opt"] = model, opt
+    return out
+
+
+ALL = ("losses", "grads", "full", "optim_full", "sharded", "optim_sharded")
+
+
+def check(ctx, got: dict, want: dict, keys=ALL, ordered: bool = True) -> None:
+    mm = wp.Mismatches(ctx)
+    for k in keys:
+        if k in want:
+            compare(mm, k, got[k], want[k], ordered)
+    mm.raise_if_any()
+
+
+def torch_runs(kind: str, layout: tuple, uop: bool) -> bool:
+    """Whether torch's FSDP1 can train this case (see the module docstring)."""
+    dp, tp = layout
+    if uop and dp == 1:
+        return False  # "Cannot writeback when the parameter shape changes"
+    if uop and kind == "odd" and tp > 1:
+        return False  # "Cannot flatten unevenly sharded tensor"
+    return True
+
+
+# ------------------------------------------------------------------------------ parity
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "kind": ["even", "odd"], "uop": [False, True],
+                 "sp": [False, True]})
+def parity(ctx, layout, kind: str, uop: bool, sp: bool):
+    """Training and every state-dict type against torch's FSDP1 (or, where torch cannot run,
+    against cfsdp's use_orig_params=False run, which the uop=False subtest checks against
+    torch: the same math on the same local tensors, so bitwise too)."""
+    mesh = tc.mesh_2d(*layout)
+    # torch's sharded dicts abort gloo on uneven TP shards at tp > 1
+    sharded_ok = kind == "even" or layout[1] == 1
+    got = run("cfsdp", kind, mesh, sp, uop, sharded_sd=True)
+    if torch_runs(kind, tuple(layout), uop):
+        want = run("torch", kind, mesh, sp, uop, sharded_sd=sharded_ok)
+        if uop:
+            # torch's FULL optimizer state dict with use_orig_params=True on a (dp, tp) mesh
+            # gives each parameter's exp_avg_sq as its exp_avg too (measured: its exp_avg
+            # entries equal its exp_avg_sq ones, the optimizer's own differ): not an oracle
+            want.pop("optim_full")
+        check(ctx, got, want)
+    if uop:
+        # the same training with use_orig_params=False (checked against torch by its own
+        # subtest): the same values, in use_orig_params=True's entry order
+        ref = run("cfsdp", kind, mesh, sp, False, sharded_sd=True)
+        check(ctx, got, ref, keys=("losses", "full", "optim_full", "sharded", "optim_sharded"),
+              ordered=False)
+    if not sharded_ok:
+        check_sharded_against_full(ctx, got)
+
+
+def check_sharded_against_full(ctx, got: dict) -> None:
+    """Where torch's sharded dicts cannot run: each sharded DTensor's whole value is the FULL
+    state dict's (which torch checked)."""
+    mm = wp.Mismatches(ctx)
+    model, opt = got["model"], got["opt"]
+    F_ = cfsdp.FullyShardedDataParallel
+    with F_.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+        osd_sharded = F_.optim_state_dict(model, opt)
+    with F_.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = model.state_dict()
+        osd_full = F_.optim_state_dict(model, opt)
+
+    def whole(v):
+        return v.full_tensor() if isinstance(v, DTensor) else v
+
+    for k, v in full.items():
+        mm.tensors(f"sharded {k} (whole)", whole(sharded[k]), whole(v), b_name="FULL")
+    for k, st in osd_full["state"].items():
+        for n, v in st.items():
+            mm.tensors(f"sharded optim {k}.{n} (whole)", whole(osd_sharded["state"][k][n]), whole(v),
+                       b_name="FULL")
+    mm.raise_if_any()
+
+
+# ------------------------------------------------------------------------------ resuming
+
+
+def sd_class(model) -> type:
+    return TorchFSDP if isinstance(model, TorchFSDP) else cfsdp.FullyShardedDataParallel
+
+
+def save(model, opt, sd_type: StateDictType) -> tuple[dict, dict]:
+    cls = sd_class(model)
+    with cls.state_dict_type(model, sd_type):
+        return model.state_dict(), cls.optim_state_dict(model, opt)
+
+
+def load(model, opt, sd_type: StateDictType, msd: dict, osd: dict) -> None:
+    cls = sd_class(model)
+    with cls.state_dict_type(model, sd_type):
+        model.load_state_dict(msd)
+        opt.load_state_dict(cls.optim_state_dict_to_load(model, opt, osd))
+
+
+def resume_cases(layout) -> list:
+    """(kind, uop, state-dict type, writer, reader) where the writer and the reader run: torch
+    never at dp=1 with use_orig_params=True, never with uneven TP shards in sharded dicts or
+    with use_orig_params=True, and never writes a FULL optimizer state dict with
+    use_orig_params=True (its exp_avg entries hold exp_avg_sq), and never loads an optimizer
+    state dict at dp=1 (its own either: "Tensor optimizer state does not have same shape as its
+    parameter", the TP-local shape against the global one); see the module docstring."""
+    out = []
+    for kind in ("even", "odd"):
+        for uop in (False, True):
+            for t in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
+                for writer, reader in (("cfsdp", "cfsdp"), ("torch", "cfsdp"), ("cfsdp", "torch")):
+                    if "torch" in (writer, reader):
+                        if not torch_runs(kind, layout, uop) or (uop and writer == "torch" and
+                                                                  t == StateDictType.FULL_STATE_DICT):
+                            continue
+                        if kind == "odd" and (uop or t == StateDictType.SHARDED_STATE_DICT) and layout[1] > 1:
+                            continue
+                        if reader == "torch" and layout[0] == 1:
+                            continue
+                    out.append((kind, uop, t, writer, reader))
+    return out
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def resume(ctx, layout):
+    """Model and optimizer state dicts of both types (sequence parallel on): a fresh model with
+    other weights loads what another model saved after two steps and trains on with bitwise
+    the losses of the uninterrupted run; torch's FSDP1 and cfsdp load each other's dicts."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(4, dp_size(mesh))
+    r = dp_rank(mesh)
+    mm = wp.Mismatches(ctx)
+    for kind, uop, t, writer, reader in resume_cases(layout):
+        model = wrap(writer, kind, mesh, True, uop)
+        opt = wp.make_optim("adamw", model.parameters())
+        train(model, opt, data[:2], r)
+        msd, osd = save(model, opt, t)
+        fresh = wrap(reader, kind, mesh, True, uop, seed=1)
+        fresh_opt = wp.make_optim("adamw", fresh.parameters())
+        # loaded before the writer trains on: torch's dicts at dp=1 hold the live states
+        load(fresh, fresh_opt, t, msd, osd)
+        want = train(model, opt, data[2:], r)
+        got = train(fresh, fresh_opt, data[2:], r)
+        for i, (a, b) in enumerate(zip(got, want)):
+            mm.tensors(f"{kind} uop={uop} {t.name} {writer}->{reader}: resumed loss #{i}", a, b)
+    mm.raise_if_any()
+
+
+# ------------------------------------------------------------------------------ accumulation
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def no_sync(ctx, layout, uop: bool):
+    """Gradient accumulation: no_sync() for the first micro-batch of each step, with sequence
+    parallelism (the norms' gradients arrive as partial sums over TP).  Oracle: torch, or with
+    use_orig_params=True (torch fails on the forward after a no_sync backward) cfsdp's
+    use_orig_params=False run."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(3, dp_size(mesh) * 2)
+    res = {}
+    runs = [("torch", uop)] if (not uop and torch_runs("even", layout, uop)) else [("cfsdp", False)]
+    for impl, u in [("cfsdp", uop), *runs]:
+        model = wrap(impl, "even", mesh, True, u)
+        opt = wp.make_optim("sgd", model.parameters())
+        seen = []
+        for step in data:
+            for m in range(2):
+                x, y = step[2 * dp_rank(mesh) + m]
+                ctx_m = model.no_sync() if m == 0 else contextlib.nullcontext()
+                with ctx_m:
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                seen.append(loss.detach().clone())
+            opt.step()
+            opt.zero_grad()
+        res[impl if impl == "torch" or u == uop else "ref"] = (
+            seen, model_sd(model, StateDictType.FULL_STATE_DICT))
+    oracle = res.get("torch") or res["ref"]
+    mm = wp.Mismatches(ctx)
+    compare(mm, "losses", res["cfsdp"][0], oracle[0])
+    compare(mm, "FULL state dict after training", res["cfsdp"][1], oracle[1])
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def mixed_precision(ctx, layout, uop: bool):
+    """bf16 parameters, fp32 reduction (sequence parallel on): bitwise torch's (or, with
+    use_orig_params=True at dp=1, cfsdp's use_orig_params=False run)."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    got = run("cfsdp", "even", mesh, True, uop, sharded_sd=False, mixed_precision=mp)
+    if torch_runs("even", layout, uop):
+        want = run("torch", "even", mesh, True, uop, sharded_sd=False, mixed_precision=mp)
+        check(ctx, got, want, keys=("losses", "grads", "full"))
+    else:
+        ref = run("cfsdp", "even", mesh, True, False, sharded_sd=False, mixed_precision=mp)
+        check(ctx, got, ref, keys=("losses", "full"))
+
+
+# ------------------------------------------------------------------------------ summon
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def summon(ctx, layout, uop: bool):
+    """summon_full_params shows each TP parameter as a DTensor on the TP mesh over its full
+    local value (plain parameters as tensors), as torch; a change made inside is written
+    back: the next FULL state dict and the next losses are torch's after the same change."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(2, dp_size(mesh))
+    res = {}
+    impls = ["cfsdp", "torch" if torch_runs("even", layout, uop) else "ref"]
+    for impl in impls:
+        model = wrap("cfsdp" if impl == "ref" else impl, "even", mesh, True, uop and impl != "ref")
+        opt = wp.make_optim("sgd", model.parameters())
+        train(model, opt, data[:1], dp_rank(mesh))
+        with sd_class(model).summon_full_params(model):
+            shown = {wp.clean(n): describe(p) for n, p in model.named_parameters()}
+            with torch.no_grad():
+                model.module.blocks[0].w1.weight.add_(1.0)
+                model.module.norm.weight.mul_(2.0)
+        losses = train(model, opt, data[1:], dp_rank(mesh))
+        res[impl] = (shown, model_sd(model, StateDictType.FULL_STATE_DICT), losses)
+    mm = wp.Mismatches(ctx)
+    compare(mm, "summoned parameters", res["cfsdp"][0], res[impls[1]][0])
+    compare(mm, "FULL state dict after the change", res["cfsdp"][1], res[impls[1]][1])
+    compare(mm, "losses after the change", res["cfsdp"][2], res[impls[1]][2])
+    mm.raise_if_any()
+
+
+if __name__ == "__main__":
+    h.main()
