@@ -578,7 +578,7 @@ def _broadcast_from_rank0(view: _View, osd: dict, what: str) -> dict:
         objs: list[Any] = [meta]
     else:
         objs = [None]
-    dist.broadcast_object_list(objs, src=0, group=view.group, device=torch.device("cpu"))
+    dist.broadcast_object_list(objs, group_src=0, group=view.group, device=torch.device("cpu"))
     meta = objs[0]
     if isinstance(meta, _BadOsd):
         raise ValueError(meta.message)

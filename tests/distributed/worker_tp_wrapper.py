@@ -26,8 +26,13 @@ Where torch cannot be the oracle (each measured on torch 2.13, each test says wh
   access the data pointer on an invalid python storage");
 * ``use_orig_params=True``, FULL optimizer state dict: torch's holds each parameter's
   exp_avg_sq as its exp_avg too (silently);
-* loading an optimizer state dict at dp=1, even torch's own: "Tensor optimizer state does not
-  have same shape as its parameter" (the TP-local shape against the global one).
+* loading an optimizer state dict, even torch's own, except at dp > 1 and tp = 1: "Tensor
+  optimizer state does not have same shape as its parameter" (the TP-local shape against the
+  global one); at dp=1 its FULL dicts also hold the optimizer's live states;
+* torch's checkpoint helpers (get_state_dict) at (2, 2): "Global rank 0 is not part of group"
+  (a broadcast from global rank 0 over a dp group without it);
+* sharded_optim_state_dict at dp > 1: "Global rank 0 does not exist in input process group";
+  rank0_only full optimizer state dicts keep global rank 0's TP shard alone.
 There the oracle is cfsdp's ``use_orig_params=False`` run, itself checked against torch
 (bitwise: the same math on the same local tensors), and sharded values are checked against
 the torch-checked FULL ones.
@@ -38,13 +43,17 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -142,7 +151,9 @@ def compare(mm: wp.Mismatches, what: str, c: Any, t: Any, ordered: bool = True) 
                         a, b = sorted(a), sorted(b)
                     compare(mm, f"{what}[{k}]", a, b, ordered)
     elif isinstance(t, (list, tuple)):
-        mm.check(type(c) is type(t) and len(c) == len(t), f"{what}: {c!r:.200} != the oracle's {t!r:.200}")
+        if type(c) is not type(t) or len(c) != len(t) or (len(t) and type(c[0]) is not type(t[0])):
+            mm.add(f"{what}: {str(c)[:200]} != the oracle's {str(t)[:200]}")
+            return
         for i, (a, b) in enumerate(zip(c, t)):
             compare(mm, f"{what}[{i}]", a, b, ordered)
     elif isinstance(t, torch.Tensor) or isinstance(c, torch.Tensor):
@@ -296,20 +307,32 @@ def save(model, opt, sd_type: StateDictType) -> tuple[dict, dict]:
         return model.state_dict(), cls.optim_state_dict(model, opt)
 
 
-def load(model, opt, sd_type: StateDictType, msd: dict, osd: dict) -> None:
+def torch_loads_optim(layout) -> bool:
+    """torch's FSDP1 loads an optimizer state dict (its own too) only at dp > 1 and tp = 1:
+    elsewhere "Tensor optimizer state does not have same shape as its parameter" (the TP-local
+    shape against the global one)."""
+    return layout[0] > 1 and layout[1] == 1
+
+
+def load(model, opt, sd_type: StateDictType, msd: dict, osd: Optional[dict]) -> None:
     cls = sd_class(model)
     with cls.state_dict_type(model, sd_type):
         model.load_state_dict(msd)
-        opt.load_state_dict(cls.optim_state_dict_to_load(model, opt, osd))
+        if osd is not None:
+            opt.load_state_dict(cls.optim_state_dict_to_load(model, opt, osd))
+
+
+@torch.no_grad()
+def eval_loss(model, batch) -> torch.Tensor:
+    x, y = batch
+    return loss_fn(model(x), y)
 
 
 def resume_cases(layout) -> list:
     """(kind, uop, state-dict type, writer, reader) where the writer and the reader run: torch
     never at dp=1 with use_orig_params=True, never with uneven TP shards in sharded dicts or
     with use_orig_params=True, and never writes a FULL optimizer state dict with
-    use_orig_params=True (its exp_avg entries hold exp_avg_sq), and never loads an optimizer
-    state dict at dp=1 (its own either: "Tensor optimizer state does not have same shape as its
-    parameter", the TP-local shape against the global one); see the module docstring."""
+    use_orig_params=True (its exp_avg entries hold exp_avg_sq); see the module docstring."""
     out = []
     for kind in ("even", "odd"):
         for uop in (False, True):
@@ -321,8 +344,7 @@ def resume_cases(layout) -> list:
                             continue
                         if kind == "odd" and (uop or t == StateDictType.SHARDED_STATE_DICT) and layout[1] > 1:
                             continue
-                        if reader == "torch" and layout[0] == 1:
-                            continue
+
                     out.append((kind, uop, t, writer, reader))
     return out
 
@@ -338,18 +360,24 @@ def resume(ctx, layout):
     r = dp_rank(mesh)
     mm = wp.Mismatches(ctx)
     for kind, uop, t, writer, reader in resume_cases(layout):
+        what = f"{kind} uop={uop} {t.name} {writer}->{reader}"
         model = wrap(writer, kind, mesh, True, uop)
         opt = wp.make_optim("adamw", model.parameters())
         train(model, opt, data[:2], r)
         msd, osd = save(model, opt, t)
         fresh = wrap(reader, kind, mesh, True, uop, seed=1)
         fresh_opt = wp.make_optim("adamw", fresh.parameters())
+        with_optim = reader == "cfsdp" or torch_loads_optim(layout)
         # loaded before the writer trains on: torch's dicts at dp=1 hold the live states
-        load(fresh, fresh_opt, t, msd, osd)
+        load(fresh, fresh_opt, t, msd, osd if with_optim else None)
+        mm.tensors(f"{what}: loss of the loaded model", eval_loss(fresh, data[2][r]),
+                   eval_loss(model, data[2][r]))
+        if not with_optim:
+            continue  # torch loads the model only (see torch_loads_optim)
         want = train(model, opt, data[2:], r)
         got = train(fresh, fresh_opt, data[2:], r)
         for i, (a, b) in enumerate(zip(got, want)):
-            mm.tensors(f"{kind} uop={uop} {t.name} {writer}->{reader}: resumed loss #{i}", a, b)
+            mm.tensors(f"{what}: resumed loss #{i}", a, b)
     mm.raise_if_any()
 
 
@@ -435,6 +463,246 @@ def summon(ctx, layout, uop: bool):
     compare(mm, "FULL state dict after the change", res["cfsdp"][1], res[impls[1]][1])
     compare(mm, "losses after the change", res["cfsdp"][2], res[impls[1]][2])
     mm.raise_if_any()
+
+
+# ------------------------------------------------------------------------------ DCP
+
+
+def ckpt_dir(ctx, name: str):
+    from pathlib import Path
+
+    root = os.environ.get("CFSDP_CKPT_DIR")
+    if not root:
+        raise AssertionError("CFSDP_CKPT_DIR is not set (the pytest test passes its tmp_path)")
+    d = Path(root) / name
+    if ctx.rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+    dist.barrier(group=ctx.pg)
+    return d
+
+
+def dcp_cases(layout) -> list:
+    out = [(kind, uop, "cfsdp", "cfsdp") for kind in ("even", "odd") for uop in (False, True)]
+    out.append(("even", False, "torch", "cfsdp"))
+    if torch_loads_optim(layout):
+        out.append(("even", False, "cfsdp", "torch"))
+    return out
+
+
+def dcp_state(model, opt) -> dict:
+    """What a checkpoint holds: torch's helpers' dicts for cfsdp; for torch's FSDP1 its own
+    SHARDED dicts (the same FQN-keyed format): torch's helpers fail on its dp groups that do
+    not hold global rank 0 ("Global rank 0 is not part of group", a broadcast_object_list from
+    global rank 0 in _map_param_key_to_optim_keys)."""
+    if isinstance(model, TorchFSDP):
+        _init_optim_state(opt)  # as torch's helpers do: a fresh optimizer has states to load into
+        msd, osd = save(model, opt, StateDictType.SHARDED_STATE_DICT)
+    else:
+        msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def dcp_restore(model, opt, sd: dict) -> None:
+    if isinstance(model, TorchFSDP):
+        load(model, opt, StateDictType.SHARDED_STATE_DICT, sd["model"], sd["optim"])
+    else:
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def dcp_roundtrip(ctx, layout):
+    """torch's helpers (get_state_dict / set_state_dict) and torch.distributed.checkpoint on the
+    wrapper: a fresh model with other weights loads the checkpoint and resumes with bitwise the
+    uninterrupted losses (uneven TP shards too, where torch's own sharded dicts abort); cfsdp
+    loads torch FSDP1's checkpoints, and torch cfsdp's where it loads optimizer state at all
+    (torch_loads_optim); even shards, use_orig_params=False."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(4, dp_size(mesh))
+    r = dp_rank(mesh)
+    mm = wp.Mismatches(ctx)
+    for kind, uop, writer, reader in dcp_cases(layout):
+        path = ckpt_dir(ctx, f"dcp_{layout[0]}x{layout[1]}_{kind}_{uop}_{writer}_{reader}")
+        model = wrap(writer, kind, mesh, True, uop)
+        opt = wp.make_optim("adamw", model.parameters())
+        train(model, opt, data[:2], r)
+        dcp.save(dcp_state(model, opt), checkpoint_id=str(path))
+        want = train(model, opt, data[2:], r)
+        fresh = wrap(reader, kind, mesh, True, uop, seed=1)
+        fresh_opt = wp.make_optim("adamw", fresh.parameters())
+        sd = dcp_state(fresh, fresh_opt)
+        dcp.load(sd, checkpoint_id=str(path))
+        dcp_restore(fresh, fresh_opt, sd)
+        got = train(fresh, fresh_opt, data[2:], r)
+        for i, (a, b) in enumerate(zip(got, want)):
+            mm.tensors(f"{kind} uop={uop} {writer}->{reader}: resumed loss #{i}", a, b)
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def broadcast_from_rank0(ctx, layout, uop: bool):
+    """torch's helpers with full_state_dict + cpu_offload (rank 0 of each dp group holds the
+    dicts, TP states as DTensors) then broadcast_from_rank0 into a fresh model: it resumes with
+    bitwise the uninterrupted losses (uneven TP shards)."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(4, dp_size(mesh))
+    r = dp_rank(mesh)
+    model = wrap("cfsdp", "odd", mesh, True, uop)
+    opt = wp.make_optim("adamw", model.parameters())
+    train(model, opt, data[:2], r)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    fresh = wrap("cfsdp", "odd", mesh, True, uop, seed=1)
+    fresh_opt = wp.make_optim("adamw", fresh.parameters())
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    want = train(model, opt, data[2:], r)
+    got = train(fresh, fresh_opt, data[2:], r)
+    mm = wp.Mismatches(ctx)
+    for i, (a, b) in enumerate(zip(got, want)):
+        mm.tensors(f"resumed loss #{i}", a, b)
+    mm.raise_if_any()
+
+
+# ------------------------------------------------------------------------------ torch's older API
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def deprecated_optim_apis(ctx, layout, uop: bool):
+    """torch's older optimizer state-dict API.  full_optim_state_dict: torch's dict
+    (use_orig_params=False; with True torch's is wrong, see the module docstring, and the
+    oracle is cfsdp's use_orig_params=False dict); with rank0_only on rank 0 of each dp group
+    (torch keeps global rank 0's alone: the other TP ranks' shards are lost).  sharded_optim_state_dict: torch's fails at
+    dp > 1 ("Global rank 0 does not exist in input process group", building ShardedTensors of
+    ShardedTensors over the TP group) and nests ShardedTensors at dp=1; cfsdp's holds what
+    optim_state_dict gives with SHARDED_STATE_DICT (DTensors on the (dp, tp) mesh), whose whole
+    values are the full dict's.  The loading counterparts (scatter_full_optim_state_dict,
+    shard_full_optim_state_dict, flatten_sharded_optim_state_dict) give back each rank's own
+    optimizer state."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(2, dp_size(mesh))
+    oracle = "torch" if (not uop and torch_runs("even", layout, uop)) else "ref"
+    fulls = {}
+    mm = wp.Mismatches(ctx)
+    for impl, u in (("cfsdp", uop), (oracle, False)):
+        model = wrap("cfsdp" if impl == "ref" else impl, "even", mesh, True, u)
+        opt = wp.make_optim("adamw", model.parameters())
+        train(model, opt, data, dp_rank(mesh))
+        cls = sd_class(model)
+        # rank0_only=False: torch's rank0_only dict lives on global rank 0 alone, which drops the
+        # other TP ranks' shards (cfsdp's lives on rank 0 of each dp group: checked below)
+        fulls[impl] = describe(cls.full_optim_state_dict(model, opt, rank0_only=False))
+        if impl != "cfsdp":
+            continue
+        full = cls.full_optim_state_dict(model, opt)
+        full_all = cls.full_optim_state_dict(model, opt, rank0_only=False)
+        if dp_rank(mesh) == 0:
+            compare(mm, "rank0_only dict on rank 0 of the dp group", describe(full), describe(full_all))
+        else:
+            mm.check(full == {}, f"rank0_only: dp rank {dp_rank(mesh)} got a dict")
+        sharded = cls.sharded_optim_state_dict(model, opt)
+        with cls.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            compare(mm, "sharded_optim_state_dict", describe(sharded), describe(cls.optim_state_dict(model, opt)))
+        for k, st in full_all["state"].items():
+            for n, v in st.items():
+                whole = sharded["state"][k][n]
+                whole = whole.full_tensor() if isinstance(whole, DTensor) else whole
+                mm.tensors(f"sharded {k}.{n} (whole)", whole, v.full_tensor() if isinstance(v, DTensor) else v,
+                           b_name="full")
+        own = {k: {n: v.clone() for n, v in st.items()} for k, st in opt.state_dict()["state"].items()}
+        loaded = [cls.scatter_full_optim_state_dict(full if dp_rank(mesh) == 0 else None, model, optim=opt),
+                  cls.shard_full_optim_state_dict(full_all, model, optim=opt),
+                  cls.flatten_sharded_optim_state_dict(sharded, model, opt)]
+        for name, osd in zip(("scatter_full", "shard_full", "flatten_sharded"), loaded):
+            for k, st in own.items():
+                for n, v in st.items():
+                    mm.tensors(f"{name}: state {k}.{n}", osd["state"][k][n], v, b_name="own")
+    compare(mm, "full_optim_state_dict", fulls["cfsdp"], fulls[oracle], ordered=oracle == "torch")
+    mm.raise_if_any()
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def expect(mm: wp.Mismatches, what: str, exc: type, fn, *needles: str) -> None:
+    try:
+        fn()
+    except exc as e:
+        for n in needles:
+            mm.check(n in str(e), f"{what}: {type(e).__name__} does not contain {n!r}: {e}")
+    except BaseException as e:  # noqa: BLE001
+        mm.add(f"{what}: expected {exc.__name__}, got {type(e).__name__}: {e}")
+    else:
+        mm.add(f"{what}: did not raise")
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def unsupported_and_errors(ctx, layout):
+    """What stays unsupported is an error naming the parameter; torch's LOCAL_STATE_DICT rules."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    F_ = cfsdp.FullyShardedDataParallel
+    mm = wp.Mismatches(ctx)
+
+    def tp_model():
+        return tc.parallelize(build("even"), mesh["tp"], False)
+
+    # TP parameters with process_group= (torch's FSDP1 flattens the DTensors without its
+    # extension and fails on uneven shards; cfsdp says what to pass)
+    expect(mm, "process_group", NotImplementedError,
+           lambda: F_(tp_model(), process_group=mesh["dp"].get_group()), "'tok.weight'", "DTensor",
+           "device_mesh=mesh['dp']")
+    # a device_mesh that is not the dp slice of the TP mesh's 2-D mesh
+    other = init_device_mesh("cpu", layout, mesh_dim_names=("dp2", "tp2"))
+    expect(mm, "another mesh", ValueError,
+           lambda: F_(tc.parallelize(build("even"), other["tp2"], False), device_mesh=mesh["dp"]),
+           "'tok.weight'", "mesh['tp']")
+    # clip_grad_norm_: torch's FSDP1 gives each TP rank another norm
+    model = wrap("cfsdp", "even", mesh, False, False)
+    x, y = tc.batches(1, dp_size(mesh))[0][dp_rank(mesh)]
+    loss_fn(model(x), y).backward()
+    expect(mm, "clip_grad_norm_", NotImplementedError, lambda: model.clip_grad_norm_(1.0),
+           "tensor-parallel", "'tok.weight'")
+    # an optimizer built from the DTensor parameters before wrapping steps nothing the model uses
+    for uop in (False, True):
+        m = tp_model()
+        stale = torch.optim.SGD(m.parameters(), lr=0.1)
+        w = F_(m, device_mesh=mesh["dp"], use_orig_params=uop)
+        loss_fn(w(x), y).backward()
+        expect(mm, f"optimizer built before wrapping (uop={uop})", RuntimeError, stale.step,
+               "'tok.weight'", "after wrapping")
+    # LOCAL_STATE_DICT: torch's RuntimeError with a device_mesh; a NO_SHARD wrapper (dp=1)
+    # gives a FULL state dict instead, as torch's hooks do
+    for impl in ("torch", "cfsdp"):
+        m = wrap(impl, "even", mesh, False, False)
+        cls = sd_class(m)
+        if layout[0] > 1:
+            def local_sd():
+                with cls.state_dict_type(m, StateDictType.LOCAL_STATE_DICT):
+                    return m.state_dict()
+            expect(mm, f"{impl} LOCAL_STATE_DICT", RuntimeError, local_sd,
+                   "DeviceMesh is not compatible with LOCAL_STATE_DICT")
+        else:
+            with cls.state_dict_type(m, StateDictType.LOCAL_STATE_DICT):
+                got = describe(m.state_dict())
+            compare(mm, f"{impl} LOCAL_STATE_DICT at dp=1", got, model_sd(m, StateDictType.FULL_STATE_DICT))
+    mm.raise_if_any()
+
+
+if WORLD == 4:
+    @h.subtest
+    def hybrid_with_tp(ctx):
+        """HSDP x TP through the wrapper is refused naming the parameter (fully_shard does it)."""
+        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+        model = tc.parallelize(build("even"), mesh["tp"], False)
+        mm = wp.Mismatches(ctx)
+        expect(mm, "HYBRID_SHARD", NotImplementedError,
+               lambda: cfsdp.FullyShardedDataParallel(
+                   model, device_mesh=mesh["rep", "shard"],
+                   sharding_strategy=ShardingStrategy.HYBRID_SHARD),
+               "'tok.weight'", "HYBRID_SHARD")
+        mm.raise_if_any()
 
 
 if __name__ == "__main__":
