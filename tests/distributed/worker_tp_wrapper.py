@@ -41,6 +41,7 @@ the torch-checked FULL ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from typing import Any, Optional
@@ -60,8 +61,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import _harness as h
+import ckpt_common as cc
 import tp_common as tc
 import worker_parity as wp
+from worker_summon import expect_same_error
 
 del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
 
@@ -322,6 +325,14 @@ def load(model, opt, sd_type: StateDictType, msd: dict, osd: Optional[dict]) -> 
             opt.load_state_dict(cls.optim_state_dict_to_load(model, opt, osd))
 
 
+def check_resumed(mm: wp.Mismatches, what: str, model, opt, fresh, fresh_opt, data, r: int) -> None:
+    """The writer and the model that loaded its state train on: bitwise the same losses."""
+    want = train(model, opt, data, r)
+    got = train(fresh, fresh_opt, data, r)
+    for i, (a, b) in enumerate(zip(got, want)):
+        mm.tensors(f"{what}: resumed loss #{i}", a, b)
+
+
 @torch.no_grad()
 def eval_loss(model, batch) -> torch.Tensor:
     x, y = batch
@@ -372,12 +383,8 @@ def resume(ctx, layout):
         load(fresh, fresh_opt, t, msd, osd if with_optim else None)
         mm.tensors(f"{what}: loss of the loaded model", eval_loss(fresh, data[2][r]),
                    eval_loss(model, data[2][r]))
-        if not with_optim:
-            continue  # torch loads the model only (see torch_loads_optim)
-        want = train(model, opt, data[2:], r)
-        got = train(fresh, fresh_opt, data[2:], r)
-        for i, (a, b) in enumerate(zip(got, want)):
-            mm.tensors(f"{what}: resumed loss #{i}", a, b)
+        if with_optim:  # else torch loads the model only (see torch_loads_optim)
+            check_resumed(mm, what, model, opt, fresh, fresh_opt, data[2:], r)
     mm.raise_if_any()
 
 
@@ -468,19 +475,6 @@ def summon(ctx, layout, uop: bool):
 # ------------------------------------------------------------------------------ DCP
 
 
-def ckpt_dir(ctx, name: str):
-    from pathlib import Path
-
-    root = os.environ.get("CFSDP_CKPT_DIR")
-    if not root:
-        raise AssertionError("CFSDP_CKPT_DIR is not set (the pytest test passes its tmp_path)")
-    d = Path(root) / name
-    if ctx.rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-    dist.barrier(group=ctx.pg)
-    return d
-
-
 def dcp_cases(layout) -> list:
     out = [(kind, uop, "cfsdp", "cfsdp") for kind in ("even", "odd") for uop in (False, True)]
     out.append(("even", False, "torch", "cfsdp"))
@@ -522,20 +516,18 @@ def dcp_roundtrip(ctx, layout):
     r = dp_rank(mesh)
     mm = wp.Mismatches(ctx)
     for kind, uop, writer, reader in dcp_cases(layout):
-        path = ckpt_dir(ctx, f"dcp_{layout[0]}x{layout[1]}_{kind}_{uop}_{writer}_{reader}")
+        path = cc.ckpt_dir(ctx, f"dcp_{layout[0]}x{layout[1]}_{kind}_{uop}_{writer}_{reader}")
         model = wrap(writer, kind, mesh, True, uop)
         opt = wp.make_optim("adamw", model.parameters())
         train(model, opt, data[:2], r)
         dcp.save(dcp_state(model, opt), checkpoint_id=str(path))
-        want = train(model, opt, data[2:], r)
         fresh = wrap(reader, kind, mesh, True, uop, seed=1)
         fresh_opt = wp.make_optim("adamw", fresh.parameters())
         sd = dcp_state(fresh, fresh_opt)
         dcp.load(sd, checkpoint_id=str(path))
         dcp_restore(fresh, fresh_opt, sd)
-        got = train(fresh, fresh_opt, data[2:], r)
-        for i, (a, b) in enumerate(zip(got, want)):
-            mm.tensors(f"{kind} uop={uop} {writer}->{reader}: resumed loss #{i}", a, b)
+        check_resumed(mm, f"{kind} uop={uop} {writer}->{reader}", model, opt, fresh, fresh_opt,
+                      data[2:], r)
     mm.raise_if_any()
 
 
@@ -556,11 +548,8 @@ def broadcast_from_rank0(ctx, layout, uop: bool):
     fresh_opt = wp.make_optim("adamw", fresh.parameters())
     set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    want = train(model, opt, data[2:], r)
-    got = train(fresh, fresh_opt, data[2:], r)
     mm = wp.Mismatches(ctx)
-    for i, (a, b) in enumerate(zip(got, want)):
-        mm.tensors(f"resumed loss #{i}", a, b)
+    check_resumed(mm, "broadcast_from_rank0", model, opt, fresh, fresh_opt, data[2:], r)
     mm.raise_if_any()
 
 
@@ -626,15 +615,8 @@ def deprecated_optim_apis(ctx, layout, uop: bool):
 
 
 def expect(mm: wp.Mismatches, what: str, exc: type, fn, *needles: str) -> None:
-    try:
-        fn()
-    except exc as e:
-        for n in needles:
-            mm.check(n in str(e), f"{what}: {type(e).__name__} does not contain {n!r}: {e}")
-    except BaseException as e:  # noqa: BLE001
-        mm.add(f"{what}: expected {exc.__name__}, got {type(e).__name__}: {e}")
-    else:
-        mm.add(f"{what}: did not raise")
+    """cfsdp's ``fn`` raises ``exc`` with ``needles`` in its message."""
+    expect_same_error(mm, what, {"cfsdp": fn}, exc, *needles)
 
 
 @h.subtest(grid={"layout": tc.meshes(WORLD)})
@@ -674,19 +656,18 @@ def unsupported_and_errors(ctx, layout):
                "'tok.weight'", "after wrapping")
     # LOCAL_STATE_DICT: torch's RuntimeError with a device_mesh; a NO_SHARD wrapper (dp=1)
     # gives a FULL state dict instead, as torch's hooks do
-    for impl in ("torch", "cfsdp"):
-        m = wrap(impl, "even", mesh, False, False)
-        cls = sd_class(m)
-        if layout[0] > 1:
-            def local_sd():
-                with cls.state_dict_type(m, StateDictType.LOCAL_STATE_DICT):
-                    return m.state_dict()
-            expect(mm, f"{impl} LOCAL_STATE_DICT", RuntimeError, local_sd,
-                   "DeviceMesh is not compatible with LOCAL_STATE_DICT")
-        else:
-            with cls.state_dict_type(m, StateDictType.LOCAL_STATE_DICT):
-                got = describe(m.state_dict())
-            compare(mm, f"{impl} LOCAL_STATE_DICT at dp=1", got, model_sd(m, StateDictType.FULL_STATE_DICT))
+    models = {impl: wrap(impl, "even", mesh, False, False) for impl in ("torch", "cfsdp")}
+
+    def local_sd(m):
+        with sd_class(m).state_dict_type(m, StateDictType.LOCAL_STATE_DICT):
+            return describe(m.state_dict())
+
+    if layout[0] > 1:
+        expect_same_error(mm, "LOCAL_STATE_DICT", {k: functools.partial(local_sd, m) for k, m in models.items()},
+                          RuntimeError, "DeviceMesh is not compatible with LOCAL_STATE_DICT")
+    else:
+        for impl, m in models.items():
+            compare(mm, f"{impl} LOCAL_STATE_DICT at dp=1", local_sd(m), model_sd(m, StateDictType.FULL_STATE_DICT))
     mm.raise_if_any()
 
 
