@@ -17,6 +17,13 @@ dict keyed by the *original, clean* FQNs, as torch FSDP1 does:
   the full value of each original parameter's state chunked along dim 0 over
   the unit's ranks, as a ``ShardedTensor`` (a ``DTensor`` with a device mesh).
 
+With a ``device_mesh`` that is the dp slice of a 2-D (dp, tp) mesh (torch's DTensor
+extension), a tensor-parallel parameter's state is its TP-local state: full dicts hold it
+as a DTensor on the TP mesh, sharded ones hold every state as a DTensor on the (dp, tp)
+mesh (``_state_dict.root_mesh_value``); loading takes DTensors on any mesh or whole
+tensors and keeps this rank's TP part (``_load_value``).  ``rank0_only`` means rank 0 of
+each dp group (each holds its TP part; torch keeps global rank 0's alone).
+
 Entry order follows torch: with ``use_orig_params=False`` the optimizer's
 parameter order (rank 0's), each flat parameter expanding to its original
 parameters; state names as tensors, then 0-dim tensors, then the rest (each

@@ -458,17 +458,62 @@ def summon(ctx, layout, uop: bool):
         model = wrap("cfsdp" if impl == "ref" else impl, "even", mesh, True, uop and impl != "ref")
         opt = wp.make_optim("sgd", model.parameters())
         train(model, opt, data[:1], dp_rank(mesh))
-        with sd_class(model).summon_full_params(model):
+        cls = sd_class(model)
+        with cls.summon_full_params(model):
             shown = {wp.clean(n): describe(p) for n, p in model.named_parameters()}
             with torch.no_grad():
                 model.module.blocks[0].w1.weight.add_(1.0)
                 model.module.norm.weight.mul_(2.0)
+        grads_shown = None
+        if uop and impls[1] == "torch":  # with_grads: full gradients, DTensors for TP parameters
+            loss_fn(model(data[1][dp_rank(mesh)][0]), data[1][dp_rank(mesh)][1]).backward()
+            with cls.summon_full_params(model, with_grads=True):
+                grads_shown = {wp.clean(n): describe(p.grad) for n, p in model.named_parameters()}
+            opt.zero_grad()
         losses = train(model, opt, data[1:], dp_rank(mesh))
-        res[impl] = (shown, model_sd(model, StateDictType.FULL_STATE_DICT), losses)
+        res[impl] = (shown, model_sd(model, StateDictType.FULL_STATE_DICT), losses, grads_shown)
     mm = wp.Mismatches(ctx)
     compare(mm, "summoned parameters", res["cfsdp"][0], res[impls[1]][0])
     compare(mm, "FULL state dict after the change", res["cfsdp"][1], res[impls[1]][1])
     compare(mm, "losses after the change", res["cfsdp"][2], res[impls[1]][2])
+    compare(mm, "summoned gradients", res["cfsdp"][3], res[impls[1]][3])
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def load_plain_full_state_dict(ctx, layout, uop: bool):
+    """A FULL state dict of the model before tensor parallelism (plain whole tensors) loads into
+    the wrapped TP model: each rank keeps its TP part (torch's FSDP1 cannot copy a plain tensor
+    into a DTensor parameter; cfsdp does, so a single-process checkpoint starts a TP run)."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    plain = build("odd", seed=1).state_dict()
+    model = wrap("cfsdp", "odd", mesh, True, uop)
+    F_ = cfsdp.FullyShardedDataParallel
+    with F_.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        model.load_state_dict(plain)
+        got = model.state_dict()
+    mm = wp.Mismatches(ctx)
+    mm.check(list(got) == list(plain), f"keys {list(got)} != {list(plain)}")
+    for k, v in plain.items():
+        g = got[k]
+        mm.tensors(k, g.full_tensor() if isinstance(g, DTensor) else g, v, b_name="loaded")
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def sync_module_states(ctx, layout):
+    """sync_module_states=True broadcasts rank 0's TP-local values over each dp group (ranks of
+    one dp group hold the same TP shard): models built with another seed on each dp rank end
+    up with dp rank 0's weights.  torch's FSDP1 refuses sync_module_states on CPU ranks; the
+    oracle is the wrapper of dp rank 0's model."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    synced = wrap("cfsdp", "odd", mesh, True, False, seed=dp_rank(mesh), sync_module_states=True)
+    ref = wrap("cfsdp", "odd", mesh, True, False, seed=0)
+    mm = wp.Mismatches(ctx)
+    compare(mm, "FULL state dict", model_sd(synced, StateDictType.FULL_STATE_DICT),
+            model_sd(ref, StateDictType.FULL_STATE_DICT))
     mm.raise_if_any()
 
 
