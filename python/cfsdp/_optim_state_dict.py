@@ -539,7 +539,8 @@ def _load_value(v: Any, fqn: str, name: str, info: Optional[ParamInfo]) -> Any:
     """A saved state value as the unit flattens it: whole (gathered when sharded), and for a
     tensor-parallel parameter its TP-local part ([Note: tensor-parallel wrapper units])."""
     v = _to_full(v, fqn, name)
-    if info is not None and info.tp_spec is not None and _is_pos_dim(v) and tuple(v.shape) == tuple(info.global_shape):
+    tp = info is not None and info.tp_spec is not None
+    if tp and _is_pos_dim(v) and tuple(v.shape) == tuple(info.global_shape):
         v = as_tp_value(v, info.tp_spec).to_local()
     return v
 

@@ -530,9 +530,9 @@ def root_mesh_value(root: DeviceMesh, full: torch.Tensor, spec, local: Any = _OW
     its full value), holding what DTensor's placements say this rank holds.
 
     ``local`` (this rank's dim-0 chunk of ``full`` over dp, None for none; by default cut here)
-    is used as it is unless TP shards dim 0 too: then rows move between TP ranks (the dp chunk is taken of the
-    whole tensor first), so the whole tensor is gathered over TP and cut on both mesh dims,
-    through DTensor's own redistribution.  torch's FSDP1 redistributes the local value from
+    is used as it is unless TP shards dim 0 too: then rows move between TP ranks (the dp
+    chunk is taken of the whole tensor first), so the whole tensor is gathered over TP and
+    cut on both mesh dims, through DTensor's own redistribution.  torch's FSDP1 redistributes the local value from
     ``(Replicate(), Shard(0))`` directly, which aborts gloo on uneven TP shards (an 11-row
     embedding on 2 TP ranks, measured on torch 2.13); this path gives the same values where
     torch runs and works there too.  Collective over the TP group in that case only."""
@@ -562,11 +562,11 @@ def as_tp_value(v, spec) -> DTensor:
     """A TP parameter's state-dict value ``v`` (a DTensor on any mesh, or the whole tensor)
     as a DTensor with the parameter's own ``spec`` (TP mesh, placements), which is what its
     summoned parameter takes; collective over ``v``'s mesh unless it is one already."""
-    if isinstance(v, DTensor) and v.device_mesh == spec.mesh and tuple(v.placements) == tuple(spec.placements):
+    if isinstance(v, DTensor) and v.device_mesh == spec.mesh and v.placements == spec.placements:
         return v
     whole = v.full_tensor() if isinstance(v, DTensor) else v
-    rep = (Replicate(),) * spec.mesh.ndim
-    return DTensor.from_local(whole, spec.mesh, rep, run_check=False).redistribute(spec.mesh, spec.placements)
+    rep = DTensor.from_local(whole, spec.mesh, (Replicate(),) * spec.mesh.ndim, run_check=False)
+    return rep.redistribute(spec.mesh, spec.placements)
 
 
 def _mesh_of(w, u):

@@ -25,10 +25,11 @@ def test_tensor_parallel(tmp_path, world_size):
 def test_tensor_parallel_wrapper(tmp_path, world_size):
     """FullyShardedDataParallel(device_mesh=mesh["dp"]) on TP models against torch's FSDP1.  At 4
     ranks (the (2, 2) mesh) the subtests 4 ranks add: every parity case, resuming and DCP across
-    both implementations, no_sync, the errors ([Note: coverage at 4 ranks] in launcher.py)."""
+    both implementations, no_sync, the single-process oracle, sync_module_states, the errors
+    ([Note: coverage at 4 ranks] in launcher.py)."""
+    at_4 = "parity|resume|dcp|no_sync|single|sync_module|unsupported|hybrid"
     run_worker("worker_tp_wrapper.py", world_size, timeout=LAUNCH_TIMEOUT_S,
-               args=subtest_filter(world_size, at_4="parity|resume|dcp|no_sync|unsupported|hybrid"),
-               env={"CFSDP_CKPT_DIR": str(tmp_path)})
+               args=subtest_filter(world_size, at_4=at_4), env={"CFSDP_CKPT_DIR": str(tmp_path)})
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)

@@ -353,7 +353,8 @@ def resume_cases(layout) -> list:
                         if not torch_runs(kind, layout, uop) or (uop and writer == "torch" and
                                                                   t == StateDictType.FULL_STATE_DICT):
                             continue
-                        if kind == "odd" and (uop or t == StateDictType.SHARDED_STATE_DICT) and layout[1] > 1:
+                        uneven = kind == "odd" and layout[1] > 1
+                        if uneven and (uop or t == StateDictType.SHARDED_STATE_DICT):
                             continue
 
                     out.append((kind, uop, t, writer, reader))
@@ -477,6 +478,40 @@ def summon(ctx, layout, uop: bool):
     compare(mm, "FULL state dict after the change", res["cfsdp"][1], res[impls[1]][1])
     compare(mm, "losses after the change", res["cfsdp"][2], res[impls[1]][2])
     compare(mm, "summoned gradients", res["cfsdp"][3], res[impls[1]][3])
+    mm.raise_if_any()
+
+
+SINGLE_CASES = [(kind, sp) for kind in ("even", "odd") for sp in (False, True)]
+
+
+@h.subtest(grid={"layout": [lay for lay in tc.meshes(WORLD)
+                            if any(not torch_runs(k, lay, True) for k, _ in SINGLE_CASES)]})
+def single_process(ctx, layout):
+    """Where torch cannot run (use_orig_params=True at dp=1, or on uneven TP shards): cfsdp's
+    training against the model without TP or FSDP in one process on the global batch (each dp
+    rank's loss is that process's loss on the rank's rows; the gradient is their mean).  TP and
+    dp sum in another order than one process, so within REF_RTOL / REF_ATOL (losses per step,
+    whole parameters after training)."""
+    layout = tuple(layout)
+    mesh = tc.mesh_2d(*layout)
+    mm = wp.Mismatches(ctx)
+    for kind, sp in SINGLE_CASES:
+        if torch_runs(kind, layout, True):
+            continue
+        got = run("cfsdp", kind, mesh, sp, True, sharded_sd=False)
+        ref = build(kind)
+        ref_losses, _ = wp.train_ref(ref, wp.make_optim("adamw", ref.parameters()),
+                                     tc.batches(STEPS, dp_size(mesh)), loss_fn)
+        what = f"{kind} sp={sp}"
+        for i, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+            mm.tensors(f"{what}: loss #{i}", a, b[dp_rank(mesh)], exact=False, b_name="single process")
+        with cfsdp.FullyShardedDataParallel.state_dict_type(got["model"], StateDictType.FULL_STATE_DICT):
+            full = got["model"].state_dict()
+        for k, v in ref.state_dict().items():
+            g = full[k]
+            mm.tensors(f"{what}: {k} after training", g.full_tensor() if isinstance(g, DTensor) else g, v,
+                       exact=False, b_name="single process")
+    ctx.log(f"worst |diff| / tolerance against the single process: {mm.worst_ref:.3f}")
     mm.raise_if_any()
 
 
@@ -606,7 +641,8 @@ def deprecated_optim_apis(ctx, layout, uop: bool):
     """torch's older optimizer state-dict API.  full_optim_state_dict: torch's dict
     (use_orig_params=False; with True torch's is wrong, see the module docstring, and the
     oracle is cfsdp's use_orig_params=False dict); with rank0_only on rank 0 of each dp group
-    (torch keeps global rank 0's alone: the other TP ranks' shards are lost).  sharded_optim_state_dict: torch's fails at
+    (torch keeps global rank 0's alone: the other TP ranks' shards are lost).
+    sharded_optim_state_dict: torch's fails at
     dp > 1 ("Global rank 0 does not exist in input process group", building ShardedTensors of
     ShardedTensors over the TP group) and nests ShardedTensors at dp=1; cfsdp's holds what
     optim_state_dict gives with SHARDED_STATE_DICT (DTensors on the (dp, tp) mesh), whose whole
@@ -637,7 +673,8 @@ def deprecated_optim_apis(ctx, layout, uop: bool):
             mm.check(full == {}, f"rank0_only: dp rank {dp_rank(mesh)} got a dict")
         sharded = cls.sharded_optim_state_dict(model, opt)
         with cls.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            compare(mm, "sharded_optim_state_dict", describe(sharded), describe(cls.optim_state_dict(model, opt)))
+            compare(mm, "sharded_optim_state_dict", describe(sharded),
+                    describe(cls.optim_state_dict(model, opt)))
         for k, st in full_all["state"].items():
             for n, v in st.items():
                 whole = sharded["state"][k][n]
@@ -708,11 +745,13 @@ def unsupported_and_errors(ctx, layout):
             return describe(m.state_dict())
 
     if layout[0] > 1:
-        expect_same_error(mm, "LOCAL_STATE_DICT", {k: functools.partial(local_sd, m) for k, m in models.items()},
-                          RuntimeError, "DeviceMesh is not compatible with LOCAL_STATE_DICT")
+        fns = {k: functools.partial(local_sd, m) for k, m in models.items()}
+        expect_same_error(mm, "LOCAL_STATE_DICT", fns, RuntimeError,
+                          "DeviceMesh is not compatible with LOCAL_STATE_DICT")
     else:
         for impl, m in models.items():
-            compare(mm, f"{impl} LOCAL_STATE_DICT at dp=1", local_sd(m), model_sd(m, StateDictType.FULL_STATE_DICT))
+            compare(mm, f"{impl} LOCAL_STATE_DICT at dp=1", local_sd(m),
+                    model_sd(m, StateDictType.FULL_STATE_DICT))
     mm.raise_if_any()
 
 
