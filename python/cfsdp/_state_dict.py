@@ -532,10 +532,11 @@ def root_mesh_value(root: DeviceMesh, full: torch.Tensor, spec, local: Any = _OW
     ``local`` (this rank's dim-0 chunk of ``full`` over dp, None for none; by default cut here)
     is used as it is unless TP shards dim 0 too: then rows move between TP ranks (the dp
     chunk is taken of the whole tensor first), so the whole tensor is gathered over TP and
-    cut on both mesh dims, through DTensor's own redistribution.  torch's FSDP1 redistributes the local value from
-    ``(Replicate(), Shard(0))`` directly, which aborts gloo on uneven TP shards (an 11-row
-    embedding on 2 TP ranks, measured on torch 2.13); this path gives the same values where
-    torch runs and works there too.  Collective over the TP group in that case only."""
+    cut on both mesh dims, through DTensor's own redistribution.  torch's FSDP1 redistributes
+    the local value from ``(Replicate(), Shard(0))`` directly, which aborts gloo on uneven TP
+    shards (an 11-row embedding on 2 TP ranks, measured on torch 2.13); this path gives the
+    same values where torch runs and works there too.  Collective over the TP group in that
+    case only."""
     if spec is None:
         placements, shape, stride = (DShard(0), Replicate()), full.shape, full.stride()
     else:

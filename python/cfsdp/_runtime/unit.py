@@ -29,9 +29,10 @@ layout through its *TP-local* tensor, as torch FSDP1's DTensor extension flatten
 layout, shard, all-gather and reduce-scatter see only local bytes (C and shared memory as
 usual).  At wrap time the unit registers a new ``nn.Parameter`` over the local tensor in
 the DTensor's place (:meth:`Unit._take_tp_locals`; the DTensor is marked replaced and its
-local storage released once copied), so every other path (flat parameter, ``use_orig_params`` views, tied
-occurrences, gradients) is the plain one, and ``ParamInfo.tp_spec`` keeps the DTensor's
-spec (TP mesh, placements, global shape and stride).  What differs is what modules and
+local storage released once copied), so every other path (flat parameter,
+``use_orig_params`` views, tied occurrences, gradients) is the plain one, and
+``ParamInfo.tp_spec`` keeps the DTensor's spec (TP mesh, placements, global shape and
+stride).  What differs is what modules and
 users see, as torch FSDP1 shows it:
 
 * forward binds ``DTensor.from_local`` over each view (run_check=False, the global shape and
