@@ -17,6 +17,13 @@ dict keyed by the *original, clean* FQNs, as torch FSDP1 does:
   the full value of each original parameter's state chunked along dim 0 over
   the unit's ranks, as a ``ShardedTensor`` (a ``DTensor`` with a device mesh).
 
+With a ``device_mesh`` that is the dp slice of a 2-D (dp, tp) mesh (torch's DTensor
+extension), a tensor-parallel parameter's state is its TP-local state: full dicts hold it
+as a DTensor on the TP mesh, sharded ones hold every state as a DTensor on the (dp, tp)
+mesh (``_state_dict.root_mesh_value``); loading takes DTensors on any mesh or whole
+tensors and keeps this rank's TP part (``_load_value``).  ``rank0_only`` means rank 0 of
+each dp group (each holds its TP part; torch keeps global rank 0's alone).
+
 Entry order follows torch: with ``use_orig_params=False`` the optimizer's
 parameter order (rank 0's), each flat parameter expanding to its original
 parameters; state names as tensors, then 0-dim tensors, then the rest (each
@@ -41,13 +48,14 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._fqn import clean_tensor_name
-from ._state_dict import get_state_dict_type
+from ._state_dict import as_tp_value, get_state_dict_type, root_mesh_value
 from .api import OptimStateKeyType, StateDictType
 from ._runtime import comm
 from ._runtime.base import TrainingState, wrappers_in
-from ._runtime.unit import Unit
+from ._runtime.unit import ParamInfo, Unit, tp_dtensor
 
 __all__ = [
     "optim_state_dict",
@@ -132,6 +140,9 @@ class _View:
         self.rank = dist.get_rank(self.group)
         self.units = units
         self.mesh = next((w._device_mesh for w in self.wrappers if w._device_mesh is not None), None)
+        # a (dp, tp) root mesh: sharded states are DTensors on it ([Note: optimizer state-dict
+        # flavours])
+        self.root = next((w._tp_root_mesh for w in self.wrappers if w._tp_root_mesh is not None), None)
 
         prefix = {m: clean_tensor_name(name + ".") if name else "" for name, m in model.named_modules()}
         managed: dict[nn.Parameter, _Entry] = {}
@@ -251,15 +262,20 @@ class _Out:
     def __init__(self, view: _View, shard: bool, offload: bool):
         self.view, self.shard, self.offload = view, shard, offload
 
-    def finish(self, full: torch.Tensor, unit: Unit) -> Any:
+    def finish(self, full: torch.Tensor, unit: Unit, spec: Any = None) -> Any:
+        """``full`` (a parameter's whole state; for a tensor-parallel parameter of TP spec
+        ``spec``, its local whole state) as the state dict holds it."""
         if self.shard:
-            return self._chunk(full, unit)
+            return self._chunk(full, unit, spec)
         out = full.detach().clone() if full.device.type == "cpu" or not self.offload else full.detach()
-        return out.cpu() if self.offload else out
+        out = out.cpu() if self.offload else out
+        return out if spec is None else tp_dtensor(out, spec)
 
-    def _chunk(self, full: torch.Tensor, unit: Unit) -> Any:
+    def _chunk(self, full: torch.Tensor, unit: Unit, spec: Any) -> Any:
         from torch.distributed.fsdp import _shard_utils
 
+        if self.view.root is not None:
+            return root_mesh_value(self.view.root, full.detach(), spec, offload_to_cpu=self.offload)
         if self.view.mesh is not None:
             return _shard_utils._create_chunk_dtensor(full, unit.rank, self.view.mesh)
         dev = full.device
@@ -324,8 +340,8 @@ def _save_flat_unit(unit: Unit, fqns: list[str], state: dict[str, Any], out: _Ou
         flat = _gather_flat(unit, state[name], fqns[0], name)
         if not to_save:
             continue
-        for d, v in zip(per_param, _unit_views(unit, flat)):
-            d[name] = out.finish(v, unit)
+        for d, v, info in zip(per_param, _unit_views(unit, flat), unit.infos):
+            d[name] = out.finish(v, unit, info.tp_spec)
         del flat
     if not to_save:
         return {}
@@ -348,12 +364,16 @@ def _save_orig_unit(unit: Unit, fqns: list[str], idxs: list[int], states: list[O
     ``infos[r][fqn]`` what rank r holds: ``(pos-dim names -> dtype, 0-dim values, others)``."""
     if not unit.sharded or unit.world_size == 1:
         # torch hands these states over as the optimizer has them (full tensors even for
-        # sharded dicts, the optimizer's state-name order); here as copies
+        # sharded dicts, the optimizer's state-name order); here as copies.  On a (dp, tp)
+        # mesh (where torch fails at dp=1) as the flat path gives them: tensor-parallel
+        # parameters' states as DTensors, DTensors on the root mesh in sharded dicts.
         if not to_save:
             return {}
+        tp = out.view.root is not None
         return {
-            f: {n: v.detach().clone() if torch.is_tensor(v) else v for n, v in (s or {}).items()}
-            for f, s in zip(fqns, states)
+            f: {n: (out.finish(v, unit, unit.infos[i].tp_spec) if tp and _is_pos_dim(v) else
+                    v.detach().clone() if torch.is_tensor(v) else v) for n, v in (s or {}).items()}
+            for f, i, s in zip(fqns, idxs, states)
         }
     res: dict[str, dict[str, Any]] = {f: {} for f in fqns}
     names: dict[str, torch.dtype] = {}
@@ -397,7 +417,7 @@ def _save_orig_unit(unit: Unit, fqns: list[str], idxs: list[int], states: list[O
         if to_save:
             views = _unit_views(unit, full[: lay.flat_numel])
             for j, i in enumerate(idxs):
-                res[fqns[j]][name] = out.finish(views[i], unit)
+                res[fqns[j]][name] = out.finish(views[i], unit, unit.infos[i].tp_spec)
         del full
     return res if to_save else {}
 
@@ -515,6 +535,16 @@ def _to_full(v: Any, fqn: str, name: str) -> Any:
     return v
 
 
+def _load_value(v: Any, fqn: str, name: str, info: Optional[ParamInfo]) -> Any:
+    """A saved state value as the unit flattens it: whole (gathered when sharded), and for a
+    tensor-parallel parameter its TP-local part ([Note: tensor-parallel wrapper units])."""
+    v = _to_full(v, fqn, name)
+    tp = info is not None and info.tp_spec is not None
+    if tp and _is_pos_dim(v) and tuple(v.shape) == tuple(info.global_shape):
+        v = as_tp_value(v, info.tp_spec).to_local()
+    return v
+
+
 def _check_shape(v: torch.Tensor, fqn: str, name: str, shape: torch.Size) -> None:
     if tuple(v.shape) != tuple(shape):
         raise ValueError(
@@ -556,7 +586,7 @@ def _broadcast_from_rank0(view: _View, osd: dict, what: str) -> dict:
         objs: list[Any] = [meta]
     else:
         objs = [None]
-    dist.broadcast_object_list(objs, src=0, group=view.group, device=torch.device("cpu"))
+    dist.broadcast_object_list(objs, group_src=0, group=view.group, device=torch.device("cpu"))
     meta = objs[0]
     if isinstance(meta, _BadOsd):
         raise ValueError(meta.message)
@@ -567,7 +597,13 @@ def _broadcast_from_rank0(view: _View, osd: dict, what: str) -> dict:
         for n, v in list(s.items()):
             if isinstance(v, tuple) and len(v) == 3 and v[0] == "T":
                 dev = view.units[0].device if view.units else torch.device("cpu")
-                t = osd["state"][k][n].to(dev).contiguous() if is0 else torch.empty(v[1], dtype=v[2], device=dev)
+                if is0:
+                    t = osd["state"][k][n]
+                    # a tensor-parallel parameter's DTensor: sent whole (gathered over TP among the
+                    # ranks 0 of the dp groups, which hold the dict); each rank takes its part
+                    t = (t.full_tensor() if isinstance(t, DTensor) else t).to(dev).contiguous()
+                else:
+                    t = torch.empty(v[1], dtype=v[2], device=dev)
                 dist.broadcast(t, src=src, group=view.group)
                 s[n] = t
     return meta
@@ -578,7 +614,8 @@ def _flatten_flat(view: _View, e: _Entry, state: dict, what: str) -> dict[str, A
     turned into this rank's flat shard state."""
     unit = e.unit
     have = [state.get(f) for f in e.fqns]
-    gathered = [None if s is None else {n: _to_full(v, f, n) for n, v in s.items()} for f, s in zip(e.fqns, have)]
+    gathered = [None if s is None else {n: _load_value(v, f, n, i) for n, v in s.items()}
+                for f, s, i in zip(e.fqns, have, unit.infos)]
     names = None
     for f, s in zip(e.fqns, gathered):
         if s is None:
@@ -663,7 +700,7 @@ def _flatten_orig(e: _Entry, state: dict) -> dict[str, Any]:
     unit = e.unit
     info = unit.infos[e.index]
     fqn = e.fqns[0]
-    full = {n: _to_full(v, fqn, n) for n, v in state.items()}
+    full = {n: _load_value(v, fqn, n, info) for n, v in state.items()}
     for n, v in full.items():
         if _is_pos_dim(v):
             _check_shape(v, fqn, n, info.shape)

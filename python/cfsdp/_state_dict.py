@@ -38,6 +38,7 @@ from .api import (
     LocalStateDictConfig,
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
+    ShardingStrategy,
     ShardedStateDictConfig,
     StateDictConfig,
     StateDictSettings,
@@ -112,10 +113,14 @@ def set_state_dict_type(
     return StateDictSettings(prev_type, prev_cfg, prev_optim_cfg)
 
 
-def check_mesh_settings(w) -> None:
+def check_mesh_settings(w, hook: bool = False) -> None:
     """A wrapper built with a ``device_mesh`` gives DTensors in sharded state dicts
-    (torch turns ``_use_dtensor`` on) and has no LOCAL state dict."""
+    (torch turns ``_use_dtensor`` on) and has no LOCAL state dict.  In a state-dict hook
+    (``hook``) a NO_SHARD wrapper is exempt: it gives a FULL state dict whatever the type,
+    as torch's hooks do."""
     if getattr(w, "_device_mesh", None) is None:
+        return
+    if hook and w.sharding_strategy == ShardingStrategy.NO_SHARD:
         return
     if w._state_dict_type == StateDictType.LOCAL_STATE_DICT:
         raise RuntimeError(
@@ -356,7 +361,7 @@ def _pre_state_dict_hook(w, prefix: str, keep_vars: bool) -> None:
     if _DRY.get():
         return
     check_can_summon([w._state])
-    check_mesh_settings(w)
+    check_mesh_settings(w, hook=True)
     w._sd.active = True
     t = _type_of(w)
     if t == StateDictType.LOCAL_STATE_DICT:
@@ -382,6 +387,23 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _unit_entry(v, full_ptr: Optional[int]) -> Optional[tuple]:
+    """A state-dict entry that is one of the unit's full parameters (a view of the gathered
+    buffer at ``full_ptr``): ``(its local full value, its TP spec or None)``; a TP
+    parameter's is a DTensor over the view ([Note: tensor-parallel wrapper units])."""
+    if full_ptr is None:
+        return None
+    if isinstance(v, DTensor):
+        local = v._local_tensor
+        return (local.detach(), v._spec) if _storage_ptr(local) == full_ptr else None
+    return (v.detach(), None) if _plain_tensor(v) and _storage_ptr(v) == full_ptr else None
+
+
+def _tp_shards_dim0(spec) -> bool:
+    """Does tensor parallelism shard the parameter of ``spec`` (None: a plain one) on dim 0?"""
+    return spec is not None and any(pl.is_shard(0) for pl in spec.placements)
+
+
 def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
     if _DRY.get():
         _dry_entries(w, state_dict, prefix)
@@ -400,13 +422,22 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
         shard_ptr = _storage_ptr(u.shard) if u is not None else None
         flat_key = prefix + FLAT_PARAM
         flat_done = False
+        # the unit's own entries: index -> (local full value, TP spec or None)
+        own = {i: e for i, (_, v) in enumerate(items) if (e := _unit_entry(v, full_ptr)) is not None}
         chunks = {}
-        if t == StateDictType.SHARDED_STATE_DICT and full_ptr is not None:
-            mine = [i for i, (_, v) in enumerate(items) if _plain_tensor(v) and _storage_ptr(v) == full_ptr]
-            locals_ = _local_chunks(u, [items[i][1].detach() for i in mine], cfg.offload_to_cpu)
+        if t == StateDictType.SHARDED_STATE_DICT and own:
+            mine = [i for i, (v, spec) in own.items() if not _tp_shards_dim0(spec)]
+            locals_ = _local_chunks(u, [own[i][0] for i in mine], cfg.offload_to_cpu)
             chunks = dict(zip(mine, locals_))
         for i, (k, v) in enumerate(items):
             ck = _clean_under(prefix, k)
+            if i in own:
+                if t == StateDictType.SHARDED_STATE_DICT:
+                    local, spec = own[i]
+                    state_dict[ck] = _chunked_value(w, u, local, chunks.get(i), cfg, spec)
+                else:  # a view of the gathered copy (already on the CPU if asked)
+                    state_dict[ck] = v.detach()
+                continue
             if not _plain_tensor(v):  # extra state, or an inner wrapper's converted entry
                 state_dict[ck] = v
                 continue
@@ -417,13 +448,6 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
                 if not flat_done and not u.use_orig_params:
                     state_dict[flat_key] = _local_flat_value(w, u)
                 flat_done = True
-                continue
-            if full_ptr is not None and ptr == full_ptr:
-                v = v.detach()
-                if t == StateDictType.SHARDED_STATE_DICT:
-                    state_dict[ck] = _chunked_value(w, u, v, chunks[i], cfg._use_dtensor)
-                else:  # a view of the gathered copy (already on the CPU if asked)
-                    state_dict[ck] = v
                 continue
             orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
             if orig is not None and v.dtype != orig and v.is_floating_point():
@@ -494,6 +518,58 @@ def _dim0_chunks(d0: int, world: int) -> list[tuple[int, int]]:
     return [(s, min(rows, d0 - s)) for s in range(0, d0, rows)]
 
 
+_OWN_CHUNK = object()  # root_mesh_value: take this rank's dp chunk of ``full`` itself
+
+
+def root_mesh_value(root: DeviceMesh, full: torch.Tensor, spec, local: Any = _OWN_CHUNK,
+                    offload_to_cpu: bool = False) -> DTensor:
+    """A sharded state-dict value of a wrapper whose ``device_mesh`` is the dp slice of the 2-D
+    (dp, tp) mesh ``root`` (torch FSDP1's DTensor extension is then on): a DTensor on ``root``
+    placed ``(Shard(0), <TP placement>)`` for a tensor-parallel parameter of spec ``spec``
+    (``full``: its local full value), ``(Shard(0), Replicate())`` for a plain one (``full``:
+    its full value), holding what DTensor's placements say this rank holds.
+
+    ``local`` (this rank's dim-0 chunk of ``full`` over dp, None for none; by default cut here)
+    is used as it is unless TP shards dim 0 too: then rows move between TP ranks (the dp
+    chunk is taken of the whole tensor first), so the whole tensor is gathered over TP and
+    cut on both mesh dims, through DTensor's own redistribution.  torch's FSDP1 redistributes
+    the local value from ``(Replicate(), Shard(0))`` directly, which aborts gloo on uneven TP
+    shards (an 11-row embedding on 2 TP ranks, measured on torch 2.13); this path gives the
+    same values where torch runs and works there too.  Collective over the TP group in that
+    case only."""
+    if spec is None:
+        placements, shape, stride = (DShard(0), Replicate()), full.shape, full.stride()
+    else:
+        placements, shape, stride = (DShard(0), *spec.placements), spec.shape, spec.stride
+    if _tp_shards_dim0(spec):
+        whole = DTensor.from_local(full, root, (Replicate(), *spec.placements), run_check=False,
+                                   shape=shape, stride=stride)
+        whole = whole.redistribute(root, (Replicate(), Replicate()))
+        local = whole.redistribute(root, placements).to_local()
+        local = local.to("cpu", copy=True) if offload_to_cpu else local.clone()
+    else:
+        if local is _OWN_CHUNK:
+            chunks = _dim0_chunks(full.shape[0], root.size(0))
+            r = root.get_local_rank(0)
+            local = full[chunks[r][0] : sum(chunks[r])] if r < len(chunks) else None
+            if local is not None:
+                local = local.to("cpu", copy=True) if offload_to_cpu else local.clone()
+        if local is None:
+            local = full.new_empty((0, *full.shape[1:]), device="cpu" if offload_to_cpu else full.device)
+    return DTensor.from_local(local, root, placements, run_check=False, shape=shape, stride=stride)
+
+
+def as_tp_value(v, spec) -> DTensor:
+    """A TP parameter's state-dict value ``v`` (a DTensor on any mesh, or the whole tensor)
+    as a DTensor with the parameter's own ``spec`` (TP mesh, placements), which is what its
+    summoned parameter takes; collective over ``v``'s mesh unless it is one already."""
+    if isinstance(v, DTensor) and v.device_mesh == spec.mesh and v.placements == spec.placements:
+        return v
+    whole = v.full_tensor() if isinstance(v, DTensor) else v
+    rep = DTensor.from_local(whole, spec.mesh, (Replicate(),) * spec.mesh.ndim, run_check=False)
+    return rep.redistribute(spec.mesh, spec.placements)
+
+
 def _mesh_of(w, u):
     mesh = getattr(w, "_device_mesh", None)
     if mesh is None:
@@ -529,12 +605,17 @@ def _local_chunks(u, fulls: list, offload_to_cpu: bool) -> list:
     return out
 
 
-def _chunked_value(w, u, full: torch.Tensor, local: Optional[torch.Tensor], use_dtensor: bool):
+def _chunked_value(w, u, full: torch.Tensor, local: Optional[torch.Tensor], cfg, spec=None):
     """SHARDED_STATE_DICT: ``local`` (this rank's dim-0 chunk of the full parameter
     ``full``, or None) wrapped as torch does: a ShardedTensor over the unit's group,
-    or a DTensor ``Shard(0)`` (with a 2-D hybrid mesh ``(Replicate(), Shard(0))``)."""
+    or a DTensor ``Shard(0)`` (with a 2-D hybrid mesh ``(Replicate(), Shard(0))``), or
+    with a (dp, tp) root mesh a DTensor on it (:func:`root_mesh_value`; ``full`` is then a TP
+    parameter's local full value when ``spec`` is its TP spec)."""
+    root = getattr(w, "_tp_root_mesh", None)
+    if root is not None:
+        return root_mesh_value(root, full, spec, local, cfg.offload_to_cpu)
     chunks = _dim0_chunks(full.shape[0], u.world_size)
-    if use_dtensor or getattr(w, "_device_mesh", None) is not None:
+    if cfg._use_dtensor or getattr(w, "_device_mesh", None) is not None:
         mesh = _mesh_of(w, u)
         if local is None:
             local = full.new_empty((0, *full.shape[1:]))
@@ -598,12 +679,13 @@ def _dry_entries(w, state_dict, prefix: str) -> None:
                     state_dict[prefix + FLAT_PARAM] = flat
                 else:
                     for info in list(u.infos) + list(u.shared):
-                        e = _meta_like(info.shape, u.dtype)
+                        shape = info.global_shape
+                        e = _meta_like(shape, u.dtype)
                         if t == StateDictType.SHARDED_STATE_DICT:
-                            rest = [0] * (len(info.shape) - 1)
+                            rest = [0] * (len(shape) - 1)
                             e._cfsdp_shards = [
-                                ([s, *rest], [n, *info.shape[1:]])
-                                for s, n in _dim0_chunks(info.shape[0], u.world_size)
+                                ([s, *rest], [n, *shape[1:]])
+                                for s, n in _dim0_chunks(shape[0], u.world_size)
                             ]
                         state_dict[prefix + clean_tensor_name(info.fqn)] = e
             continue
@@ -794,7 +876,7 @@ def _load_local_flat(w, u, state_dict, prefix: str) -> None:
 
 def _pre_load_hook(w, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs) -> None:
     check_can_summon([w._state])
-    check_mesh_settings(w)
+    check_mesh_settings(w, hook=True)
     if not w._cfsdp_has_outer and not w._sd.validated:
         validate(w, state_dict, prefix, _LOAD_STRICT.get())
     w._sd.validated = False
@@ -802,11 +884,15 @@ def _pre_load_hook(w, state_dict, prefix, local_metadata, strict, missing, unexp
     t = _type_of(w)
     u = _unit(w)
     w._sd.skip_missing = set()
-    if u is not None and t == StateDictType.SHARDED_STATE_DICT:
+    if u is not None and t != StateDictType.LOCAL_STATE_DICT:
         for info in list(u.infos) + list(u.shared):
             k = prefix + clean_tensor_name(info.fqn)
-            if k in state_dict:
+            if k not in state_dict:
+                continue
+            if t == StateDictType.SHARDED_STATE_DICT:
                 state_dict[k] = _full_from_chunks(state_dict[k], u, k)
+            if info.tp_spec is not None:  # loaded into a DTensor on the TP mesh
+                state_dict[k] = as_tp_value(state_dict[k], info.tp_spec)
     if u is not None and t == StateDictType.LOCAL_STATE_DICT:
         _load_local_flat(w, u, state_dict, prefix)
         if u.use_orig_params:

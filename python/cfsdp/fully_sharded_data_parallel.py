@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
 from torch.distributed.fsdp import wrap as _torch_wrap
 from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
 from torch.distributed.fsdp._common_utils import TrainingState as _TorchTrainingState
@@ -434,13 +435,68 @@ def _check_not_shared_with_other_units(module: nn.Module, ignored: set) -> None:
                 stack.append((join_fqn(prefix, cname), child))
 
 
-def _validate_params(module: nn.Module, ignored: set, device: torch.device) -> None:
+def tp_root_mesh(device_mesh, strategy: ShardingStrategy):
+    """The 2-D (dp, tp) mesh ``device_mesh`` is the dp slice of (its first dimension), for a
+    strategy that shards over it alone; else None.  torch FSDP1 turns its DTensor extension
+    on for any sliced ``device_mesh``: tensor-parallel parameters are then flattened through
+    their local tensors and sharded state dicts hold DTensors on this root mesh."""
+    if device_mesh is None or strategy in _HYBRID or device_mesh.ndim != 1:
+        return None
+    root = device_mesh._get_root_mesh()
+    if root is device_mesh or root.ndim != 2 or root.mesh_dim_names is None:
+        return None
+    if device_mesh.mesh_dim_names != root.mesh_dim_names[:1]:
+        return None
+    return root
+
+
+def _check_tp_param(p: DTensor, fqn: str, device_mesh, strategy: ShardingStrategy) -> None:
+    """A tensor-parallel parameter the wrapper can shard ([Note: tensor-parallel wrapper units]
+    in ``_runtime/unit.py``): ``device_mesh`` is the dp slice of a 2-D (dp, tp) mesh whose tp
+    slice the parameter lives on, with Shard/Replicate placements, materialised."""
+    what = (f"FullyShardedDataParallel: parameter '{fqn}' is a DTensor (placements {p.placements} "
+            f"on {p.device_mesh}), e.g. from tensor parallelism (parallelize_module)")
+    if strategy in _HYBRID:
+        raise NotImplementedError(
+            f"{what}; cfsdp's wrapper does not combine {strategy} with tensor parallelism. Use "
+            "FULL_SHARD or SHARD_GRAD_OP with device_mesh=mesh['dp'], or fully_shard on a 3-D "
+            "mesh (replicate, shard, tp) for HSDP x TP.")
+    root = tp_root_mesh(device_mesh, strategy)
+    if root is None:
+        raise NotImplementedError(
+            f"{what}. The wrapper shards tensor-parallel parameters as torch's FSDP1 does: with "
+            "device_mesh=mesh['dp'], the dp slice of the 2-D DeviceMesh (dp, tp) whose "
+            "mesh['tp'] the model was parallelized on (got "
+            f"{'process_group=' if device_mesh is None else f'device_mesh={device_mesh}'}). "
+            "Pass that device_mesh instead.")
+    tp = p.device_mesh
+    if tp.ndim != 1 or tp._get_root_mesh() != root or tp.mesh_dim_names != root.mesh_dim_names[1:]:
+        raise ValueError(
+            f"{what}, which is not the tp slice {root.mesh_dim_names[1:]} of the wrapper's mesh "
+            f"{root}. Take both from one DeviceMesh: mesh['dp'] for the wrapper and mesh['tp'] "
+            "for parallelize_module.")
+    for pl in p.placements:
+        if type(pl) not in (DShard, DReplicate):
+            raise NotImplementedError(
+                f"{what}; cfsdp's wrapper shards tensor-parallel parameters placed Shard(d) or "
+                f"Replicate() on the TP mesh, not {pl}.")
+    if p._local_tensor.is_meta:
+        raise NotImplementedError(
+            f"{what} on the meta device; deferred initialisation of tensor-parallel parameters "
+            "is not supported by cfsdp's wrapper. Materialise the model (to_empty + "
+            "reset_parameters) before wrapping it.")
+
+
+def _validate_params(module: nn.Module, ignored: set, device: torch.device, device_mesh,
+                     strategy: ShardingStrategy) -> None:
     """Check every parameter the wrapper tree will shard, naming it by FQN."""
     for name, p in module.named_parameters():
         if p in ignored or getattr(p, "_cfsdp_flattened", False):
             continue
         fqn = clean_tensor_name(name)
-        check_plain_param(p, fqn, "FullyShardedDataParallel")
+        if isinstance(p, DTensor):
+            _check_tp_param(p, fqn, device_mesh, strategy)
+        check_plain_param(p, fqn, "FullyShardedDataParallel", tp_ok=isinstance(p, DTensor))
         if p.device.type == "meta":
             continue  # materialised unit by unit (deferred initialisation)
         # scalar and non-floating parameters: checked unit by unit, as torch (_init_param_handle)
@@ -516,7 +572,7 @@ class FullyShardedDataParallel(nn.Module):
         strategy, group, replicate_group, process_group = self._init_process_group(
             process_group, device_mesh, strategy, device, cpu_offload, auto_wrap_policy)
         ignored_params, ignored_mods = self._init_ignored_states(
-            module, ignored_modules, ignored_states, device, use_orig_params)
+            module, ignored_modules, ignored_states, device, use_orig_params, device_mesh, strategy)
         self._init_core_state(module, strategy, group, replicate_group, device, device_mesh,
                               mixed_precision, cpu_offload, backward_prefetch, forward_prefetch,
                               limit_all_gathers, use_orig_params)
@@ -570,7 +626,8 @@ class FullyShardedDataParallel(nn.Module):
         return strategy, group, replicate_group, process_group
 
     def _init_ignored_states(self, module: nn.Module, ignored_modules, ignored_states,
-                             device: torch.device, use_orig_params: bool):
+                             device: torch.device, use_orig_params: bool, device_mesh,
+                             strategy: ShardingStrategy):
         """Ignored parameters and modules: the arguments', an auto-wrapping root's
         (inherited) and those of wrappers already nested inside; the parameters are
         validated (by the outermost wrapper) and the managed modules annotated."""
@@ -585,7 +642,7 @@ class FullyShardedDataParallel(nn.Module):
         for sub in nested:  # nested wrappers' ignored parameters stay ignored
             ignored_params |= sub._ignored_params
         if inherited is None:
-            _validate_params(module, ignored_params, device)
+            _validate_params(module, ignored_params, device, device_mesh, strategy)
         if device.type == "cuda":
             module.to(device)  # device-generic path (not exercised on CPU-only CI)
         self._ignored_modules: set[nn.Module] = set(ignored_mods)
@@ -608,6 +665,8 @@ class FullyShardedDataParallel(nn.Module):
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.cpu_offload = cpu_offload or CPUOffload()
         self._device_mesh = device_mesh
+        # the (dp, tp) mesh when device_mesh is its dp slice (torch's DTensor extension)
+        self._tp_root_mesh = tp_root_mesh(device_mesh, strategy)
         # state-dict settings (torch's attribute names; set_state_dict_type changes them)
         (
             self._state_dict_type,
@@ -739,8 +798,9 @@ class FullyShardedDataParallel(nn.Module):
         """Broadcast rank 0's managed parameters and buffers (torch's semantics)."""
         group = self._process_group
         with torch.no_grad():
-            for p in managed:
-                dist.broadcast(p.detach(), group=group, group_src=0)
+            for p in managed:  # a tensor-parallel parameter: its local tensor
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                dist.broadcast(local.detach(), group=group, group_src=0)
             for mod in module.modules():
                 if mod in ignored_mods:
                     continue
@@ -1031,6 +1091,17 @@ class FullyShardedDataParallel(nn.Module):
         if root is None:
             raise AssertionError("cfsdp: root without RootState after lazy init")
         units = [s.unit for s in root.states if s.unit is not None]
+        tp = next((i for u in units for i in u.infos if i.tp_spec is not None), None)
+        if tp is not None:
+            # torch's FSDP1 sums the local norms over the dp group only: each TP rank gets
+            # another norm (measured: 0.517 and 0.525 at (1, 2)), and the TP replicas of
+            # replicated parameters are scaled differently and drift apart
+            raise NotImplementedError(
+                f"FullyShardedDataParallel.clip_grad_norm_ with tensor-parallel parameters (e.g. "
+                f"'{tp.fqn}' of {type(tp.module).__name__}) is not supported by cfsdp: a norm over "
+                "the TP-local gradients differs between TP ranks (torch's FSDP1 computes it so, "
+                "and its TP replicas then drift apart). Clip with fully_shard and "
+                "torch.nn.utils.clip_grad_norm_, which reduce DTensor gradients over both meshes.")
         # parameters no unit manages (ignored ones): torch's `self.parameters()` minus the
         # managed ones (flat params, or the original params with use_orig_params=True)
         nonsharded = [

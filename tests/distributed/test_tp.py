@@ -1,4 +1,5 @@
-"""Tensor parallelism with both faces against torch (see worker_tp.py for what is compared).
+"""Tensor parallelism with both faces against torch (see worker_tp.py and worker_tp_wrapper.py
+for what is compared).
 
 One torchrun launch per world size runs every subtest; the checkpoint-across-meshes test
 chains two launches sharing the test's tmp_path: 4 ranks on (2, 2) save, 2 ranks load on
@@ -17,6 +18,18 @@ LAUNCH_TIMEOUT_S = 300
 def test_tensor_parallel(tmp_path, world_size):
     run_worker("worker_tp.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
                env={"CFSDP_CKPT_DIR": str(tmp_path)})
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_wrapper(tmp_path, world_size):
+    """FullyShardedDataParallel(device_mesh=mesh["dp"]) on TP models against torch's FSDP1.  At 4
+    ranks (the (2, 2) mesh) the subtests 4 ranks add: every parity case, resuming and DCP across
+    both implementations, no_sync, the single-process oracle, sync_module_states, the errors
+    ([Note: coverage at 4 ranks] in launcher.py)."""
+    at_4 = "parity|resume|dcp|no_sync|single|sync_module|unsupported|hybrid"
+    run_worker("worker_tp_wrapper.py", world_size, timeout=LAUNCH_TIMEOUT_S,
+               args=subtest_filter(world_size, at_4=at_4), env={"CFSDP_CKPT_DIR": str(tmp_path)})
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)

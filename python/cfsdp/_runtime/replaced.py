@@ -41,6 +41,9 @@ _uids = itertools.count()
 # how -> (what replaced it, when to build the optimizer)
 WRAPPER = ("FullyShardedDataParallel replaced it by a flat sharded parameter when it wrapped "
            "the module (use_orig_params=False)", "after wrapping, from the wrapped model's parameters()")
+WRAPPER_TP = ("FullyShardedDataParallel replaced this tensor-parallel DTensor parameter by a "
+              "parameter of its local tensor when it wrapped the module (use_orig_params=True, as "
+              "torch's FSDP1)", "after wrapping, from the wrapped model's parameters()")
 FULLY_SHARD = ("fully_shard replaced it by a sharded DTensor parameter when it sharded the module",
                "after fully_shard, from the model's parameters()")
 ADOPTED = ("fully_shard now uses the parameter that took its place in the module (e.g. "
@@ -120,4 +123,5 @@ def _install() -> None:
         _hook_installed = True
 
 
-__all__ = ["check_plain_param", "mark_replaced", "replaced_fqn", "orig_uid", "WRAPPER", "FULLY_SHARD", "ADOPTED"]
+__all__ = ["check_plain_param", "mark_replaced", "replaced_fqn", "orig_uid", "WRAPPER", "WRAPPER_TP",
+           "FULLY_SHARD", "ADOPTED"]

@@ -21,16 +21,42 @@ A unit owns three buffers, all 1-D and of the unit's dtype:
 The layout (offsets, padding, shard ranges) comes from the C planner
 (``cfsdp._core.plan_layout``) and follows torch FSDP1's ``FlatParameter``
 exactly, so shapes and numerics match torch.
+
+[Note: tensor-parallel wrapper units]
+A parameter that tensor parallelism made a ``DTensor`` on a TP mesh (``parallelize_module``
+with ``mesh["tp"]``, the wrapper with ``device_mesh=mesh["dp"]``) takes part in the flat
+layout through its *TP-local* tensor, as torch FSDP1's DTensor extension flattens it: the
+layout, shard, all-gather and reduce-scatter see only local bytes (C and shared memory as
+usual).  At wrap time the unit registers a new ``nn.Parameter`` over the local tensor in
+the DTensor's place (:meth:`Unit._take_tp_locals`; the DTensor is marked replaced and its
+local storage released once copied), so every other path (flat parameter,
+``use_orig_params`` views, tied occurrences, gradients) is the plain one, and
+``ParamInfo.tp_spec`` keeps the DTensor's spec (TP mesh, placements, global shape and
+stride).  What differs is what modules and
+users see, as torch FSDP1 shows it:
+
+* forward binds ``DTensor.from_local`` over each view (run_check=False, the global shape and
+  stride): its backward turns the gradient into the parameter's placements (e.g. a partial
+  sum over TP ranks into Replicate, one all-reduce per backward), as torch's;
+* summoned and state-dict parameters are DTensors on the TP mesh over the full views
+  (:meth:`Unit.params_as_full`); the idle (sharded) attributes of ``use_orig_params=False``
+  too;
+* with ``use_orig_params=True`` the registered parameters are the local ones: 1-D shard
+  slices, as torch's; at dp=1 (NO_SHARD) full-shape local tensors, where torch registers
+  DTensors and fails on the second forward (its writeback compares the local and global
+  shapes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
 from .._fqn import FLAT_PARAM, join_fqn
@@ -38,7 +64,7 @@ from . import comm
 from .base import (PendingReduce, TrainingState, UnshardStates, accumulate_sharded, all_none,
                    alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
 from .reduce import divide_factors, scale_cast_add
-from .replaced import WRAPPER, mark_replaced
+from .replaced import WRAPPER, WRAPPER_TP, mark_replaced
 
 # torch's FSDP1 aligns every original parameter to 16 bytes in the flat
 # buffer when use_orig_params=True (a TorchInductor requirement).
@@ -109,8 +135,25 @@ class ParamInfo:
     fqn: str  # relative to the unit's module, raw (wrapper prefixes kept)
     shape: torch.Size
     numel: int
-    param: nn.Parameter  # the original parameter object
+    param: nn.Parameter  # the original parameter object (a TP parameter's local one)
     primary: int = -1  # for a shared (tied) occurrence: index of the first one
+    # a tensor-parallel parameter's DTensorSpec (TP mesh, placements, global shape and
+    # stride); None for a plain one.  ``shape`` / ``numel`` are then the local tensor's.
+    tp_spec: Any = None
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The shape the module and state dicts see (the DTensor's, for a TP parameter)."""
+        return self.shape if self.tp_spec is None else self.tp_spec.shape
+
+
+def tp_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
+    """``local`` (a TP parameter's local tensor or a view with its shape) as a DTensor with
+    the parameter's ``spec`` (in ``local``'s dtype); no autograd edge, no communication."""
+    if spec.tensor_meta.dtype != local.dtype:
+        spec = DTensorSpec(spec.mesh, spec.placements,
+                           tensor_meta=TensorMeta(spec.shape, spec.stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 class Unit(UnshardStates):
@@ -147,6 +190,9 @@ class Unit(UnshardStates):
         self.all_reduce_hook = None  # called on the reduced shard before the post-divide
         self.infos, self.shared = self._collect(module, params)
         self._validate(name_for_errors)
+        # [Note: tensor-parallel wrapper units]
+        self.tp = any(i.tp_spec is not None for i in self.infos)
+        tp_originals = self._take_tp_locals() if self.tp else []
         dtype = self.infos[0].param.dtype
         self.dtype = dtype  # of the shard, the optimizer's parameters and gradients
         self.requires_grad = any(i.param.requires_grad for i in self.infos)
@@ -178,6 +224,8 @@ class Unit(UnshardStates):
             lay.offsets,
         )
         self._fill_alignment_padding()
+        for p in tp_originals:  # copied into the shard: the replaced DTensors' local storage goes
+            p._local_tensor.data = torch.empty(0, dtype=p.dtype, device=p._local_tensor.device)
         if not sharded:
             self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
@@ -227,6 +275,13 @@ class Unit(UnshardStates):
         self._param_index = tuple(range(len(self.infos)))
         self._grad_split: Optional[tuple] = None  # see _orig_grad_views
         self._rg_mask: Optional[bytes] = None
+        # occurrences of TP parameters, whose views the module sees as DTensors
+        # ([Note: tensor-parallel wrapper units]): (occurrence index, spec)
+        self._tp_occ = tuple((k, self.infos[i].tp_spec) for k, i in enumerate(self._occ_index)
+                             if self.infos[i].tp_spec is not None)
+        # summon/state dicts with use_orig_params=True: the DTensor parameters registered
+        # over a TP parameter's full view while shown full (restored by params_as_sharded)
+        self._shown_tp: dict[int, nn.Parameter] = {}
 
     def _fill_alignment_padding(self) -> None:
         """torch's FSDP1 fills the gaps that align parameters (use_orig_params=True)
@@ -250,7 +305,9 @@ class Unit(UnshardStates):
             for name, p in list(mod._parameters.items()):
                 if p is None or p not in wanted:
                     continue
-                info = ParamInfo(mod, name, join_fqn(mod_name, name), p.shape, p.numel(), p)
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                info = ParamInfo(mod, name, join_fqn(mod_name, name), local.shape, local.numel(), p,
+                                 tp_spec=p._spec if isinstance(p, DTensor) else None)
                 if p in first:
                     info.primary = first[p]
                     shared.append(info)
@@ -258,6 +315,26 @@ class Unit(UnshardStates):
                     first[p] = len(infos)
                     infos.append(info)
         return infos, shared
+
+    def _take_tp_locals(self) -> list:
+        """[Note: tensor-parallel wrapper units]: register a new ``nn.Parameter`` over each TP
+        parameter's local tensor (same ``requires_grad``) at every occurrence in place of the
+        DTensor, which is marked replaced (an optimizer built from it is caught).  Returns the
+        replaced DTensors, whose local storage the caller releases once the unit has copied
+        it."""
+        how = WRAPPER_TP if self.use_orig_params else WRAPPER
+        swap: dict = {}
+        for info in self.infos:
+            if info.tp_spec is not None:
+                dt = info.param
+                swap[dt] = nn.Parameter(dt._local_tensor.detach(), requires_grad=dt.requires_grad)
+                mark_replaced(dt, info.fqn, how)
+        for info in [*self.infos, *self.shared]:
+            local = swap.get(info.param)
+            if local is not None:
+                info.module._parameters[info.name] = local
+                info.param = local
+        return list(swap)
 
     def _validate(self, where: str) -> None:
         """torch FSDP1's checks of a flat parameter's tensors, in its order and with its
@@ -337,6 +414,13 @@ class Unit(UnshardStates):
             for off, i in zip(self.layout.offsets, self.infos)
         ]
 
+    def _as_seen(self, views: list) -> list:
+        """Per-parameter ``views`` as the module sees them: a TP parameter's as a DTensor
+        on its TP mesh ([Note: tensor-parallel wrapper units]), the others as they are."""
+        if not self.tp:
+            return views
+        return [v if i.tp_spec is None else tp_dtensor(v, i.tp_spec) for i, v in zip(self.infos, views)]
+
     def _full_views(self, buf: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Views with the original shapes of the current unsharded buffer (or of
         ``buf``, a copy of it)."""
@@ -365,6 +449,7 @@ class Unit(UnshardStates):
             free_storage(self.unsharded)
         else:
             views = self._views_of(self.shard)
+        views = self._as_seen(views)
         self._idle_views = views  # what a sharded unit's modules hold (use_orig_params=False)
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
@@ -457,6 +542,12 @@ class Unit(UnshardStates):
         views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._split_index,
                                   self._shapes, self._rg_mask if self.use_orig_params else None,
                                   self._occ_index)
+        if self._tp_occ:  # [Note: tensor-parallel wrapper units]
+            views = list(views)
+            for k, spec in self._tp_occ:
+                views[k] = DTensor.from_local(views[k], spec.mesh, spec.placements, run_check=False,
+                                              shape=spec.shape, stride=spec.stride)
+            views = tuple(views)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
 
     def end_forward_views(self) -> None:
@@ -473,15 +564,24 @@ class Unit(UnshardStates):
         back before :meth:`params_as_sharded`."""
         views = self._full_views(buf)
         if self.use_orig_params:
-            for info, v in zip(self.infos, views):
+            for i, (info, v) in enumerate(zip(self.infos, views)):
                 info.module.__dict__.pop(info.name, None)
-                info.param.data = v
+                if info.tp_spec is None:
+                    info.param.data = v
+                    continue
+                # a TP parameter shows as a DTensor over its full view; its gradient
+                # (with_grads) goes on that parameter too
+                dt = nn.Parameter(tp_dtensor(v, info.tp_spec), requires_grad=info.param.requires_grad)
+                self._shown_tp[i] = dt
+                info.module._parameters[info.name] = dt
             for s in self.shared:
                 s.module.__dict__.pop(s.name, None)
+                if s.primary in self._shown_tp:
+                    s.module._parameters[s.name] = self._shown_tp[s.primary]
         else:
             del self.module._parameters[FLAT_PARAM]
             params = []
-            for info, v in zip(self.infos, views):
+            for info, v in zip(self.infos, self._as_seen(views)):
                 p = nn.Parameter(v, requires_grad=info.param.requires_grad)
                 params.append(p)
                 info.module.__dict__.pop(info.name, None)
@@ -493,7 +593,7 @@ class Unit(UnshardStates):
     def params_as_sharded(self, writeback: bool) -> None:
         """Undo :meth:`params_as_full`; copy full values back to the shard if asked
         (the unit may be sharded when :meth:`params_as_full` showed a copy)."""
-        views = self._full_views() if self._buf is not None else self._idle_views
+        views = self._as_seen(self._full_views()) if self._buf is not None else self._idle_views
         writeback = writeback and self._buf is not None
         if writeback and self._buf is not self.shard:
             lo, hi = self.layout.shard_range(self.rank)
@@ -501,6 +601,10 @@ class Unit(UnshardStates):
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
+            if self._shown_tp:
+                for info in [*self.infos, *self.shared]:
+                    info.module._parameters[info.name] = info.param
+                self._shown_tp = {}
         else:
             for info, v in zip(self.infos, views):
                 del info.module._parameters[info.name]
@@ -547,12 +651,14 @@ class Unit(UnshardStates):
     def grads_as_full(self, full: Optional[torch.Tensor]) -> None:
         """use_orig_params=True, after :meth:`params_as_full`: each original
         parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
-        for off, info in zip(self.layout.offsets, self.infos):
-            info.param.grad = (
-                None
-                if full is None or not info.param.requires_grad
-                else full[off : off + info.numel].view(info.shape)
-            )
+        for i, (off, info) in enumerate(zip(self.layout.offsets, self.infos)):
+            g = (None if full is None or not info.param.requires_grad
+                 else full[off : off + info.numel].view(info.shape))
+            shown = self._shown_tp.get(i)
+            if shown is not None:  # a TP parameter shown as a DTensor: a DTensor gradient
+                shown.grad = None if g is None else tp_dtensor(g, info.tp_spec)
+            else:
+                info.param.grad = g
 
     def grads_as_sharded(self, full: Optional[torch.Tensor], writeback: bool) -> None:
         """Undo :meth:`grads_as_full` (call before :meth:`params_as_sharded`).

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
 # bound at import: under cfsdp.patch_torch() a lookup at call time would give cfsdp's class
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -300,6 +301,9 @@ def _broadcast_from_rank0(obj: Any, plan: _Plan) -> Any:
     leaves: list[Any] = []
     if am_src:
         leaves, spec = pytree.tree_flatten(obj)
+        # a tensor-parallel parameter's DTensor (on its TP mesh) is sent whole: the sources
+        # (rank 0 of each dp group) gather it over TP together; each rank loads its part
+        leaves = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
         slots = [
             _TensorSlot(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
             for x in leaves
