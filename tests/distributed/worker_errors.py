@@ -216,11 +216,20 @@ def tp_model(ctx):
 
 @h.subtest(grid={"face": ["wrapper", "fully_shard"]})
 def tensor_parallel_parameters(ctx, face: str):
-    """DTensor parameters (tensor parallelism, not supported yet) never reach the C core: a
-    NotImplementedError at wrap time names the first one (before: an error deep in C)."""
+    """DTensor parameters on a TP mesh that is not a slice of the data-parallel mesh's root never
+    reach the C core: an error at wrap time names the first one and says which meshes to pass.
+
+    The wrapper given process_group= (not device_mesh=mesh['dp']) refuses with
+    NotImplementedError; fully_shard on an unrelated mesh fails as torch's does ("Invariant
+    encountered", a TypeError deep in torch's FSDP2) but with the FQN and the fix.
+    """
     f = Failures(ctx)
-    wrap = (lambda m: CFSDP(m, process_group=ctx.pg)) if face == "wrapper" else cfsdp.fully_shard
-    f.expect("cfsdp", NotImplementedError, lambda: wrap(tp_model(ctx)), "'0.weight'", "DTensor")
+    if face == "wrapper":
+        f.expect("cfsdp", NotImplementedError, lambda: CFSDP(tp_model(ctx), process_group=ctx.pg),
+                 "'0.weight'", "DTensor", "device_mesh=mesh['dp']")
+    else:
+        f.expect("cfsdp", ValueError, lambda: cfsdp.fully_shard(tp_model(ctx)),
+                 "'0.weight'", "Invariant encountered", "one DeviceMesh")
     f.raise_if_any()
 
 
