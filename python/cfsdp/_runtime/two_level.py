@@ -159,8 +159,8 @@ class Lane:
                f"host {self.host} '{self.host_names[self.host]}')")
         if isinstance(e, _PeerError):
             return (f"{who}: {name}: the exchange with global rank {e.global_rank} on host "
-                    f"{e.host} '{self.host_names[e.host]}' failed (host gone, or a network or "
-                    f"process-group failure): {e.cause}")
+                    f"{e.host} '{self.host_names[e.host]}' failed (that host died, stalled "
+                    f"past the timeout, or the network failed): {e.cause}")
         return f"{who}: {name} failed: {e}"
 
     def drain(self) -> None:
