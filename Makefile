@@ -104,6 +104,7 @@ bench: build
 	$(TORCHRUN2) benchmarks/bench_wrap.py --repeats 3 --out benchmarks/out/wrap.json
 	$(TORCHRUN2) benchmarks/bench_state_dict.py --repeats 7 --out benchmarks/out/state_dict.json
 	$(TORCHRUN2) benchmarks/bench_zero.py --out benchmarks/out/zero.json
+	$(PY) benchmarks/bench_hosts.py --out benchmarks/out/hosts.json  # root: emulated hosts
 
 sanitize: $(STAMP)
 	rm -rf $(SAN_DIR)

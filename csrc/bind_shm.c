@@ -577,6 +577,40 @@ static PyObject *cf_py_shm_group_drain(PyObject *obj, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(cf_py_shm_group_fail_doc,
+"fail($self, message, /)\n"
+"--\n"
+"\n"
+"Fail this rank on the segment from outside a collective: wait (GIL\n"
+"released) until the ops queued so far are done, then record `message` as\n"
+"this rank's failure and wake every rank, so their current or next\n"
+"collective fails at once naming this rank and the message; this view's\n"
+"later collectives fail too.  For a caller that failed in another part of a\n"
+"larger collective (comm.py's two-level collectives).  A no-op once closed.\n"
+"See cf_shm_group_fail in csrc/shm.h.");
+
+static PyObject *cf_py_shm_group_fail(PyObject *obj, PyObject *arg)
+{
+    cf_py_shm_group *self = (cf_py_shm_group *)obj;
+    const char *msg;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "message must be str, not %.100s", Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    msg = PyUnicode_AsUTF8(arg);
+    if (msg == NULL)
+        return NULL;
+    if (self->g == NULL)
+        Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    cf_queue_drain(self->q); /* q lives as long as self */
+    Py_END_ALLOW_THREADS
+    /* with the GIL: a close() meanwhile set g to NULL before unmapping it */
+    if (self->g != NULL)
+        cf_shm_group_fail(self->g, msg); /* a CAS and some wake-ups: no need to drop the GIL */
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(cf_py_shm_group_close_doc,
 "close($self, /)\n"
 "--\n"
@@ -639,6 +673,7 @@ static PyMethodDef cf_py_shm_group_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))cf_py_shm_group_broadcast, METH_FASTCALL,
      cf_py_shm_group_broadcast_doc},
     {"drain", cf_py_shm_group_drain, METH_NOARGS, cf_py_shm_group_drain_doc},
+    {"fail", cf_py_shm_group_fail, METH_O, cf_py_shm_group_fail_doc},
     {"close", cf_py_shm_group_close, METH_NOARGS, cf_py_shm_group_close_doc},
     {NULL, NULL, 0, NULL}};
 

@@ -40,9 +40,10 @@
  * and across several mappings in one process), waking at least every
  * CF_SHM_NAP_NS to re-check the deadline; without futexes (non-Linux) it
  * naps with nanosleep.  Every wait is bounded by the group's timeout.  A
- * rank that fails (timeout, mismatch, closed group) records its message in
- * its ctrl, sets header.failed and wakes every sleeper: every other rank's
- * current or next wait then fails at once, naming it.
+ * rank that fails (timeout, mismatch, closed group, or a failure outside the
+ * segment reported with cf_shm_group_fail) records its message in its ctrl,
+ * sets header.failed and wakes every sleeper: every other rank's current or
+ * next wait then fails at once, naming it.
  *
  * Bytes.  all_gather: a rank writes its piece into shm once, and every rank
  * reads the W - 1 other pieces once (its own block is copied straight from
@@ -130,6 +131,7 @@ struct cf_shm_group {
     uint32_t step, free_at[2], seq;
     unsigned buf;
     _Atomic int aborted;
+    _Atomic int failed_self; /* cf_shm_group_fail ran: this view's ops are refused */
 };
 
 /* ------------------------------------------------------------------------
@@ -548,6 +550,7 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
     for (int64_t q = 0; q < world_size; q++)
         g->global_ranks[q] = global_ranks ? global_ranks[q] : q;
     atomic_init(&g->aborted, 0);
+    atomic_init(&g->failed_self, 0);
 
     if (create) { /* ftruncate zero-filled it: counters and flags start at 0 */
         g->hdr->world_size = (uint64_t)world_size;
@@ -693,12 +696,25 @@ static void cf_shm_publish_failure(cf_shm_group *g, const cf_err *err)
     }
 }
 
+void cf_shm_group_fail(cf_shm_group *g, const char *msg)
+{
+    cf_err e;
+    cf_err_init(&e);
+    cf_err_set(&e, CF_ERUNTIME, "%s", msg != NULL ? msg : "failed");
+    atomic_store_explicit(&g->failed_self, 1, memory_order_release);
+    cf_shm_publish_failure(g, &e);
+}
+
 /* CF_ERUNTIME if another rank failed or this group was closed. */
 static cf_status cf_shm_check_failed(const cf_shm_group *g, const cf_shm_args *a, cf_err *err)
 {
     uint32_t f = atomic_load_explicit(&g->hdr->failed, memory_order_acquire);
     if (atomic_load_explicit(&g->aborted, memory_order_relaxed))
         return cf_err_set(err, CF_ERUNTIME, CF_SHM_WHO ": %s #%u aborted: the group was closed",
+                          CF_SHM_WHO_ARGS(g), cf_shm_op_name(a->op), g->seq);
+    if (atomic_load_explicit(&g->failed_self, memory_order_acquire))
+        return cf_err_set(err, CF_ERUNTIME,
+                          CF_SHM_WHO ": %s #%u refused: this rank failed outside the segment",
                           CF_SHM_WHO_ARGS(g), cf_shm_op_name(a->op), g->seq);
     if (f != 0 && (int)f - 1 != g->rank) {
         int r = (int)f - 1;

@@ -110,6 +110,19 @@ cf_status cf_shm_group_wait_attached(cf_shm_group *g, cf_err *err);
  * "group closed" (thread-safe; for shutting down a worker). */
 void cf_shm_group_abort(cf_shm_group *g);
 
+/*
+ * Fail this rank on the segment from outside a collective: record `msg` as
+ * this rank's failure (the group's first failure wins, as for a failed op)
+ * and wake every sleeper, so every other rank's current or next collective
+ * fails at once naming this rank and its message, and every later collective
+ * of this view fails too.  For a caller that drives the segment as one part
+ * of a larger collective (comm.py's two-level collectives) and failed in
+ * another part: without it the peers would wait out their timeout.  The
+ * caller guarantees that no collective of this view runs meanwhile (the
+ * binding drains the view's queue first).  Needs no GIL.
+ */
+void cf_shm_group_fail(cf_shm_group *g, const char *msg);
+
 /* Unmap and free (unlinks the name first if still linked).  NULL is a no-op. */
 void cf_shm_group_close(cf_shm_group *g);
 

@@ -378,18 +378,14 @@ class _LM(torch.nn.Module):
         return self.out(h.squeeze(0))
 
 
-@h.subtest(grid={"face": ["fsdp1", "fsdp1_orig_params", "fully_shard"], "model": ["mlp", "lm"]})
-def training_vs_torch(ctx, face, model):
-    """Training on the default transport (shared memory, on at every world size) against
-    torch's FSDP on gloo (the same face, model, seed and data): bitwise at W = 2 (every sum
-    has two terms), within fp32 rounding at W >= 3 (rtol 1e-5: the sums add the ranks in
-    rank order, gloo in its ring's order; see the module doc)."""
+def train_faces(ctx, face: str, kind: str) -> dict:
+    """``face`` ("fsdp1", "fsdp1_orig_params", "fully_shard") of cfsdp and of torch on
+    ``ctx.pg``, each on ``kind`` ("mlp" or "lm", the units its layers or blocks), trained 6
+    steps: ``{"cfsdp": (losses, full params), "torch": (...)}``."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    expect_shm(ctx.pg)
-    kind = model
     runs = {}
     for impl in ("cfsdp", "torch"):
         model = _mlp() if kind == "mlp" else _LM()
@@ -411,6 +407,13 @@ def training_vs_torch(ctx, face, model):
         # to 1.5e-4 relative in 6 steps at W=4); SGD keeps rounding differences at rounding
         losses = _train(model, 6, seed=3, sgd=kind == "lm")
         runs[impl] = (losses, _full_params(model, face))
+    return runs
+
+
+def assert_faces_match(ctx, runs: dict, face: str) -> None:
+    """cfsdp's run against torch's: bitwise at W = 2 (every sum has two terms), within fp32
+    rounding at W >= 3 (rtol 1e-5: cfsdp adds the ranks in its documented order, gloo in its
+    ring's)."""
     (l_c, p_c), (l_t, p_t) = runs["cfsdp"], runs["torch"]
     if ctx.world_size == 2:
         assert l_c == l_t, (l_c, l_t)
@@ -420,6 +423,16 @@ def training_vs_torch(ctx, face, model):
         torch.testing.assert_close(torch.tensor(l_c), torch.tensor(l_t), rtol=1e-5, atol=0)
         for a, b in zip(p_c, p_t):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@h.subtest(grid={"face": ["fsdp1", "fsdp1_orig_params", "fully_shard"], "model": ["mlp", "lm"]})
+def training_vs_torch(ctx, face, model):
+    """Training on the default transport (shared memory, on at every world size) against
+    torch's FSDP on gloo (the same face, model, seed and data): bitwise at W = 2 (every sum
+    has two terms), within fp32 rounding at W >= 3 (rtol 1e-5: the sums add the ranks in
+    rank order, gloo in its ring's order; see the module doc)."""
+    expect_shm(ctx.pg)
+    assert_faces_match(ctx, train_faces(ctx, face, model), face)
     # and the path really was taken: cfsdp's groups here are ctx.pg (checked above)
     comm.release(ctx.pg)
 

@@ -891,16 +891,21 @@ for _op in OPS:
 
 
 @entry("ShmGroup.misc", "shm", st.lists(st.sampled_from(
-    ["wait_attached", "drain", "close", "closed", "rank", "world_size", "nbytes", "args"]),
+    ["wait_attached", "drain", "close", "closed", "rank", "world_size", "nbytes", "args",
+     "fail", "fail_bad"]),
     min_size=1, max_size=6))
 def _run_group_misc(call, spec):
-    """wait_attached, drain, close and the attributes, in any order, closed or not."""
+    """wait_attached, drain, fail, close and the attributes, in any order, closed or not."""
     g = C.ShmGroup(_name(), True, 1, 0, 512, 1.0, "misc", [0])
     try:
         for what in spec:
             try:
                 if what == "args":
                     g.drain(1)
+                elif what == "fail":
+                    g.fail("x" * 600)  # longer than a failure message holds
+                elif what == "fail_bad":
+                    g.fail(b"not a str")
                 elif what in ("closed", "rank", "world_size", "nbytes"):
                     getattr(g, what)
                 else:
@@ -1092,8 +1097,8 @@ COVERED_BY = {
     "ShmWork": "ShmGroup.all_gather",  # no constructor; made by every collective
     "ShmWork.wait": "ShmGroup.all_gather", "ShmWork.is_completed": "ShmGroup.all_gather",
     "ShmWork.op": "ShmGroup.all_gather",
-    **{f"ShmGroup.{n}": "ShmGroup.misc" for n in ("wait_attached", "drain", "close", "closed",
-                                                  "rank", "world_size", "nbytes")},
+    **{f"ShmGroup.{n}": "ShmGroup.misc" for n in ("wait_attached", "drain", "fail", "close",
+                                                  "closed", "rank", "world_size", "nbytes")},
 }
 
 

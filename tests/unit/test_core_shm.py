@@ -486,6 +486,35 @@ def test_failure_flag_beats_long_timeouts(groups):
             v.close()
 
 
+def test_fail_from_outside_wakes_every_rank_at_once(groups):
+    """fail(msg) on one view (a rank whose two-level collective failed in its process-group
+    part): a peer already waiting in a collective, and a peer's next collective, fail at once
+    naming that rank and the message, long before the timeout; the failed view refuses its
+    own later collectives; fail() on a closed view is a no-op."""
+    world = 3
+    gs = groups(world, timeout=60.0)
+    gs.wait_attached()
+    x = [torch.zeros(4) for _ in range(world)]
+    t0 = time.monotonic()
+    waiting = gs.views[1].all_reduce(x[1].data_ptr(), x[1].data_ptr(), 4, 0, 1.0, 1, (x[1],))
+    time.sleep(0.05)
+    gs.views[0].fail("exchange with global rank 7 on host 'h1' failed: connection reset")
+    with pytest.raises(RuntimeError, match=r"aborted because rank 0 \(global rank 10\) failed: "
+                       r"exchange with global rank 7 on host 'h1' failed"):
+        waiting.wait()
+    nxt = gs.views[2].broadcast(x[2].data_ptr(), 4, 0, 1, 1, (x[2],))
+    with pytest.raises(RuntimeError, match="aborted because rank 0 .*connection reset"):
+        nxt.wait()
+    assert time.monotonic() - t0 < 10
+    own = gs.views[0].all_reduce(x[0].data_ptr(), x[0].data_ptr(), 4, 0, 1.0, 1, (x[0],))
+    with pytest.raises(RuntimeError, match="refused: this rank failed outside the segment"):
+        own.wait()
+    with pytest.raises(TypeError, match="message must be str"):
+        gs.views[0].fail(b"bytes")
+    gs.views[2].close()
+    gs.views[2].fail("ignored")  # closed: nothing to tell
+
+
 def test_ranks_that_disagree_fail_with_a_message(groups):
     gs = groups(2)
     gs.wait_attached()

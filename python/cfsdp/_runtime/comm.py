@@ -8,56 +8,91 @@ result is used.
 
 Transports
 ----------
-Two transports serve these functions, picked automatically per group and per
-call:
+Three transports serve these functions, picked automatically per group (once, at its
+set-up) and per call:
 
 * **shared memory** (``csrc/shm.c`` on the ordered work queue of
-  ``csrc/queue.c``): one POSIX shm segment per group and one C worker thread
-  per group (the CPU analogue of a CUDA stream).  Ops run in issue order on
-  the worker, without the GIL, so they overlap compute; ``Pending.wait()``
-  sleeps (GIL released) until the op is done and raises ``RuntimeError`` with
-  the op's message if it failed.  A wait inside a collective is bounded by the
-  group's timeout (``group``'s gloo timeout, else torch's default); a peer that
-  dies or stalls is an error on every rank naming the group, the op and the
-  rank, and after an error the group is poisoned (every later op on it fails
-  with the first error).
+  ``csrc/queue.c``), for a group whose ranks are all on one host: one POSIX shm
+  segment per group and one C worker thread per group (the CPU analogue of a CUDA
+  stream).  Ops run in issue order on the worker, without the GIL, so they overlap
+  compute; ``Pending.wait()`` sleeps (GIL released) until the op is done and raises
+  ``RuntimeError`` with the op's message if it failed.  A wait inside a collective is
+  bounded by the group's timeout (``group``'s gloo timeout, else torch's default); a
+  peer that dies or stalls is an error on every rank naming the group, the op and the
+  rank, and after an error the group is poisoned (every later op on it fails with the
+  first error).
+* **two levels** (``two_level.py``), for a group spread over several hosts with several
+  ranks on each: shared memory inside each host (a segment per host) and the process
+  group between hosts, in one collective, so the bytes between hosts are 1/(ranks per
+  host) of a flat collective's per rank.  Ops run in issue order on a Python thread per
+  group (its *lane*), waiting with the GIL released; errors, the timeout and poisoning
+  as for shared memory, and a peer host that goes away is named (global rank and host
+  name) on every rank that talks to it, and through the segment on the other ranks of
+  its host at once.  See two_level.py for the algorithms and the order of the sums.
 * **the process group** (gloo), exactly as before, for everything else.
 
-Rule.  A call goes through shared memory when all of these hold, else through
-the process group:
+Rule.  A call goes through shared memory (one level or two) when all of these hold,
+else through the process group:
 
-1. the C core is in use (``CFSDP_IMPL=c``) and ``CFSDP_SHM`` is not ``"0"``
-   (set both the same on every rank; torchrun passes one environment);
-2. the group has at least 2 ranks, all on this host: hostname and
-   ``/proc/sys/kernel/random/boot_id`` are exchanged once through the store
-   when the group's first collective is issued (``uses_shm`` does the same);
-3. every tensor of the call is a contiguous CPU tensor that may cross into C
+1. the C core is in use (``CFSDP_IMPL=c``) and ``CFSDP_SHM`` is not ``"0"`` on every
+   rank of the group (the ranks tell each other at set-up: one rank with it off turns it
+   off for the group, logged as a warning; torchrun passes one environment).
+   ``CFSDP_SHM=host`` keeps shared memory for groups on one host but takes the process
+   group for groups across hosts (no two levels).
+2. the group's ranks share memory: the ranks exchange a *host key* (host name, boot id
+   ``/proc/sys/kernel/random/boot_id`` and the device number of ``/dev/shm``, so two
+   containers with one host name but separate ``/dev/shm`` mounts are two hosts) and
+   the group has at least 2 ranks, either all with one key (one level: one segment), or
+   H >= 2 keys with the same k >= 2 ranks each, laid out host-major (group rank
+   ``h * k + l``: torchrun's order; two levels: a segment per host); any other layout
+   takes the process group;
+3. the set-up proved it (below): every rank of the group attached its segment;
+4. every tensor of the call is a contiguous CPU tensor that may cross into C
    (``_core.c_tensor_ok``: no ``DTensor`` or other subclass) of one dtype among
    float32, float64, bfloat16, float16;
-4. the reduction (``op``) is SUM or AVG (anything else: the process group);
-5. no ``TorchDispatchMode`` is active (see Visibility).
+5. the reduction (``op``) is SUM or AVG (anything else: the process group);
+6. no ``TorchDispatchMode`` is active (see Visibility).
 
-Set-up is lazy and collective-safe (all ranks of a group issue collectives in
-the same order): on the group's first collective, through the default store
-under the prefix ``cfsdp_shm/<group_name>/``, group rank 0 creates a segment
-named ``/cfsdp-<pid>-<random>`` (``O_EXCL``), publishes the name, the others
-attach, every rank checks in and rank 0 unlinks the name: nothing stays in
-``/dev/shm``, even if the job is killed later.  ``CFSDP_SHM_SLOT_BYTES``
-(default 1 MiB, a multiple of 64) sets the bytes per rank and half buffer;
-larger tensors are processed in pieces of that size, double-buffered.
+Set-up (the decision that cannot be fooled).  On the group's first collective (or
+``uses_shm``/``describe``), every rank of the group, through the default store under the
+prefix ``cfsdp_shm/<group_name>/<n>/`` (``n`` counts this process's set-ups of the group,
+so a set-up after ``release`` never reads an older one's keys):
+
+a. publishes its host key, host name and ``CFSDP_SHM`` wish and reads everyone's: rules
+   1 and 2 decide, the same way on every rank; if they say process group, done;
+b. the first rank of each segment (group rank 0, or each host's local rank 0) creates it
+   (``/cfsdp-<pid>-<random>``, ``O_EXCL``, its pages reserved) and publishes its name, or
+   the error; the others attach to it by that name;
+c. every rank publishes whether it has its view ("ok" or the error: no ``/dev/shm``,
+   not enough room, permission denied, a segment of another ``/dev/shm``, ...) and
+   reads everyone's.  All "ok": the group uses shared memory (the attach counts in each
+   segment are then complete, so ``wait_attached`` returns at once and the creator
+   unlinks the name: nothing stays in ``/dev/shm``, even if the job is killed later).
+   Any error: every rank closes its view (the name is unlinked) and the group takes the
+   process group, on every rank at once, and group rank 0 logs one warning naming the
+   ranks and their errors.
+
+Nothing in a set-up waits for a timeout but a rank that died or stalled before its
+first collective on the group (a ``RuntimeError`` naming the missing keys after the
+group's timeout).  Group rank 0 logs the transport a group takes at INFO
+(``logging.getLogger("cfsdp")``); :func:`describe` returns it in words.
+``CFSDP_SHM_SLOT_BYTES`` (default 1 MiB, a multiple of 64) sets the bytes per rank and
+half buffer; larger tensors are processed in pieces of that size, double-buffered.
 
 Ordering between the transports on one group: an op that takes the process
-group first drains the group's shared-memory queue, and a shared-memory op
-first waits for the group's last asynchronous process-group op, so the issue
-order holds across both.
+group first drains the group's shared-memory queue (or lane), and a shared-memory
+op (one level or two) first waits for the group's last asynchronous process-group
+op, so the issue order holds across them.
 
 Numerics.  Shared-memory sums run over the ranks in rank order in float32
 (float64 for float64; bf16/fp16 widen exactly, so they are *not* rounded per
 addition as gloo's bf16 sums are) and round once; every rank of an all-reduce
 gets the same bits.  ``scale`` (and AVG, which is ``scale = 1/W``) multiplies
-the sum before that single rounding.  On the process group ``scale`` is a
-separate ``mul_`` after the collective.  All-gather and broadcast are byte
-copies, identical on both transports.
+the sum before that single rounding.  Two levels sum in a documented order of
+their own: each host's ranks in local-rank order, rounded, then the host sums in
+host order, scaled and rounded once (two_level.py); every rank gets the same bits
+there too.  On the process group ``scale`` is a separate ``mul_`` after the
+collective.  All-gather and broadcast are byte copies, identical on every transport.
 
 One rank.  A group of one rank needs no transport: every function does its
 local equivalent at once (a copy, the chunk copy, the scale), in either
@@ -74,8 +109,10 @@ collectives under torch's own ops (``c10d._allgather_base_``, ``_reduce_scatter_
 
 Twin.  Under ``CFSDP_IMPL=python`` (the pure-Python twins) every call takes
 the process group: the process group is the shared-memory transport's twin,
-and tests/distributed/test_shm.py compares the two on the same data; the sum
-kernel's own twin is ``cfsdp._ref.shm_reduce``.
+and tests/distributed/test_shm.py compares the two on the same data (one host),
+tests/distributed/test_hosts.py on emulated hosts (two levels, against the process
+group and a single-process oracle of the documented order); the sum kernel's own
+twin is ``cfsdp._ref.shm_reduce``.
 """
 
 from __future__ import annotations
@@ -83,6 +120,8 @@ from __future__ import annotations
 import array
 import atexit
 import functools
+import json
+import logging
 import os
 import secrets
 import socket
@@ -94,6 +133,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
+from . import two_level
 
 SHM_ENV = "CFSDP_SHM"
 SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
@@ -103,6 +143,10 @@ _SHM_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.flo
 _PG_DTYPES = frozenset((*_SHM_DTYPES, torch.int8, torch.uint8, torch.int16, torch.int32,
                         torch.int64, torch.bool))
 _STORE_PREFIX = "cfsdp_shm"
+_SHM_DIR = "/dev/shm"  # where POSIX shm_open puts segments (glibc)
+_log = logging.getLogger(__name__)
+_NOT_ATTEMPTED = "not attempted"
+_SAME_EVERYWHERE = "set it the same on every rank"
 
 
 class Pending:
@@ -141,18 +185,41 @@ class Pending:
 
 
 class _GroupState:
-    """What this process knows of one group: its shared-memory view (or None:
-    the group uses the process group) and its last async process-group op."""
+    """What this process knows of one group, decided at its set-up (see the module doc):
+    its shared-memory view (single level) or its two-level lane, or neither (the process
+    group); ``transport`` says which in words; ``last_pg`` is its last async
+    process-group op."""
 
-    __slots__ = ("shm", "last_pg", "__weakref__")
+    __slots__ = ("shm", "lane", "transport", "last_pg", "__weakref__")
 
-    def __init__(self, shm: Optional[Any]):
+    def __init__(self, shm: Optional[Any] = None, lane: Optional[two_level.Lane] = None,
+                 transport: str = "process group"):
         self.shm = shm
+        self.lane = lane
+        self.transport = transport
         self.last_pg: Optional[Any] = None
+
+    def live(self) -> bool:
+        return (self.shm is not None and not self.shm.closed
+                or self.lane is not None and not self.lane.closed)
+
+    def drain(self) -> None:
+        """Wait until every shared-memory op issued so far is done."""
+        if self.shm is not None:
+            self.shm.drain()
+        if self.lane is not None:
+            self.lane.drain()
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        if self.lane is not None:
+            self.lane.close()
 
 
 _states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
 _all_shm: "weakref.WeakSet[_GroupState]" = weakref.WeakSet()
+_setups: dict = {}  # group name -> set-ups so far: each set-up's store keys are its own
 
 
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -168,12 +235,17 @@ def group_timeout(group: dist.ProcessGroup) -> float:
 
 
 def _host_id() -> str:
+    """This rank's host key (rule 2): host name, boot id and the device of ``/dev/shm``."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "no-boot-id"
-    return f"{socket.gethostname()}|{boot}"
+    try:
+        shm_dev = str(os.stat(_SHM_DIR).st_dev)
+    except OSError:
+        shm_dev = "no-dev-shm"
+    return f"{socket.gethostname()}|{boot}|{shm_dev}"
 
 
 def _slot_bytes() -> int:
@@ -189,90 +261,230 @@ def _slot_bytes() -> int:
     return v
 
 
-def _shm_enabled() -> bool:
+def _shm_mode() -> str:
+    """This rank's wish (rule 1): "off" (twins, or CFSDP_SHM=0), "host" (CFSDP_SHM=host:
+    single-host groups only) or "on"."""
     C = _core._C
-    return (C is not None and bool(getattr(C, "SHM_AVAILABLE", 0))
-            and os.environ.get(SHM_ENV, "1").strip() != "0")
+    if C is None or not bool(getattr(C, "SHM_AVAILABLE", 0)):
+        return "off"
+    raw = os.environ.get(SHM_ENV, "1").strip().lower()
+    return "off" if raw == "0" else "host" if raw == "host" else "on"
 
 
-def _setup(group: dist.ProcessGroup) -> Optional[Any]:
-    """The group's ShmGroup, or None when it must use the process group (see the
-    module doc).  Collective: every rank of the group calls it at the same point."""
-    if not _shm_enabled():
-        return None
-    world = dist.get_world_size(group)
-    if world < 2 or world > _core._C.SHM_MAX_WORLD:
-        return None
-    rank = dist.get_rank(group)
-    timeout = group_timeout(group)
-    wait_for = timedelta(seconds=timeout)
-    store = dist.PrefixStore(f"{_STORE_PREFIX}/{group.group_name}/",
-                             dist.distributed_c10d._get_default_store())
-    store.set(f"host/{rank}", _host_id())
-    keys = [f"host/{r}" for r in range(world)]
-    store.wait(keys, wait_for)
-    hosts = {store.get(k).decode() for k in keys}
-    if len(hosts) != 1:
-        return None
-    slot = _slot_bytes()
-    ranks = dist.get_process_group_ranks(group)
-    label = f"{group.group_name}"
-    if rank == 0:
+class _Setup:
+    """One set-up of one group: its store keys (fresh per set-up), the group's ranks and
+    their bounded waits on each other (the only waits of a set-up: each is for a rank
+    that has not yet reached its own set-up, so only a dead or stalled rank times out)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.label = str(group.group_name)
+        self.world = group.size()
+        self.rank = group.rank()
+        self.ranks = dist.get_process_group_ranks(group)
+        self.timeout = group_timeout(group)
+        n = _setups[self.label] = _setups.get(self.label, 0) + 1
+        self.store = dist.PrefixStore(f"{_STORE_PREFIX}/{self.label}/{n}/",
+                                      dist.distributed_c10d._get_default_store())
+
+    def publish(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def gather(self, key: str, ranks: Sequence[int]) -> list:
+        """Every value of ``key/<r>`` for group ranks ``ranks`` (waiting for them)."""
+        keys = [f"{key}/{r}" for r in ranks]
+        self.wait(keys, f"{key} of group ranks {list(ranks)}")
+        return [self.store.get(k).decode() for k in keys]
+
+    def wait(self, keys: list, what: str) -> None:
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - a store timeout, whatever its type
+            missing = [k for k in keys if not self.store.check([k])]
+            raise RuntimeError(
+                f"cfsdp: set-up of group {self.label!r} (rank {self.rank} of {self.world}): "
+                f"no {what} after {self.timeout:g} s; missing {missing} (a rank died or "
+                f"stalled before its first collective on this group): {e}") from e
+
+
+def _plan(infos: list) -> tuple:
+    """The group's transport from every rank's ``[host key, host name, mode]`` (the same
+    answer on every rank): ``("pg", why)``, ``("one", [ranks])`` (one segment over all
+    ranks) or ``("two", hosts)`` (a segment per host; ``hosts`` lists each host's ranks,
+    host-major).  See rules 1 and 2 of the module doc."""
+    world = len(infos)
+    modes = {m for _, _, m in infos}
+    if "off" in modes:
+        if len(modes) > 1:
+            off = [r for r, (_, _, m) in enumerate(infos) if m == "off"]
+            return ("pg", f"shared memory is off on group rank(s) {off} ({SHM_ENV}=0 or "
+                          f"CFSDP_IMPL=python) but not on the others: {_SAME_EVERYWHERE}")
+        return ("pg", f"shared memory off ({SHM_ENV}=0 or CFSDP_IMPL=python)")
+    by_key: dict = {}
+    for r, (key, _, _) in enumerate(infos):
+        by_key.setdefault(key, []).append(r)
+    hosts = list(by_key.values())
+    if len(hosts) == 1:
+        if world > _core._C.SHM_MAX_WORLD:
+            return ("pg", f"{world} ranks on one host: more than a segment serves "
+                          f"({_core._C.SHM_MAX_WORLD})")
+        return ("one", hosts[0])
+    k = len(hosts[0])
+    shape = (f"{world} ranks on {len(hosts)} hosts (ranks per host: "
+             f"{', '.join(str(len(h)) for h in hosts)})")
+    if "host" in modes:
+        return ("pg", f"{shape}; {SHM_ENV}=host: no two-level collectives")
+    if k < 2 or any(len(h) != k for h in hosts):
+        return ("pg", f"{shape}: two levels need the same number (2 or more) on every host")
+    if any(h != list(range(i * k, (i + 1) * k)) for i, h in enumerate(hosts)):
+        return ("pg", f"{shape}, not host-major (group rank = host * {k} + local rank): "
+                      f"hosts hold ranks {hosts}")
+    if k > _core._C.SHM_MAX_WORLD:
+        return ("pg", f"{shape}: more ranks per host than a segment serves")
+    return ("two", hosts)
+
+
+def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` can send CPU tensors (gloo): the process-group part of two levels."""
+    try:
+        group._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
+    """Create (first member) or attach this rank's view of segment ``seg`` shared by the
+    group ranks ``members`` (``slot`` bytes per slot half); ``(view or None, error or
+    None)``, never raising for a failure of the segment itself: the caller reports it and
+    the group agrees."""
+    local = members.index(su.rank)
+    label = su.label if seg == "all" else f"{su.label}/{seg}"
+    granks = [su.ranks[r] for r in members]
+    if local == 0:
         name = f"/cfsdp-{os.getpid()}-{secrets.token_hex(8)}"
         try:
-            shm = _core._C.ShmGroup(name, True, world, 0, slot, timeout, label, ranks)
-        except (RuntimeError, ValueError) as e:
-            store.set("name", "error:" + str(e))
-            raise RuntimeError(
-                f"cfsdp: cannot set up shared memory for group {label!r}: {e} (set "
-                f"{SHM_ENV}=0 to use the process group, or a smaller {SHM_SLOT_ENV})"
-            ) from e
-        store.set("name", name)
+            shm = _core._C.ShmGroup(name, True, len(members), 0, slot, su.timeout, label, granks)
+        except (RuntimeError, ValueError, OverflowError) as e:
+            su.publish(f"name/{seg}", "error:" + str(e))
+            return None, str(e)
+        su.publish(f"name/{seg}", name)
+        return shm, None
+    su.wait([f"name/{seg}"], f"segment name of {seg!r} from group rank {members[0]}")
+    name = su.store.get(f"name/{seg}").decode()
+    if name.startswith("error:"):
+        return None, f"{_NOT_ATTEMPTED}: group rank {members[0]} could not create it"
+    try:
+        return _core._C.ShmGroup(name, False, len(members), local, slot, su.timeout, label,
+                                 granks), None
+    except (RuntimeError, ValueError, OverflowError) as e:
+        return None, str(e)
+
+
+def _setup(group: dist.ProcessGroup) -> _GroupState:
+    """The group's transport (see "Set-up" in the module doc).  Collective: every rank of
+    the group calls it at the same point (its first collective on the group)."""
+    if group.size() < 2:
+        return _GroupState(transport="local (one rank)")
+    su = _Setup(group)
+    try:
+        slot: Any = _slot_bytes()
+    except ValueError as e:  # every rank learns of it below, and raises
+        slot = str(e)
+    su.publish(f"host/{su.rank}", json.dumps([_host_id(), socket.gethostname(), _shm_mode(),
+                                              slot]))
+    infos = [json.loads(v) for v in su.gather("host", range(su.world))]
+    kind, how = _plan([i[:3] for i in infos])
+    slots = {i[3] for i in infos}
+    if kind != "pg":
+        bad = {r: i[3] for r, i in enumerate(infos) if isinstance(i[3], str)}
+        if bad:  # a configuration error: every rank raises it
+            raise ValueError(f"cfsdp: group {su.label!r}: " + "; ".join(
+                f"group rank {r}: {m}" for r, m in sorted(bad.items())))
+        if len(slots) > 1:
+            kind, how = "pg", (f"{SHM_SLOT_ENV} differs between ranks ({sorted(slots)}): "
+                               f"{_SAME_EVERYWHERE}")
+    if kind == "two" and not _has_cpu_backend(group):
+        kind, how = "pg", ("ranks on several hosts, and the group has no CPU backend for the "
+                           "process-group part of two levels")
+    if kind == "pg":
+        if su.rank == 0 and _SAME_EVERYWHERE in how:  # a misconfiguration: say so
+            _log.warning("cfsdp: group %r takes the process group: %s", su.label, how)
+        return _GroupState(transport=f"process group ({how})")
+    if kind == "one":
+        members, seg, hosts = how, "all", [how]
     else:
-        store.wait(["name"], wait_for)
-        name = store.get("name").decode()
-        if name.startswith("error:"):
-            raise RuntimeError(
-                f"cfsdp: group rank 0 could not set up shared memory for group {label!r}: "
-                f"{name[6:]}"
-            )
-        shm = _core._C.ShmGroup(name, False, world, rank, slot, timeout, label, ranks)
-    shm.wait_attached()
-    return shm
+        hosts = how
+        h = su.rank // len(hosts[0])
+        members, seg = hosts[h], f"host{h}"
+    shm, err = _open_segment(su, members, seg, slot)
+    su.publish(f"attach/{su.rank}", "ok" if err is None else "error:" + err)
+    results = su.gather("attach", range(su.world))
+    failed = {r: v[6:] for r, v in enumerate(results) if v != "ok"}
+    if failed:
+        if shm is not None:
+            shm.close()  # the creator's close unlinks the name
+        failed = {r: m for r, m in failed.items() if not m.startswith(_NOT_ATTEMPTED)} or failed
+        why = (f"shared memory could not be set up on group rank(s) {sorted(failed)}: "
+               + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
+        if su.rank == 0:
+            _log.warning("cfsdp: group %r takes the process group: %s", su.label, why)
+        return _GroupState(transport=f"process group ({why})")
+    shm.wait_attached()  # every rank attached (they said so): returns at once, unlinks
+    names = [infos[m[0]][1] for m in hosts]
+    if kind == "one":
+        st = _GroupState(shm=shm, transport=f"shared memory ({su.world} ranks on host "
+                                             f"{names[0]!r})")
+    else:
+        k = len(hosts[0])
+        lane = two_level.Lane(group, shm, len(hosts), k, su.rank // k, su.ranks, names, su.label)
+        st = _GroupState(lane=lane, transport=(
+            f"two levels: shared memory inside each of {len(hosts)} hosts x {k} ranks "
+            f"({', '.join(map(repr, names))}), the process group between them"))
+    if su.rank == 0:
+        _log.info("cfsdp: group %r: %s", su.label, st.transport)
+    return st
 
 
 def _state(group: dist.ProcessGroup) -> _GroupState:
     st = _states.get(group)
     if st is None:
-        st = _GroupState(_setup(group))
+        st = _setup(group)
         _states[group] = st
-        if st.shm is not None:
+        if st.shm is not None or st.lane is not None:
             _all_shm.add(st)
     return st
 
 
+def describe(group: Optional[dist.ProcessGroup] = None) -> str:
+    """Which transport ``group``'s eligible collectives take, in words (e.g. "two levels:
+    shared memory inside each of 2 hosts x 2 ranks (...), the process group between them").
+    Sets the group up on the first call, like its first collective: call it on every rank."""
+    return _state(_resolve(group)).transport
+
+
 def uses_shm(group: Optional[dist.ProcessGroup] = None) -> bool:
-    """Whether ``group``'s eligible collectives go through shared memory.  Sets the
-    group up on the first call, like its first collective: call it on every rank."""
+    """Whether ``group``'s eligible collectives go through shared memory (one segment, or
+    a segment per host in two levels).  Sets the group up on the first call, like its
+    first collective: call it on every rank."""
     st = _state(_resolve(group))
-    return st.shm is not None and not st.shm.closed
+    return st.live()
 
 
 def release(group: Optional[dist.ProcessGroup] = None) -> None:
-    """Close ``group``'s shared-memory view (worker thread joined, segment unmapped)
-    and forget it; its next collective sets it up again.  Wait on its pending ops
-    first: ops still queued fail.  Call on every rank (e.g. before destroying the
-    process group).  A no-op for a group never set up."""
+    """Close ``group``'s shared-memory view or two-level lane (worker thread joined,
+    segment unmapped) and forget it; its next collective sets it up again.  Wait on its
+    pending ops first: ops still queued fail.  Call on every rank (e.g. before destroying
+    the process group).  A no-op for a group never set up."""
     st = _states.pop(_resolve(group), None)
-    if st is not None and st.shm is not None:
-        st.shm.close()
+    if st is not None:
+        st.close()
 
 
 @atexit.register
 def _close_all() -> None:
     for st in list(_all_shm):
-        if st.shm is not None:
-            st.shm.close()
+        st.close()
 
 
 def _is_sum_or_avg(op) -> Optional[bool]:
@@ -295,13 +507,14 @@ def _dispatch_mode_active() -> bool:
 
 def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
              other: Optional[torch.Tensor] = None) -> Optional[_GroupState]:
-    """The group's state if this call goes through shared memory (rules 3 to 5 of
-    the module doc: ``tensors`` of one eligible dtype, ``other`` eligible in its own
-    dtype, ``op`` SUM or AVG, no dispatch mode), else None, after draining the group's
-    shared-memory queue, so the process-group op comes after every earlier one."""
+    """The group's state if this call goes through shared memory, one level (``st.shm``)
+    or two (``st.lane``) (rules 3 to 5 of the module doc: ``tensors`` of one eligible
+    dtype, ``other`` eligible in its own dtype, ``op`` SUM or AVG, no dispatch mode),
+    after waiting for the group's last async process-group op; else None, after draining
+    the group's shared-memory queue or lane, so the process-group op comes after every
+    earlier one."""
     st = _state(group)
-    shm = st.shm
-    if shm is None or shm.closed:
+    if not st.live():
         return None
     dtype = tensors[0].dtype
     if (not _dispatch_mode_active() and all(_shm_ok(t) and t.dtype == dtype for t in tensors)
@@ -310,13 +523,13 @@ def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.
             st.last_pg.wait()
             st.last_pg = None
         return st
-    shm.drain()
+    st.drain()
     return None
 
 
 def _pg_issued(group: dist.ProcessGroup, work: Optional[Any]) -> None:
     st = _states.get(group)
-    if st is not None and st.shm is not None:
+    if st is not None and (st.shm is not None or st.lane is not None):
         st.last_pg = work
 
 
@@ -334,9 +547,9 @@ def _shm_done(work: Any, async_op: bool, *keep: torch.Tensor) -> Pending:
     return Pending(None)
 
 
-def _shm_scale(st: _GroupState, avg: bool, scale: Optional[float]) -> float:
+def _shm_scale(world: int, avg: bool, scale: Optional[float]) -> float:
     """The one factor the shared-memory sum is multiplied by (AVG is 1/W)."""
-    return (1.0 if scale is None else float(scale)) / (st.shm.world_size if avg else 1)
+    return (1.0 if scale is None else float(scale)) / (world if avg else 1)
 
 
 def _solo(group: dist.ProcessGroup) -> bool:
@@ -388,6 +601,10 @@ def all_gather(
         out.copy_(shard)
         return Pending(None)
     st = _shm_for(group, out, shard)
+    if st is not None and st.lane is not None:
+        _check_blocks("all_gather", "output", out, shard, group.size())
+        work = st.lane.all_gather(out, shard, torch.get_num_threads())
+        return _shm_done(work, async_op, out, shard)
     if st is not None:
         _check_blocks("all_gather", "output", out, shard, st.shm.world_size)
         work = st.shm.all_gather(out.data_ptr(), shard.data_ptr(), shard.numel(),
@@ -431,7 +648,7 @@ def all_gather_unpack(
         _core.chunk_unpack(natural, shard, plan, 1, shard.numel())
         return Pending(None)
     st = _shm_for(group, natural, shard)
-    if st is not None:
+    if st is not None and st.shm is not None:  # (two levels: the all-gather below takes them)
         work = st.shm.all_gather_unpack(
             natural.data_ptr(), natural.numel(), shard.data_ptr(), shard.numel(),
             _core.DTYPE_CODES[natural.dtype], plan_bytes, torch.get_num_threads(),
@@ -466,11 +683,11 @@ def reduce_scatter_pack(
         return Pending(None)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, out, op=op, other=natural)
-    if st is not None:
+    if st is not None and st.shm is not None:  # (two levels: the reduce-scatter below takes them)
         work = st.shm.reduce_scatter_pack(
             out.data_ptr(), out.numel(), _core.DTYPE_CODES[out.dtype], natural.data_ptr(),
             natural.numel(), _core.DTYPE_CODES[natural.dtype], float(divisor),
-            _shm_scale(st, avg, None), plan_bytes, torch.get_num_threads(),
+            _shm_scale(st.shm.world_size, avg, None), plan_bytes, torch.get_num_threads(),
             (out, natural, plan_bytes))
         return _shm_done(work, async_op, out, natural)
     W = dist.get_world_size(group)
@@ -493,10 +710,16 @@ def reduce_scatter(
         return _scaled(None, out, scale, False)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, out, inp, op=op)
+    if st is not None and st.lane is not None:
+        _check_blocks("reduce_scatter", "input", inp, out, group.size())
+        work = st.lane.reduce_scatter(out, inp, _shm_scale(group.size(), avg, scale),
+                                      torch.get_num_threads())
+        return _shm_done(work, async_op, out, inp)
     if st is not None:
         _check_blocks("reduce_scatter", "input", inp, out, st.shm.world_size)
         work = st.shm.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(),
-                                     _core.DTYPE_CODES[out.dtype], _shm_scale(st, avg, scale),
+                                     _core.DTYPE_CODES[out.dtype],
+                                     _shm_scale(st.shm.world_size, avg, scale),
                                      torch.get_num_threads(), (out, inp))
         return _shm_done(work, async_op, out, inp)
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -517,9 +740,14 @@ def all_reduce(
         return _scaled(None, t, scale, False)
     avg = _is_sum_or_avg(op)
     st = _shm_for(group, t, op=op)
+    if st is not None and st.lane is not None:
+        work = st.lane.all_reduce(t, _shm_scale(group.size(), avg, scale),
+                                  torch.get_num_threads())
+        return _shm_done(work, async_op, t)
     if st is not None:
         work = st.shm.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(),
-                                 _core.DTYPE_CODES[t.dtype], _shm_scale(st, avg, scale),
+                                 _core.DTYPE_CODES[t.dtype],
+                                 _shm_scale(st.shm.world_size, avg, scale),
                                  torch.get_num_threads(), (t,))
         return _shm_done(work, async_op, t)
     work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
@@ -536,6 +764,12 @@ def broadcast(
     if _solo(group):
         return Pending(None)
     st = _shm_for(group, t)
+    if st is not None and st.lane is not None:
+        if not 0 <= src_rank_in_group < group.size():
+            raise ValueError(f"broadcast: source rank {src_rank_in_group} is not a rank of "
+                             f"the group (size {group.size()})")
+        work = st.lane.broadcast(t, int(src_rank_in_group), torch.get_num_threads())
+        return _shm_done(work, async_op, t)
     if st is not None:
         work = st.shm.broadcast(t.data_ptr(), t.numel(), _core.DTYPE_CODES[t.dtype],
                                 int(src_rank_in_group), torch.get_num_threads(), (t,))
