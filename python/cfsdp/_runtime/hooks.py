@@ -202,8 +202,21 @@ class UnitState:
         for t in iter_tensors(output):
             if t.requires_grad:
                 t.register_hook(self._pre_backward_hook)
+                base = t._base  # [Note: view outputs]
+                if base is not None and base.requires_grad:
+                    base.register_hook(self._pre_backward_hook)
                 hooked = True
         return hooked
+
+    # [Note: view outputs]
+    # A unit whose forward returns a view (``x.view(...)``, ``x[:, 0]``) and a caller that
+    # modifies it in place (``out += y``): autograd rebases the view onto a new node, and the
+    # hook registered on the view is never called, so backward would run the unit's
+    # backward without its all-gather (torch's FSDP2 warns about it; backward then fails on
+    # freed parameters, or computes with whatever the buffer holds).  A hook on the view's
+    # base stays where it was registered, on the node that produced the base's pre-in-place
+    # value, which backward still reaches before the unit's own backward; the training-state
+    # check makes the second of the two calls a no-op.
 
     def _neighbour(self, step: int) -> Optional["UnitState"]:
         root = self.root
