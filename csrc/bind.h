@@ -117,7 +117,9 @@ int cf_py_check_dtype_codes(int64_t dst_code, int64_t src_code);
 
 /* The snapshot of a sequence argument: a new tuple of its items (a list is
  * copied, so Python code run while the items are converted cannot resize or
- * free what is read), or NULL with TypeError `msg`. */
+ * free what is read), or NULL with TypeError `msg`: also for str, bytes and
+ * bytearray, which iterate as characters or small ints, never as the values
+ * asked for (b"7" is not the address 55). */
 PyObject *cf_py_snapshot(PyObject *obj, const char *msg);
 
 /* One column of a row sequence: an int64 (CF_PY_I64 rules) or an address

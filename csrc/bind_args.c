@@ -159,7 +159,14 @@ int cf_py_parse(const char *fname, PyObject *const *args, Py_ssize_t nargs,
 
 PyObject *cf_py_snapshot(PyObject *obj, const char *msg)
 {
-    PyObject *fast = PySequence_Fast(obj, msg), *tuple;
+    PyObject *fast, *tuple;
+    /* str, bytes and bytearray iterate as characters or small ints: b"7" would read as the
+       address 55.  No argument of cfsdp is ever one of them where a sequence is asked for. */
+    if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s, got %.100s", msg, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    fast = PySequence_Fast(obj, msg);
     if (fast == NULL || PyTuple_CheckExact(fast))
         return fast;
     tuple = PySequence_Tuple(fast);

@@ -155,6 +155,9 @@ def test_kernel_errors():
         C.shm_memcpy(x.data_ptr(), x.data_ptr(), -1, 1)
     with pytest.raises(ValueError, match="NULL"):
         C.shm_memcpy(0, x.data_ptr(), 4, 1)
+    for chars in ("7", b"7", bytearray(b"7")):  # iterate as 1-item sequences: b"7" is 55
+        with pytest.raises(TypeError, match="sequence of int addresses"):
+            C.shm_reduce(x.data_ptr(), chars, 1, 0, 1.0, 1)
     C.shm_reduce(0, [0], 0, 0, 1.0, 1)  # empty: nothing touched
     C.shm_memcpy(0, 0, 0, 1)
 
