@@ -254,11 +254,14 @@ class FSDPModule:
             _state(m).ustate.sync_gradients = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: whether to all-reduce across replicas (only True is implemented)."""
+        """HSDP: whether backward all-reduces the reduce-scattered gradients across
+        replicas. False: each backward's reduced shard is summed aside, and the gradients
+        are left as they are, until a backward with True all-reduces the sum (torch's
+        FSDP2 semantics; on a 1-D mesh there is nothing to all-reduce)."""
         for m in _fs_modules(self, recurse):
             u = _state(m).unit
-            if not requires_all_reduce and u is not None and u.replicate_group is not None:
-                raise _nyi("set_requires_all_reduce(False) with HSDP")
+            if u is not None:
+                u.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):

@@ -114,6 +114,8 @@ class ShardedReduceTarget(Protocol):
     replicate_op: Any
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]]
     saved_grad: Optional[torch.Tensor]
+    requires_all_reduce: bool
+    partial_reduce: Optional[torch.Tensor]
 
     def new_grad_buffer(self) -> torch.Tensor: ...
 
@@ -204,8 +206,22 @@ class PendingReduce:
 def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool) -> None:
     """Fold a reduce-scattered gradient shard ``out`` into ``u.saved_grad``: HSDP's
     all-reduce across replicas, the all-reduce hook, then torch's order: post-divide in
-    the reduction dtype, cast to the gradient dtype, accumulate (one C pass)."""
+    the reduction dtype, cast to the gradient dtype, accumulate (one C pass).
+
+    HSDP with ``requires_all_reduce`` False (``set_requires_all_reduce(False)``): as
+    torch's FSDP2, the shard is only added to ``u.partial_reduce`` (in the reduction
+    dtype, before any hook or post-divide; the gradient is left as it is); the next
+    reduction that all-reduces adds that sum to its own shard first."""
     if u.replicate_group is not None:
+        if not u.requires_all_reduce:
+            if u.partial_reduce is None:
+                u.partial_reduce = out  # a new buffer per reduction: nothing else holds it
+            else:
+                u.partial_reduce += out
+            return
+        if u.partial_reduce is not None:
+            out += u.partial_reduce
+            u.partial_reduce = None
         comm.all_reduce(out, u.replicate_group, False, op=u.replicate_op).wait()
     if u.all_reduce_hook is not None:  # fully_shard's set_all_reduce_hook
         u.all_reduce_hook(out)

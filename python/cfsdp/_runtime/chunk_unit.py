@@ -247,6 +247,8 @@ class ChunkUnit(UnshardStates):
         self._got_grad = bytearray(len(self.params))
         self._note_grads_hook = _weak_note_grads(self)
         self.post_backward_fn = None
+        self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
+        self.partial_reduce: Optional[torch.Tensor] = None  # reduced shards not yet all-reduced
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced shard
         # reshard_after_forward=k (1 < k < W): the group of k ranks backward gathers over
         self.post_forward_group: Optional[dist.ProcessGroup] = None
@@ -685,6 +687,7 @@ class ChunkUnit(UnshardStates):
         self.saved_grad = None
         self.flat_param.grad = None
         self.grad_unsharded = False
+        self.partial_reduce = None
         self._partial.clear()
 
     def before_forward(self) -> None:

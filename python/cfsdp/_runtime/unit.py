@@ -188,6 +188,8 @@ class Unit(UnshardStates):
         self.pre_divide, self.post_divide = divide_factors(dp_size)
         self.replicate_op = dist.ReduceOp.SUM  # HSDP's reduction across replicas
         self.all_reduce_hook = None  # called on the reduced shard before the post-divide
+        self.requires_all_reduce = True  # fully_shard's setting; the wrapper always all-reduces
+        self.partial_reduce: Optional[torch.Tensor] = None
         self.infos, self.shared = self._collect(module, params)
         self._validate(name_for_errors)
         # [Note: tensor-parallel wrapper units]
