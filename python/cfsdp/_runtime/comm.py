@@ -219,7 +219,7 @@ class _GroupState:
 
 _states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
 _all_shm: "weakref.WeakSet[_GroupState]" = weakref.WeakSet()
-_setups: dict = {}  # group name -> set-ups so far: each set-up's store keys are its own
+_setups: dict = {}  # (group name, rank) -> set-ups so far: each set-up's store keys are its own
 
 
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -283,7 +283,10 @@ class _Setup:
         self.rank = group.rank()
         self.ranks = dist.get_process_group_ranks(group)
         self.timeout = group_timeout(group)
-        n = _setups[self.label] = _setups.get(self.label, 0) + 1
+        # counted per (group, rank): ranks that are threads of one process (torch's
+        # threaded test groups) count their own set-ups, as processes do
+        key = (self.label, self.rank)
+        n = _setups[key] = _setups.get(key, 0) + 1
         self.store = dist.PrefixStore(f"{_STORE_PREFIX}/{self.label}/{n}/",
                                       dist.distributed_c10d._get_default_store())
 

@@ -1,0 +1,91 @@
+"""Ranks that are threads of one process: torch's own FSDP tests run their ranks so
+(``FSDPTestMultiThread``, the "threaded" process group of ``torch.testing._internal``), and
+users run torch's tests against cfsdp.  Every per-process registry of cfsdp must then be
+per rank: a set-up counter shared by the threads once gave the two ranks different store
+keys, and every collective waited out the group timeout (torch's test_old_import_training
+and test_reset_sharded_param_in_lazy_init, 300 s each).
+
+One test: both faces of FSDP2's API, cfsdp's and torch's, train a small model for 2 steps
+on 2 threaded ranks; the losses and local shards must be bitwise equal, and the whole run
+must end within a bound far below the group timeout.
+"""
+
+import copy
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.distributed.multi_threaded_pg import (
+    ProcessLocalGroup,
+    _install_threaded_pg,
+    _uninstall_threaded_pg,
+)
+
+import cfsdp
+
+WORLD = 2
+BOUND_S = 60.0  # the group timeout below is 120 s: a stuck set-up cannot pass
+
+
+def _train(shard, model: nn.Module, x: torch.Tensor) -> tuple[list, list]:
+    for block in model:
+        shard(block)
+    shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses, [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _rank(rank: int, store, results: dict, errors: dict) -> None:
+    try:
+        dist.init_process_group("threaded", rank=rank, world_size=WORLD, store=store,
+                                timeout=timedelta(seconds=120))
+        try:
+            torch.manual_seed(0)
+            ref = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+            results[rank] = (_train(cfsdp.fully_shard, copy.deepcopy(ref), x),
+                             _train(torch_fully_shard, copy.deepcopy(ref), x))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors[rank] = e
+        ProcessLocalGroup.exception_handle(e)  # wake the other rank's collectives
+
+
+def test_threaded_ranks_train_as_torch():
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    results: dict = {}
+    errors: dict = {}
+    try:
+        store = dist.HashStore()
+        threads = [threading.Thread(target=_rank, args=(r, store, results, errors), daemon=True)
+                   for r in range(WORLD)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, BOUND_S - (time.monotonic() - start)))
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        assert not stuck, f"threaded ranks {stuck} still running after {BOUND_S:g} s (a hang)"
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    assert not errors, f"threaded ranks failed: {errors!r}"
+    for rank, ((c_losses, c_params), (t_losses, t_params)) in sorted(results.items()):
+        for i, (a, b) in enumerate(zip(c_losses, t_losses)):
+            assert torch.equal(a, b), f"rank {rank} step {i}: loss {a.item()} vs torch's {b.item()}"
+        for i, (a, b) in enumerate(zip(c_params, t_params)):
+            assert torch.equal(a, b), f"rank {rank}: local shard of parameter #{i} differs from torch's"
