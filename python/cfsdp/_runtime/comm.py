@@ -471,6 +471,16 @@ def uses_shm(group: Optional[dist.ProcessGroup] = None) -> bool:
     return st.live()
 
 
+def one_segment(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``group``'s eligible collectives go through ONE shared-memory segment: every
+    rank of the group on this host, shared memory proved by the set-up (rules 1 to 3; not
+    two levels, not one rank).  What may share more host memory than a segment (ZeRO's
+    parameter buckets) asks this.  Sets the group up on the first call, like its first
+    collective: call it on every rank."""
+    st = _state(_resolve(group))
+    return st.shm is not None and not st.shm.closed
+
+
 def release(group: Optional[dist.ProcessGroup] = None) -> None:
     """Close ``group``'s shared-memory view or two-level lane (worker thread joined,
     segment unmapped) and forget it; its next collective sets it up again.  Wait on its
