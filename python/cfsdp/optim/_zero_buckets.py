@@ -1,4 +1,5 @@
-"""The parameter sync of cfsdp's ZeroRedundancyOptimizer: rank-major flat buckets.
+"""The parameter sync of cfsdp's ZeroRedundancyOptimizer: rank-major flat buckets, one
+per host where the ranks share memory.
 
 [Note: ZeRO buckets]
 The parameters are grouped by (device, dtype).  For each group a :class:`RankMajor`
@@ -13,7 +14,8 @@ all-gather whose input is this rank's segment.
 * ``parameters_as_bucket_view=True`` (:class:`BucketViews`): the flat buffer is
   allocated once and every parameter in it becomes a view of its place (``p.data =
   flat[o:o + n].view_as(p)``), as torch's buckets do (torch keeps one buffer per rank;
-  cfsdp one for all ranks).  A view keeps its parameter's strides when the parameter is
+  cfsdp one for all ranks, and within a host one for all the host's ranks: see [Note:
+  ZeRO shared bucket]).  A view keeps its parameter's strides when the parameter is
   dense but not contiguous (a transposed weight stays transposed, its elements in memory
   order): DDP computes wrong gradients for a parameter whose strides change after it was
   wrapped, which torch's contiguous bucket views do.  The owner's step writes its segment
@@ -35,6 +37,55 @@ all-gather whose input is this rank's segment.
   own from its owner.
 
 Either way the sync is byte copies: every rank ends with the owner's bits.
+
+[Note: ZeRO shared bucket]
+With bucket views, when every rank of the group is on this host and the group takes ONE
+shared-memory segment (``comm.one_segment``: the C core, ``CFSDP_SHM`` not ``0``, one
+host key, the set-up proved; never two levels, never the process group, never one rank),
+the flat buffer of each CPU (device, dtype) is one mapping shared by the group's ranks:
+every rank's parameters are views of the same memory, held once per host instead of once
+per rank.  Each owner's local step writes its segment in place and the sync copies
+nothing; it only orders (the optimizer's ``step()``, ``zero.py``):
+
+* a barrier before the local step (every rank has finished reading the parameters: its
+  forward, backward and whatever it does with them before ``step()``); its payload says
+  whether any rank must rebuild its buckets (trainability changed, a parameter moved), so
+  every rank rebuilds, collectively, or none does;
+* a barrier after it (every owner's writes are seen by every rank before its next
+  forward).  Both are one-element all-reduces on the segment (``comm.all_reduce``: tens of
+  microseconds);
+* a closure is evaluated before the first barrier, and the local optimizer then steps
+  without it.  That is what ``step(closure)`` does for the optimizers of
+  ``zero._CLOSURE_FIRST`` (torch.optim's but LBFGS, cfsdp.optim's); any other
+  ``optimizer_class`` (LBFGS re-evaluates the closure between writes, a custom ``step``
+  may do anything) gets private buckets.
+
+Making the mapping (``_shared_flat``), collectively, at construction and every rebuild
+(``add_param_group``, trainability changes, moved parameters):
+
+1. group rank 0 creates ``SHM_DIR/cfsdp-<pid>-<random>-zero`` (``O_EXCL``, mode 0600,
+   its pages reserved with ``posix_fallocate``: no SIGBUS later for a full ``/dev/shm``),
+   the bucket's bytes followed by a random 64-byte nonce, and broadcasts its *name*;
+2. every rank opens ``SHM_DIR/<name>`` (never creating it: a private ``/dev/shm`` must
+   not get one), checks its size against its own layout, maps it ``MAP_SHARED``
+   (``torch.from_file(shared=True)``), checks the nonce, and writes ONLY its own segment
+   (its private values: the rest of the file is other ranks');
+3. an all-reduce agrees that every rank did (and is the barrier after the writes); the
+   creator then unlinks the name, so nothing is left in ``/dev/shm`` after this point
+   even if a rank is killed; the mapping lives as long as views of it do;
+4. every rank compares the shared bucket with its private one, bitwise (as integers), and
+   an all-reduce agrees that all are equal.  torch's ZeRO leaves each rank's values as
+   they are until the first step's broadcast, so where the ranks' initial values differ
+   (no DDP broadcast before the optimizer), one shared copy would change the first
+   forward's numbers: private buckets then.
+
+Any "no" in steps 1 to 4 gives every rank its private bucket (today's path: the
+all-gather), at once; group rank 0 logs the reason once per process (WARNING).  The
+shared bucket changes no number: the local steps read and write the same values, the sync
+copies the owners' bits in both cases.  One visible difference: a write to a parameter
+outside ``step()`` (``model.load_state_dict``, an in-place op) is seen by every rank of
+the host at once (torch's ZeRO: that rank's copy only, until the next step's broadcast);
+ranks that write the same values, the normal case, see no difference.
 
 Addresses.  Both keep per-parameter addresses (bucket views: where each view must be;
 staged: where the copy-out writes).  ``moved()`` says whether any parameter's memory

@@ -30,7 +30,11 @@ What cfsdp does instead:
 
 * the sync: one all-gather per (device, dtype) of rank-major flat buckets, shared memory
   within a host (see [Note: ZeRO buckets] in ``_zero_buckets.py``); torch broadcasts
-  every bucket (bucket view) or every parameter (the default) through the process group;
+  every bucket (bucket view) or every parameter (the default) through the process group.
+  With bucket views and every rank on one host the bucket is ONE mapping shared by the
+  ranks: the owners step their segments in place and the sync is a barrier, no copy
+  ([Note: ZeRO shared bucket]: the parameters are held once per host, a closure is
+  evaluated before the first barrier, and private buckets where that cannot be exact);
 * consolidation moves flat state buffers, not pickled dicts ([Note: ZeRO consolidation]
   in ``_zero_state.py``), and the consolidated dict is a snapshot (torch's holds the
   target rank's live state tensors);
