@@ -75,7 +75,9 @@ c. every rank publishes whether it has its view ("ok" or the error: no ``/dev/sh
 Nothing in a set-up waits for a timeout but a rank that died or stalled before its
 first collective on the group (a ``RuntimeError`` naming the missing keys after the
 group's timeout).  Group rank 0 logs the transport a group takes at INFO
-(``logging.getLogger("cfsdp")``); :func:`describe` returns it in words.
+(``logging.getLogger("cfsdp")``); :func:`describe` returns it in words, and
+:func:`one_segment` whether it is one segment over every rank (what may share more host
+memory than the segment asks it: ZeRO's shared parameter bucket).
 ``CFSDP_SHM_SLOT_BYTES`` (default 1 MiB, a multiple of 64) sets the bytes per rank and
 half buffer; larger tensors are processed in pieces of that size, double-buffered.
 

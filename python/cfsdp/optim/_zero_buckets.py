@@ -55,7 +55,7 @@ nothing; it only orders (the optimizer's ``step()``, ``zero.py``):
   forward).  Both are one-element all-reduces on the segment (``comm.all_reduce``: tens of
   microseconds);
 * a closure is evaluated before the first barrier, and the local optimizer then steps
-  without it.  That is what ``step(closure)`` does for the optimizers of
+  without it (its step pre-hooks, if any, run after the closure).  That is what ``step(closure)`` does for the optimizers of
   ``zero._CLOSURE_FIRST`` (torch.optim's but LBFGS, cfsdp.optim's); any other
   ``optimizer_class`` (LBFGS re-evaluates the closure between writes, a custom ``step``
   may do anything) gets private buckets.
@@ -238,7 +238,7 @@ def _map_shared(layout: RankMajor, rank: int, group: Any) -> tuple[Optional[Tens
             return None, path, (f"group rank {rank}: {path} has {size} bytes, its own layout "
                                 f"needs {nbytes + _NONCE_BYTES}")
         m = torch.from_file(path, shared=True, size=nbytes + _NONCE_BYTES, dtype=torch.uint8)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         return None, path, f"group rank {rank} could not map {path}: {e}"
     if bytes(m[nbytes:].numpy()) != bytes.fromhex(nonce_hex):
         return None, path, f"group rank {rank} maps {path} but sees another file"
@@ -253,15 +253,17 @@ def _shared_flat(layout: RankMajor, rank: int, group: Any, private: Tensor
     m, path, why = _map_shared(layout, rank, group)
     seg, nbytes = layout.seg, layout.numel * layout.elem_size
     flat = None
-    if m is not None:
-        flat = m[:nbytes].view(layout.dtype)
-        flat[rank * seg : (rank + 1) * seg].copy_(private[rank * seg : (rank + 1) * seg])
-    mapped = _agree(flat is not None, group)  # every rank mapped it and wrote its segment
-    if rank == 0 and path:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    try:
+        if m is not None:
+            flat = m[:nbytes].view(layout.dtype)
+            flat[rank * seg : (rank + 1) * seg].copy_(private[rank * seg : (rank + 1) * seg])
+        mapped = _agree(flat is not None, group)  # every rank mapped it, wrote its segment
+    finally:  # after the agreement, or when it raised (a peer died): nothing is left
+        if rank == 0 and path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     if not mapped:
         return None, path, ("the bucket's file in " + SHM_DIR + " is not shared by every rank"
                       + (f" ({why})" if why else ""))
