@@ -60,6 +60,11 @@ nothing; it only orders (the optimizer's ``step()``, ``zero.py``):
   ``optimizer_class`` (LBFGS re-evaluates the closure between writes, a custom ``step``
   may do anything) gets private buckets.
 
+The other paths need nothing more: ``load_state_dict`` and consolidation move optimizer
+state only, ZeRO-2's ``reduce_scatter_hook`` writes gradients only, a ``Join`` shadow step
+is a ``step()`` (both barriers, matching the others'), and the staging path (no bucket
+views) is unchanged.
+
 Making the mapping (``_shared_flat``), collectively, at construction and every rebuild
 (``add_param_group``, trainability changes, moved parameters):
 
