@@ -36,6 +36,10 @@ cost with the least interference from the machine's other load.  Per contender:
   after a barrier;
 * **state MiB/rank**: the optimizer state's bytes on each rank (distinct storages: a flat
   buffer counted once), the largest rank's and the share of the total (ZeRO target 1/W);
+* **param MiB/rank**: the parameters' bytes on each rank (distinct storages of the
+  model's parameters), each storage weighted by its mapping's proportional set size
+  over its resident size (``Pss / Rss`` in ``/proc/self/smaps``: 1 for private memory,
+  1/W for cfsdp's bucket shared by W ranks), the largest rank's;
 * **consolidate ms**: ZeROs: ``consolidate_state_dict(0)`` then ``state_dict()`` on rank
   0, ending with a barrier (``--consolidate-iters`` rounds after one warm-up); the FSDP wrapper:
   ``FSDP.optim_state_dict(model, optim)`` (full); plain DDP: none (its state is whole);
@@ -150,6 +154,39 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
+def _mappings() -> list[tuple[int, int, float]]:
+    """This process's memory mappings: (start, end, Pss / Rss), from /proc/self/smaps."""
+    out: list = []
+    start = end = rss = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = head[0].split("-")
+                start, end = int(lo, 16), int(hi, 16)
+            elif head[0] == "Rss:":
+                rss = int(head[1])
+            elif head[0] == "Pss:":
+                out.append((start, end, int(head[1]) / rss if rss else 1.0))
+    return out
+
+
+def param_bytes(model: nn.Module) -> float:
+    """This rank's share of its parameters' bytes: every distinct storage weighted by the
+    Pss / Rss of the mapping that holds it (1: private; 1/W: shared by W processes)."""
+    maps = _mappings()
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    total = 0.0
+    for ptr, n in seen.items():
+        share = next((f for lo, hi, f in maps if lo <= ptr < hi), 1.0)
+        total += n * min(1.0, share)
+    return total
+
+
 def run_all(names: list, cfg: GPTConfig, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every contender built at once, then timed round by round (see ``rounds``)."""
     import cfsdp
@@ -198,12 +235,14 @@ def run_all(names: list, cfg: GPTConfig, args: argparse.Namespace) -> dict[str, 
     cons_names = [name for name in live if name == "cfsdp_fsdp" or name in zeros]
     cons = rounds(cons_names, args.consolidate_iters + 1, consolidate)
     for name in live:
-        sb = torch.tensor([state_bytes(built[name][1])], dtype=torch.float64)
+        sb = torch.tensor([state_bytes(built[name][1]), param_bytes(built[name][0])],
+                          dtype=torch.float64)
         all_sb = [torch.zeros_like(sb) for _ in range(world)]
         dist.all_gather(all_sb, sb)
         r: dict[str, Any] = {"e2e": summary(e2e[name], args.warmup),
                              "step": summary(step[name], args.warmup),
-                             "state_bytes_per_rank": [int(t) for t in all_sb],
+                             "state_bytes_per_rank": [int(t[0]) for t in all_sb],
+                             "param_bytes_per_rank": [int(t[1]) for t in all_sb],
                              "losses": losses[name], "e2e_times": e2e[name][args.warmup:],
                              "step_times": step[name][args.warmup:]}
         if name in zeros:
@@ -223,7 +262,7 @@ def table(results: dict[str, dict[str, Any]], world: int, stat: str) -> str:
     ddp_losses = results.get("ddp", {}).get("losses")
     cols = ["contender", "step ms", f"step / {RATIO_TO}", "local ms", "sync ms", "e2e ms",
             f"e2e / {RATIO_TO}", "state MiB/rank (max)", "state share of total",
-            "consolidate ms", f"consolidate / {RATIO_TO}", "max rel loss diff vs ddp"]
+            "param MiB/rank (max)", "consolidate ms", f"consolidate / {RATIO_TO}", "max rel loss diff vs ddp"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def get(r, key):
@@ -250,7 +289,8 @@ def table(results: dict[str, dict[str, Any]], world: int, stat: str) -> str:
         lines.append("| " + " | ".join([
             name, ms(get(r, "step")), ratio(r, "step"), ms(get(r, "local")),
             ms(get(r, "sync")), ms(get(r, "e2e")), ratio(r, "e2e"),
-            f"{max(sb) / 2**20:.1f}", share, ms(get(r, "consolidate")),
+            f"{max(sb) / 2**20:.1f}", share, f"{max(r['param_bytes_per_rank']) / 2**20:.1f}",
+            ms(get(r, "consolidate")),
             ratio(r, "consolidate"), diff]) + " |")
     return "\n".join(lines)
 

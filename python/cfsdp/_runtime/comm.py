@@ -75,7 +75,9 @@ c. every rank publishes whether it has its view ("ok" or the error: no ``/dev/sh
 Nothing in a set-up waits for a timeout but a rank that died or stalled before its
 first collective on the group (a ``RuntimeError`` naming the missing keys after the
 group's timeout).  Group rank 0 logs the transport a group takes at INFO
-(``logging.getLogger("cfsdp")``); :func:`describe` returns it in words.
+(``logging.getLogger("cfsdp")``); :func:`describe` returns it in words, and
+:func:`one_segment` whether it is one segment over every rank (what may share more host
+memory than the segment asks it: ZeRO's shared parameter bucket).
 ``CFSDP_SHM_SLOT_BYTES`` (default 1 MiB, a multiple of 64) sets the bytes per rank and
 half buffer; larger tensors are processed in pieces of that size, double-buffered.
 
@@ -472,6 +474,16 @@ def uses_shm(group: Optional[dist.ProcessGroup] = None) -> bool:
     first collective: call it on every rank."""
     st = _state(_resolve(group))
     return st.live()
+
+
+def one_segment(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``group``'s eligible collectives go through ONE shared-memory segment: every
+    rank of the group on this host, shared memory proved by the set-up (rules 1 to 3; not
+    two levels, not one rank).  What may share more host memory than a segment (ZeRO's
+    parameter buckets) asks this.  Sets the group up on the first call, like its first
+    collective: call it on every rank."""
+    st = _state(_resolve(group))
+    return st.shm is not None and not st.shm.closed
 
 
 def release(group: Optional[dist.ProcessGroup] = None) -> None:

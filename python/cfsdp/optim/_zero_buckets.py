@@ -1,4 +1,5 @@
-"""The parameter sync of cfsdp's ZeroRedundancyOptimizer: rank-major flat buckets.
+"""The parameter sync of cfsdp's ZeroRedundancyOptimizer: rank-major flat buckets, one
+per host where the ranks share memory.
 
 [Note: ZeRO buckets]
 The parameters are grouped by (device, dtype).  For each group a :class:`RankMajor`
@@ -13,7 +14,8 @@ all-gather whose input is this rank's segment.
 * ``parameters_as_bucket_view=True`` (:class:`BucketViews`): the flat buffer is
   allocated once and every parameter in it becomes a view of its place (``p.data =
   flat[o:o + n].view_as(p)``), as torch's buckets do (torch keeps one buffer per rank;
-  cfsdp one for all ranks).  A view keeps its parameter's strides when the parameter is
+  cfsdp one for all ranks, and within a host one for all the host's ranks: see [Note:
+  ZeRO shared bucket]).  A view keeps its parameter's strides when the parameter is
   dense but not contiguous (a transposed weight stays transposed, its elements in memory
   order): DDP computes wrong gradients for a parameter whose strides change after it was
   wrapped, which torch's contiguous bucket views do.  The owner's step writes its segment
@@ -36,6 +38,60 @@ all-gather whose input is this rank's segment.
 
 Either way the sync is byte copies: every rank ends with the owner's bits.
 
+[Note: ZeRO shared bucket]
+With bucket views, when every rank of the group is on this host and the group takes ONE
+shared-memory segment (``comm.one_segment``: the C core, ``CFSDP_SHM`` not ``0``, one
+host key, the set-up proved; never two levels, never the process group, never one rank),
+the flat buffer of each CPU (device, dtype) is one mapping shared by the group's ranks:
+every rank's parameters are views of the same memory, held once per host instead of once
+per rank.  Each owner's local step writes its segment in place and the sync copies
+nothing; it only orders (the optimizer's ``step()``, ``zero.py``):
+
+* a barrier before the local step (every rank has finished reading the parameters: its
+  forward, backward and whatever it does with them before ``step()``); its payload says
+  whether any rank must rebuild its buckets (trainability changed, a parameter moved), so
+  every rank rebuilds, collectively, or none does;
+* a barrier after it (every owner's writes are seen by every rank before its next
+  forward).  Both are one-element all-reduces on the segment (``comm.all_reduce``: tens of
+  microseconds);
+* a closure is evaluated before the first barrier, and the local optimizer then steps
+  without it (its step pre-hooks, if any, run after the closure).  That is what ``step(closure)`` does for the optimizers of
+  ``zero._CLOSURE_FIRST`` (torch.optim's but LBFGS, cfsdp.optim's); any other
+  ``optimizer_class`` (LBFGS re-evaluates the closure between writes, a custom ``step``
+  may do anything) gets private buckets.
+
+The other paths need nothing more: ``load_state_dict`` and consolidation move optimizer
+state only, ZeRO-2's ``reduce_scatter_hook`` writes gradients only, a ``Join`` shadow step
+is a ``step()`` (both barriers, matching the others'), and the staging path (no bucket
+views) is unchanged.
+
+Making the mapping (``_shared_flat``), collectively, at construction and every rebuild
+(``add_param_group``, trainability changes, moved parameters):
+
+1. group rank 0 creates ``SHM_DIR/cfsdp-<pid>-<random>-zero`` (``O_EXCL``, mode 0600,
+   its pages reserved with ``posix_fallocate``: no SIGBUS later for a full ``/dev/shm``),
+   the bucket's bytes followed by a random 64-byte nonce, and broadcasts its *name*;
+2. every rank opens ``SHM_DIR/<name>`` (never creating it: a private ``/dev/shm`` must
+   not get one), checks its size against its own layout, maps it ``MAP_SHARED``
+   (``torch.from_file(shared=True)``), checks the nonce, and writes ONLY its own segment
+   (its private values: the rest of the file is other ranks');
+3. an all-reduce agrees that every rank did (and is the barrier after the writes); the
+   creator then unlinks the name, so nothing is left in ``/dev/shm`` after this point
+   even if a rank is killed; the mapping lives as long as views of it do;
+4. every rank compares the shared bucket with its private one, bitwise (as integers), and
+   an all-reduce agrees that all are equal.  torch's ZeRO leaves each rank's values as
+   they are until the first step's broadcast, so where the ranks' initial values differ
+   (no DDP broadcast before the optimizer), one shared copy would change the first
+   forward's numbers: private buckets then.
+
+Any "no" in steps 1 to 4 gives every rank its private bucket (today's path: the
+all-gather), at once; group rank 0 logs the reason once per process (WARNING).  The
+shared bucket changes no number: the local steps read and write the same values, the sync
+copies the owners' bits in both cases.  One visible difference: a write to a parameter
+outside ``step()`` (``model.load_state_dict``, an in-place op) is seen by every rank of
+the host at once (torch's ZeRO: that rank's copy only, until the next step's broadcast);
+ranks that write the same values, the normal case, see no difference.
+
 Addresses.  Both keep per-parameter addresses (bucket views: where each view must be;
 staged: where the copy-out writes).  ``moved()`` says whether any parameter's memory
 is no longer where it was (``model.to(...)``, ``p.data = t``); the optimizer then
@@ -45,10 +101,14 @@ written.
 
 from __future__ import annotations
 
+import logging
+import os
+import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import _core
@@ -56,6 +116,11 @@ from .._runtime import comm
 
 _ALIGN_BYTES = 64
 STAGING_BYTES = 32 << 20  # StagedSync's staging buffer, all ranks' blocks together
+SHM_DIR = "/dev/shm"  # where a shared bucket's file is made (a module variable: tests move it)
+_NONCE_BYTES = 64  # after the bucket's elements in its file: proves the mapping is shared
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_log = logging.getLogger(__name__)
+_logged: set = set()  # the fallback reasons already logged by this process
 
 
 def _round_up(n: int, m: int) -> int:
@@ -112,25 +177,130 @@ class RankMajor:
         return [pl.param for row in self.places for pl in row]
 
 
-class BucketViews:
-    """``parameters_as_bucket_view=True``: the parameters live in one flat buffer."""
+def _views(layout: RankMajor, flat: Tensor) -> list[Tensor]:
+    """Each parameter's view of its place in ``flat`` (``layout.places`` order); a dense
+    non-contiguous parameter keeps its strides."""
+    seg, out = layout.seg, []
+    for r, row in enumerate(layout.places):
+        for pl in row:
+            view = flat[r * seg + pl.offset : r * seg + pl.offset + pl.numel]
+            p = pl.param
+            if p.numel() and not p.is_contiguous() and _dense(p):  # its strides
+                out.append(view.as_strided(p.shape, p.stride()))
+            else:
+                out.append(view.view(p.shape))
+    return out
 
-    def __init__(self, layout: RankMajor):
+
+def _agree(ok: bool, group: Any) -> bool:
+    """Whether every rank of ``group`` says ``ok``; a collective, hence also a barrier."""
+    t = torch.tensor([1.0 if ok else 0.0])
+    comm.all_reduce(t, group, async_op=False)
+    return float(t[0]) == dist.get_world_size(group)
+
+
+def _log_once(rank: int, why: str) -> None:
+    key = why.split(" (")[0]  # one line per kind of reason, whatever its file or rank
+    if rank == 0 and key not in _logged:
+        _logged.add(key)
+        _log.warning("cfsdp ZeroRedundancyOptimizer: private parameter buckets per rank "
+                     "(not one shared bucket per host): %s", why)
+
+
+def _map_shared(layout: RankMajor, rank: int, group: Any) -> tuple[Optional[Tensor], str, str]:
+    """[Note: ZeRO shared bucket], steps 1 and 2: group rank 0 makes the file, every rank
+    maps it and checks the nonce.  ``(this rank's mapping as uint8 or None, the file's
+    path or "", why not)``; the creator unlinks the file after the caller's agreement."""
+    nbytes = layout.numel * layout.elem_size
+    info = ["", "", ""]  # file name, nonce (hex), error
+    if rank == 0:
+        name = f"cfsdp-{os.getpid()}-{secrets.token_hex(8)}-zero"
+        path = os.path.join(SHM_DIR, name)
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            info = [name, nonce.hex(), ""]
+            try:
+                os.posix_fallocate(fd, 0, nbytes + _NONCE_BYTES)  # its pages, or ENOSPC now
+                os.pwrite(fd, nonce, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            info[2] = f"group rank 0 could not make {path}: {e}"
+    box = [info]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    name, nonce_hex, err = box[0]
+    path = os.path.join(SHM_DIR, name) if name else ""  # each rank's own SHM_DIR
+    if err:
+        return None, path, err
+    try:
+        fd = os.open(path, os.O_RDWR)  # never O_CREAT: a private /dev/shm must not get one
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size != nbytes + _NONCE_BYTES:
+            return None, path, (f"group rank {rank}: {path} has {size} bytes, its own layout "
+                                f"needs {nbytes + _NONCE_BYTES}")
+        m = torch.from_file(path, shared=True, size=nbytes + _NONCE_BYTES, dtype=torch.uint8)
+    except (OSError, RuntimeError, ValueError) as e:
+        return None, path, f"group rank {rank} could not map {path}: {e}"
+    if bytes(m[nbytes:].numpy()) != bytes.fromhex(nonce_hex):
+        return None, path, f"group rank {rank} maps {path} but sees another file"
+    return m, path, ""
+
+
+def _shared_flat(layout: RankMajor, rank: int, group: Any, private: Tensor
+                 ) -> tuple[Optional[Tensor], str, str]:
+    """[Note: ZeRO shared bucket]: one host-shared flat buffer holding ``private``'s
+    values, or None, on every rank at once; with the (unlinked) file's path and why not.
+    Collective over ``group``."""
+    m, path, why = _map_shared(layout, rank, group)
+    seg, nbytes = layout.seg, layout.numel * layout.elem_size
+    flat = None
+    try:
+        if m is not None:
+            flat = m[:nbytes].view(layout.dtype)
+            flat[rank * seg : (rank + 1) * seg].copy_(private[rank * seg : (rank + 1) * seg])
+        mapped = _agree(flat is not None, group)  # every rank mapped it, wrote its segment
+    finally:  # after the agreement, or when it raised (a peer died): nothing is left
+        if rank == 0 and path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if not mapped:
+        return None, path, ("the bucket's file in " + SHM_DIR + " is not shared by every rank"
+                      + (f" ({why})" if why else ""))
+    as_int = _INT_OF_SIZE[layout.elem_size]
+    if not _agree(torch.equal(flat.view(as_int), private.view(as_int)), group):
+        return None, path, ("the ranks' initial parameter values differ (each rank keeps its own "
+                      "until the first step, as torch's ZeRO)")
+    return flat, path, ""
+
+
+class BucketViews:
+    """``parameters_as_bucket_view=True``: the parameters live in one flat buffer, this
+    rank's own or, with ``group`` given, one shared by every rank of the group
+    ([Note: ZeRO shared bucket]; ``shared`` says which it got)."""
+
+    def __init__(self, layout: RankMajor, rank: int = 0, group: Any = None):
         self.layout = layout
-        seg = layout.seg
         self.flat = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+        params = layout.params()
         with torch.no_grad():
-            for r, row in enumerate(layout.places):
-                for pl in row:
-                    view = self.flat[r * seg + pl.offset : r * seg + pl.offset + pl.numel]
-                    p = pl.param
-                    if p.numel() and not p.is_contiguous() and _dense(p):  # its strides
-                        view = view.as_strided(p.shape, p.stride())
-                    else:
-                        view = view.view(p.shape)
-                    view.copy_(p.detach())
-                    p.data = view
-        self._ptrs = [(pl.param, pl.param.data_ptr()) for row in layout.places for pl in row]
+            for p, view in zip(params, _views(layout, self.flat)):
+                view.copy_(p.detach())
+            self.shared, self.path = False, ""
+            if group is not None:
+                flat, self.path, why = _shared_flat(layout, rank, group, self.flat)
+                if flat is None:
+                    _log_once(rank, why)
+                else:
+                    self.flat, self.shared = flat, True
+            for p, view in zip(params, _views(layout, self.flat)):
+                p.data = view
+        self._ptrs = [(p, p.data_ptr()) for p in params]
 
     def holds(self, p: Tensor) -> bool:
         """Whether ``p``'s memory lies in this bucket buffer."""
@@ -141,8 +311,10 @@ class BucketViews:
         return any(p.data_ptr() != ptr for p, ptr in self._ptrs)
 
     def sync(self, rank: int, group: Any) -> None:
+        """The private bucket's all-gather; nothing for a shared one (its owners wrote
+        their segments in place: the caller's barrier orders them)."""
         seg = self.layout.seg
-        if seg and self.layout.world_size > 1:
+        if seg and self.layout.world_size > 1 and not self.shared:
             comm.all_gather(self.flat, self.flat[rank * seg : (rank + 1) * seg], group,
                             async_op=False)
 
@@ -213,11 +385,13 @@ class OwnBroadcast:
 
 
 def build_syncs(per_rank: list[list[Tensor]], rank: int, bucket_view: bool,
-                old: Optional[list] = None) -> list:
+                old: Optional[list] = None, share: Any = None) -> list:
     """The syncs for a partition: ``per_rank[r]`` lists rank r's parameters to sync in
     partition order (bucket view: the trainable ones; else all).  One layout per
     (device, dtype), in order of first appearance (the same on every rank).  ``old``:
-    the previous syncs, whose bucket buffers frozen parameters are cloned out of."""
+    the previous syncs, whose bucket buffers frozen parameters are cloned out of.
+    ``share``: the group whose ranks may share the CPU buckets ([Note: ZeRO shared
+    bucket]; a collective then), or None."""
     keys: dict = {}
     for r, ps in enumerate(per_rank):
         for p in ps:
@@ -239,5 +413,9 @@ def build_syncs(per_rank: list[list[Tensor]], rank: int, bucket_view: bool,
             out.append(OwnBroadcast(*v))
         else:
             layout = RankMajor(v)
-            out.append(BucketViews(layout) if bucket_view else StagedSync(layout, rank))
+            if not bucket_view:
+                out.append(StagedSync(layout, rank))
+            else:
+                cpu = share is not None and layout.device.type == "cpu"
+                out.append(BucketViews(layout, rank, share if cpu else None))
     return out

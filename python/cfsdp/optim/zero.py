@@ -30,7 +30,11 @@ What cfsdp does instead:
 
 * the sync: one all-gather per (device, dtype) of rank-major flat buckets, shared memory
   within a host (see [Note: ZeRO buckets] in ``_zero_buckets.py``); torch broadcasts
-  every bucket (bucket view) or every parameter (the default) through the process group;
+  every bucket (bucket view) or every parameter (the default) through the process group.
+  With bucket views and every rank on one host the bucket is ONE mapping shared by the
+  ranks: the owners step their segments in place and the sync is a barrier, no copy
+  ([Note: ZeRO shared bucket]: the parameters are held once per host, a closure is
+  evaluated before the first barrier, and private buckets where that cannot be exact);
 * consolidation moves flat state buffers, not pickled dicts ([Note: ZeRO consolidation]
   in ``_zero_state.py``), and the consolidated dict is a snapshot (torch's holds the
   target rank's live state tensors);
@@ -56,6 +60,7 @@ keep their assignment (they come first and their sizes have not changed).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from itertools import chain
 from typing import Any, Callable, Optional
@@ -70,10 +75,29 @@ from torch.optim import Optimizer
 from .. import _docs
 from .._runtime import comm
 from . import _zero_buckets, _zero_state
+from ._fused import _FusedStep
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
+
+
+# [Note: ZeRO shared bucket]: the optimizers whose step() evaluates the closure once,
+# before it writes any parameter, and writes only the parameters it steps (torch.optim's
+# own but LBFGS, which re-evaluates it between updates; cfsdp.optim's fused ones)
+_CLOSURE_FIRST = frozenset((
+    torch.optim.Adadelta, torch.optim.Adafactor, torch.optim.Adagrad, torch.optim.Adam,
+    torch.optim.Adamax, torch.optim.AdamW, torch.optim.ASGD, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.SGD, _FusedStep))
+
+
+def _closure_first(optimizer_class: Any) -> bool:
+    """Whether the ``step`` that ``optimizer_class`` runs is one of ``_CLOSURE_FIRST``'s
+    (unwrapped: torch wraps a class's ``step`` in its profiling hook at the first
+    instance, on the class itself)."""
+    step = getattr(optimizer_class, "step", None)
+    return step is not None and inspect.unwrap(step) in {
+        inspect.unwrap(c.step) for c in _CLOSURE_FIRST}
 
 
 def _min_index(values: list) -> int:
@@ -162,6 +186,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optim_constructor = self._get_optimizer_constructor(optimizer_class)
         self._init_local_optimizer()
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        # the group whose ranks share the bucket views, one per host ([Note: ZeRO shared
+        # bucket] in _zero_buckets.py), or None; decided once, the same on every rank
+        self._share = (self.process_group if self.parameters_as_bucket_view
+                       and self.world_size > 1 and _closure_first(optimizer_class)
+                       and comm.one_segment(self.process_group) else None)
+        self._flag = torch.zeros(1)  # the barrier's payload: "rebuild the buckets"
         self._syncs: list = []
         self._build_syncs()
         self._consolidated: Optional[dict] = None  # on the target of the last consolidation
@@ -300,7 +330,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         bucket_view = self.parameters_as_bucket_view
         per_rank = [[p for g in groups for p in g["params"] if p.requires_grad or not bucket_view]
                     for groups in self._partition_parameters()]
-        self._syncs = _zero_buckets.build_syncs(per_rank, self.rank, bucket_view, self._syncs)
+        self._syncs = _zero_buckets.build_syncs(per_rank, self.rank, bucket_view, self._syncs,
+                                                self._share)
+
+    def _shared(self) -> bool:
+        """Whether any bucket is the host-shared one (the step's barriers are then due)."""
+        return any(getattr(s, "shared", False) for s in self._syncs)
 
     @staticmethod
     def _sync_param_groups(src: list, dst: list) -> None:
@@ -332,27 +367,45 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._build_syncs()
 
     def _local_step(self, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
+        """The local optimizer's step (after a rebuild of the buckets where due).  With
+        the shared bucket ([Note: ZeRO shared bucket]) the closure is evaluated here and a
+        barrier (whose payload agrees on a rebuild) precedes the first write."""
         Join.notify_join_context(self)
         mask = self._get_is_trainable_mask()
+        rebuild = False
         if mask != self._is_trainable_mask:
             logger.warning("ZeroRedundancyOptimizer detected that the trainable parameters "
                            "changed; rebuilding the parameter buckets if enabled")
             self._is_trainable_mask = mask
-            if self.parameters_as_bucket_view:
-                self._build_syncs()
-        if any(s.moved() for s in self._syncs):
-            self._build_syncs()
+            rebuild = self.parameters_as_bucket_view
+        rebuild = rebuild or any(s.moved() for s in self._syncs)
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        loss = None
+        if self._share is not None:  # a rebuild is collective: every rank agrees on it
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+                closure = None
+            self._flag.fill_(1.0 if rebuild else 0.0)
+            comm.all_reduce(self._flag, self._share, async_op=False)  # barrier: reads done
+            rebuild = bool(self._flag[0] > 0)
+        if rebuild:
+            self._build_syncs()
         if closure is None:
-            loss = self.optim.step(**kwargs)
+            out = self.optim.step(**kwargs)
+            loss = out if loss is None else loss
         else:
             loss = self.optim.step(closure=closure, **kwargs)
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
 
     def _sync_params(self) -> None:
+        """The private buckets' all-gathers; for the shared one a barrier: every owner's
+        writes are seen by every rank before its next forward."""
         for s in self._syncs:
             s.sync(self.rank, self.process_group)
+        if self._share is not None and self._shared():
+            comm.all_reduce(self._flag, self._share, async_op=False)
 
     def step(self, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
         """The local step, then one all-gather per (device, dtype) bucket."""
