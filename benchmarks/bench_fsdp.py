@@ -62,6 +62,16 @@ Two switches change what the contenders run (defaults: fp32, FULL_SHARD):
   rows (the batch follows the ``dp`` rank).  Not combined with ``--mp`` or
   ``--strategy hybrid``.
 
+* ``--compile BACKEND`` -- every contender's model is compiled after wrapping,
+  ``torch.compile(model, backend=BACKEND)`` with dynamo's defaults (``fullgraph=False``;
+  ``torch._dynamo.reset()`` before each contender, so no compiled code or recompile
+  budget is carried over).  cfsdp and FSDP1 then wrap with ``use_orig_params=True``:
+  dynamo compiles nothing inside FSDP-managed modules with ``use_orig_params=False``
+  (torch's and cfsdp's alike), so a compiled run with ``False`` would time eager steps.
+  The hooks of every sharded contender run eagerly between the compiled blocks (see the
+  README's ``torch.compile`` section).  Compilation happens in the first warmup step,
+  whose time the JSON keeps as ``first_step_s``.  Not combined with ``--tp``.
+
 ``--set KEY=VALUE`` overrides a model config field (e.g. ``n_layer=4``), for
 runs with more ranks than cores.  The loss is always computed on fp32 logits
 (``logits.float()``, a no-op in fp32).
@@ -132,6 +142,7 @@ LOSS_RTOL = 1e-4  # sharded contenders vs DDP, relative, on every step
 LOSS_RTOL_MP = 2e-2
 MP_DTYPES = {"none": None, "bf16": torch.bfloat16}
 STRATEGIES = ("full", "hybrid")
+COMPILE_BACKENDS = ("eager", "aot_eager", "inductor")  # what torch.compile supports on CPU
 SEED = 0
 LR = 1e-3
 
@@ -218,6 +229,7 @@ class Setup:
     mesh: DeviceMesh | None = None  # 2-D (replicate, shard) mesh for "hybrid"
     cfsdp_optim: str = "cfsdp"  # AdamW of cfsdp's contenders: "cfsdp" or "torch"
     tp_mesh: DeviceMesh | None = None  # 2-D ("dp", "tp") mesh of a --tp run
+    compile: str | None = None  # torch.compile backend applied after wrapping (--compile)
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -261,7 +273,7 @@ def wrap_cfsdp(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     return _cfsdp_module().FullyShardedDataParallel(
         model,
         auto_wrap_policy=_wrap_policy(cfg),
-        use_orig_params=False,
+        use_orig_params=setup.compile is not None,  # dynamo compiles nothing under False
         device_id=torch.device("cpu"),
         **_fsdp1_kwargs(setup),
     )
@@ -271,7 +283,7 @@ def wrap_fsdp1(model: nn.Module, cfg: ModelConfig, setup: Setup) -> nn.Module:
     return TorchFSDP(
         model,
         auto_wrap_policy=_wrap_policy(cfg),
-        use_orig_params=False,
+        use_orig_params=setup.compile is not None,  # dynamo compiles nothing under False
         device_id=torch.device("cpu"),  # torch refuses a CPU-only machine without it
         **_fsdp1_kwargs(setup),
     )
@@ -351,6 +363,7 @@ class Outcome:
     peak_rss_kib: int = 0  # high-water mark over the whole contender
     steps_rss_kib: int = 0  # high-water mark over the timed steps only
     live_bytes: int = 0  # tensor storages after the last step minus those at the start
+    first_step_s: float = 0.0  # the first warmup step (it compiles under --compile)
     error: str | None = None
 
 
@@ -413,6 +426,9 @@ def run_contender(
         model = WRAPPERS[name](model, cfg, setup)
         out.wrap_s = time.perf_counter() - t0
         optim = make_optim(name, model, setup)
+        if setup.compile is not None:
+            torch._dynamo.reset()  # nothing compiled for an earlier contender is reused
+            model = torch.compile(model, backend=setup.compile)
         setup_peak_kib = 0
         for step in range(warmup + iters):
             if step == warmup:  # set-up peak (build, wrap, warmup) apart from steady state
@@ -424,6 +440,8 @@ def run_contender(
             loss = train_step(model, optim, x, y, autocast_dtype)
             dt = time.perf_counter() - t0
             out.losses.append(loss.item())
+            if step == 0:
+                out.first_step_s = dt
             if step >= warmup:
                 out.step_s.append(dt)
         out.steps_rss_kib = _read_status_kib("VmHWM")
@@ -459,6 +477,7 @@ def reduce_outcome(out: Outcome, warmup: int, iters: int, rss_reset: bool) -> di
             out.steps_rss_kib,
             out.peak_rss_kib - out.start_rss_kib,
             out.live_bytes,
+            out.first_step_s,
         ],
         dtype=torch.float64,
     )
@@ -475,6 +494,7 @@ def reduce_outcome(out: Outcome, warmup: int, iters: int, rss_reset: bool) -> di
         "steps_peak_rss_mib": scalars[3].item() / 1024,
         "rss_growth_mib": scalars[4].item() / 1024,
         "live_tensor_mib": scalars[5].item() / 2**20,
+        "first_step_s": scalars[6].item(),
         "rss_reset": rss_reset,
         "losses": losses.tolist(),
         "final_loss": losses[-1].item(),
@@ -652,6 +672,7 @@ def machine_info(args: argparse.Namespace, rss_reset: bool, setup: Setup) -> dic
         "strategy": setup.strategy,
         "mesh_shape": list(setup.mesh.mesh.shape) if setup.mesh is not None else None,
         "tp_mesh_shape": list(setup.tp_mesh.mesh.shape) if setup.tp_mesh is not None else None,
+        "compile": setup.compile,
         "config_overrides": args.set,
     }
 
@@ -701,6 +722,11 @@ def parse_args() -> argparse.Namespace:
         help="2-D training on a (DP, TP) mesh: tensor parallelism on tp, then each contender's "
         "data parallelism on dp (DP * TP = world size); adds the cfsdp_ddp contender",
     )
+    p.add_argument(
+        "--compile", default=None, metavar="BACKEND", choices=COMPILE_BACKENDS,
+        help=f"torch.compile every contender after wrapping with this backend "
+        f"({', '.join(COMPILE_BACKENDS)}); the wrappers then use use_orig_params=True",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
     p.add_argument(
         "--cfsdp-optim", choices=["cfsdp", "torch"], default="cfsdp",
@@ -723,6 +749,8 @@ def parse_args() -> argparse.Namespace:
             p.error(f"--tp {args.tp!r}: both sizes must be at least 1")
         if args.mp != "none" or args.strategy != "full":
             p.error("--tp is not combined with --mp or --strategy hybrid")
+        if args.compile is not None:
+            p.error("--tp is not combined with --compile")
         args.tp = (dp, tp)
     else:
         named = [c for c in args.contenders if c in TP_ONLY]
@@ -758,7 +786,8 @@ def parse_args() -> argparse.Namespace:
 
 def make_setup(args: argparse.Namespace) -> Setup:
     """The run's precision and strategy; builds the HSDP mesh (collective)."""
-    setup = Setup(mp=args.mp, strategy=args.strategy, cfsdp_optim=args.cfsdp_optim)
+    setup = Setup(mp=args.mp, strategy=args.strategy, cfsdp_optim=args.cfsdp_optim,
+                  compile=args.compile)
     if args.strategy == "hybrid":
         world = dist.get_world_size()
         if world % args.shard_size != 0:
@@ -792,11 +821,14 @@ def main() -> None:
         )
     setup = make_setup(args)
     report: dict[str, Any] = {"machine": machine_info(args, rss_reset, setup), "models": {}}
-    vs_fsdp1 = setup.mp != "none" or setup.strategy != "full" or setup.tp_mesh is not None
+    vs_fsdp1 = (setup.mp != "none" or setup.strategy != "full" or setup.tp_mesh is not None
+                or setup.compile is not None)
     if rank == 0 and vs_fsdp1:
         mesh = f", mesh {tuple(setup.mesh.mesh.shape)}" if setup.mesh is not None else ""
         if setup.tp_mesh is not None:
             mesh += f", (dp, tp) mesh {tuple(setup.tp_mesh.mesh.shape)}; local = TP only"
+        if setup.compile is not None:
+            mesh += f", every contender compiled (backend {setup.compile}; wrappers use_orig_params=True)"
         print(f"mixed precision {setup.mp}, strategy {setup.strategy}{mesh}", flush=True)
     for model_name, cfg in args.configs.items():
         results: dict[str, dict[str, Any]] = {}

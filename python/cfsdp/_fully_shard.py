@@ -35,6 +35,7 @@ from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
 from torch.distributed._composable.contract import RegistryItem as _RegistryItem
 from torch.distributed._composable.contract import _get_registry
 
+from ._compile import dynamo_disable
 from ._docs import adopt_class_docs, adopt_function_doc
 from ._runtime.chunk_group import chunk_units
 from ._runtime.chunk_unit import ChunkUnit, local_data
@@ -139,6 +140,7 @@ class _FSState:
         for s in states:
             s.ustate.fs_state = s  # type: ignore[attr-defined]
 
+    @dynamo_disable
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         st = self.ustate
         if st.training_state is TrainingState.BACKWARD_PRE:  # activation-checkpoint recompute
@@ -156,6 +158,7 @@ class _FSState:
         st.pre_forward()
         return args, kwargs
 
+    @dynamo_disable
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         st = self.ustate
         if st.training_state is TrainingState.BACKWARD_PRE:
@@ -676,10 +679,12 @@ def _state_of(module: nn.Module) -> Optional[_FSState]:
 fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
+@dynamo_disable
 def _pre_hook(state: _FSState, module: nn.Module, args: tuple, kwargs: dict):
     return state.pre_forward(module, args, kwargs)
 
 
+@dynamo_disable
 def _post_hook(state: _FSState, module: nn.Module, args: tuple, output: Any) -> Any:
     return state.post_forward(module, output)
 

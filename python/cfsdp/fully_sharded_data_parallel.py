@@ -41,6 +41,7 @@ from ._runtime.hooks import (
 from ._runtime.replaced import check_plain_param, replaced_fqn
 from ._runtime.base import TrainingState, wrappers_in
 from ._runtime.unit import Unit, flatten_error, scalar_param_message
+from ._compile import dynamo_disable, dynamo_skip_frame
 from ._docs import adopt_class_docs
 from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, join_fqn
 from . import _optim_state_dict as _osd
@@ -870,6 +871,7 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         return bool(self._state.is_root)
 
+    @dynamo_disable
     def _lazy_init(self) -> None:
         st = self._state
         if st.is_root is not None:
@@ -898,7 +900,14 @@ class FullyShardedDataParallel(nn.Module):
                         b.data = b.to(dtype)
 
     # ------------------------------------------------------------- forward
+    @dynamo_skip_frame
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._pre_forward(args, kwargs)
+        out = self._fsdp_wrapped_module(*args, **kwargs)
+        return self._state.post_forward(out)
+
+    @dynamo_disable
+    def _pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
         st = self._state
         if st.training_state is not TrainingState.IDLE:
@@ -913,8 +922,7 @@ class FullyShardedDataParallel(nn.Module):
         ):
             args, kwargs = cast_floating(mp.param_dtype, (args, kwargs))
         st.pre_forward()
-        out = self._fsdp_wrapped_module(*args, **kwargs)
-        return st.post_forward(out)
+        return args, kwargs
 
     # ---------------------------------------------------- names and states
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:

@@ -72,3 +72,23 @@ def _no_core_guard(request, monkeypatch):
     if calls:
         pytest.fail(f"marked no_core but called {sorted(set(calls))}: remove the marker "
                     "(the test must run under the sanitizer and on the twins)", pytrace=False)
+
+
+# --------------------------------------------------------------------------------------------
+# a process group of one rank, for the modules that ask for it
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """gloo over a ``HashStore``, rank 0 of 1, for one module (``pytestmark =
+    pytest.mark.usefixtures("one_rank_group")``), destroyed after it: the other unit tests
+    still run without a default group."""
+    import torch.distributed as dist
+
+    from cfsdp._runtime import comm
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    comm.release(None)
+    dist.destroy_process_group()

@@ -15,12 +15,7 @@ from cfsdp import _core
 from cfsdp._runtime import comm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    comm.release(None)
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.autograd import Variable
 
+from .._compile import check_not_compiled_autograd, dynamo_disable
 from .base import PendingReduce, TrainingState, UnitContract
 
 # [Note: recompute]
@@ -154,6 +155,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
 
     # ---------------------------------------------------------------- forward
+    @dynamo_disable
     def pre_forward(self) -> None:
         root = self.root
         if root is None:
@@ -179,6 +181,7 @@ class UnitState:
                 nxt.unit.unshard(async_op=True)
         u.use_forward_views()
 
+    @dynamo_disable
     def post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.BACKWARD_PRE:
             return output  # activation-checkpoint recompute: see [Note: recompute]
@@ -228,7 +231,9 @@ class UnitState:
         return None
 
     # --------------------------------------------------------------- backward
+    @dynamo_disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        check_not_compiled_autograd()
         if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             return grad
         root = self.root
@@ -265,7 +270,9 @@ class UnitState:
         ):
             nxt.unit.unshard(async_op=True)
 
+    @dynamo_disable
     def _post_backward(self, unit: UnitContract, grad: torch.Tensor) -> None:
+        check_not_compiled_autograd()
         root = self.root
         if root is None:
             raise AssertionError("cfsdp: post-backward before lazy init")
@@ -291,6 +298,7 @@ class UnitState:
             return not self.reshard_after_backward
         return not self.sync_gradients and not self.reshard_after_forward
 
+    @dynamo_disable
     def _final_callback(self) -> None:
         root = self.root
         if root is None:
