@@ -101,6 +101,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import (
@@ -183,7 +184,9 @@ def live_tensor_bytes() -> int:
     """
     ranges: dict[int, int] = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookup, no warnings
+        if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), FakeTensor):
+            # type(): no __class__ lookup, no warnings; FakeTensors (kept by --compile's
+            # compiled code) have no memory and warn on data_ptr()
             try:
                 storage = obj.untyped_storage()
                 ptr, n = storage.data_ptr(), storage.nbytes()
@@ -828,7 +831,8 @@ def main() -> None:
         if setup.tp_mesh is not None:
             mesh += f", (dp, tp) mesh {tuple(setup.tp_mesh.mesh.shape)}; local = TP only"
         if setup.compile is not None:
-            mesh += f", every contender compiled (backend {setup.compile}; wrappers use_orig_params=True)"
+            mesh += (f", every contender compiled (backend {setup.compile}; "
+                     "wrappers use_orig_params=True)")
         print(f"mixed precision {setup.mp}, strategy {setup.strategy}{mesh}", flush=True)
     for model_name, cfg in args.configs.items():
         results: dict[str, dict[str, Any]] = {}

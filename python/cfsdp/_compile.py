@@ -47,9 +47,11 @@ one step to the next, as torch's.  A compiled region that must not break
 Compiled autograd (``torch._dynamo.config.compiled_autograd=True`` with ``backward()`` in a
 compiled region, or ``torch._dynamo.compiled_autograd._enable``): the backward hooks would
 run eagerly in the middle of a compiled backward graph that captured its inputs before them.
-torch 2.13's FSDP2 then trains with wrong losses on CPU (from the second step; its FSDP1
-fails in dynamo).  cfsdp refuses it at the first backward hook,
-:func:`check_not_compiled_autograd`, naming the setting.
+torch 2.13's FSDP2, and its FSDP1 with ``use_orig_params=False``, then train with wrong
+losses on CPU (from the second step; measured at 2 ranks), its FSDP1 with
+``use_orig_params=True`` fails inside dynamo.  cfsdp refuses it at the first backward hook,
+:func:`check_not_compiled_autograd`, naming the setting
+(``tests/distributed/worker_compile.py`` ``compiled_autograd`` checks both sides).
 
 This module sits at the bottom: it knows nothing of cfsdp, only torch.
 """
@@ -79,7 +81,8 @@ def dynamo_skip_frame(fn: _F) -> _F:
     nothing is added to an eager call); its code object is marked skipped once."""
     skip = getattr(_dynamo_decorators, "skip", None)
     if skip is None:  # not in this torch: the public equivalent, dearer per compiled call
-        return torch.compiler.disable(fn, recursive=False, reason=REASON)  # type: ignore[return-value]
+        return torch.compiler.disable(  # type: ignore[return-value]
+            fn, recursive=False, reason=REASON)
     return skip(fn)
 
 
@@ -88,8 +91,9 @@ COMPILED_AUTOGRAD_MESSAGE = (
     "or torch._dynamo.compiled_autograd._enable) is not supported. cfsdp's backward hooks "
     "run eagerly, as torch's FSDP hooks do (torch 2.13 has no "
     "torch._dynamo.config.skip_fsdp_hooks=False to trace them), and a compiled backward graph "
-    "around them computes wrong gradients (torch 2.13's own FSDP2 trains with wrong losses "
-    "there). Set torch._dynamo.config.compiled_autograd=False (or leave the "
+    "around them computes wrong gradients (torch 2.13's own FSDP2, and FSDP1 with "
+    "use_orig_params=False, train with wrong losses there). Set "
+    "torch._dynamo.config.compiled_autograd=False (or leave the "
     "compiled_autograd._enable context) for backward; torch.compile of the model's forward "
     "works as with torch's FSDP."
 )

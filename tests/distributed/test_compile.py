@@ -12,7 +12,8 @@ import pytest
 from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 300
-AT_4 = "backend=eager|backend=aot_eager|whole_flat|pattern=blocks]|activation_checkpointing"  # [Note: coverage at 4 ranks]
+AT_4 = ("backend=eager|backend=aot_eager|whole_flat|pattern=blocks]|activation_checkpointing"
+        "|compiled_autograd")  # [Note: coverage at 4 ranks]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
