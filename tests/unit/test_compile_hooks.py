@@ -89,12 +89,12 @@ def explained(impl: str, face: str) -> tuple:
     x, _ = batch(0)
     e = torch._dynamo.explain(model)(x)
     model(x).sum().backward()  # the step the explained forward began
-    return e.graph_count, [[str(op) for op in ops] for ops in e.ops_per_graph]
+    return e.graph_count, e.graph_break_count, [[str(op) for op in ops] for ops in e.ops_per_graph]
 
 
 @pytest.mark.parametrize("face", FACES)
 def test_hooks_are_not_traced_as_torch(face):
-    """The same graphs (count and operations) as torch's FSDP: each unit's forward (with
+    """The same graphs (count, breaks, operations) as torch's FSDP: each unit's forward (with
     use_orig_params=False none: dynamo refuses FSDP-managed modules there, as for torch)."""
     want = explained("torch", face)
     assert explained("cfsdp", face) == want
