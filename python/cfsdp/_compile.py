@@ -33,10 +33,11 @@ cfsdp gives its entry points the same treatment, through torch's public
   end-of-backward callback, which serve both faces.
 * :func:`dynamo_skip_frame` on the wrapper's ``forward``: dynamo runs that frame eagerly
   (its pre/post-forward calls are ``dynamo_disable``'d) and compiles the wrapped module's
-  frames, so the graphs are FSDP1's.  ``torch.compiler.disable(recursive=False)`` would
-  do the same but re-enters dynamo's frame conversion on every call (about 0.5 ms a call
-  on this machine), so the code object is marked skipped once
-  (``torch._dynamo.decorators.skip``, which torch's ``isolate_recompiles`` documents).
+  frames, so the graphs are FSDP1's.  ``torch.compiler.disable(recursive=False)`` does
+  the same through a wrapper function around ``forward``; ``torch._dynamo.decorators.skip``
+  marks the code object skipped once and leaves ``forward`` itself in place (nothing added
+  to an eager call, ``forward``'s signature and docstring unchanged), so it is used where
+  this torch has it, the public form otherwise (per compiled call both cost the same).
 
 So the same frames compile into the same graphs as under torch's FSDP (up to the names of
 the graph inputs: FSDP2 registers its unsharded parameters as ``nn.Parameter``s, cfsdp's
