@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._runtime.base import FromLocalView
+
 __all__ = ["pre_dp_module_transform"]
 
 
@@ -61,9 +63,11 @@ class _Transform:
             if self.shown and e.param.grad is None and e.local.grad is not None:
                 e.local.grad = None  # zero_grad() through the DTensor parameters
             spec = e.spec
-            e.module.__dict__[e.name] = DTensor.from_local(
-                e.local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                stride=spec.stride)
+            if spec.tensor_meta.dtype != e.local.dtype:  # the module was cast since
+                spec = e.spec = _grad_spec(spec, e.local)
+            # DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)
+            # with the spec built once
+            e.module.__dict__[e.name] = FromLocalView.apply(e.local, spec)
 
     def state_dict_hook(self, module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
         """Before the first forward the registration holds the plain parameters DDP needs:

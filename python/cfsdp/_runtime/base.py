@@ -45,6 +45,9 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from . import comm
 from .reduce import scale_cast_add
@@ -264,6 +267,33 @@ def hook_grad_ready(unit: UnitContract) -> None:
 # ---------------------------------------------------------------------------
 # tensors and views
 # ---------------------------------------------------------------------------
+
+
+class FromLocalView(torch.autograd.Function):
+    """``DTensor.from_local(view, mesh, placements, run_check=False, shape=, stride=)`` with
+    the spec built once (``spec``, in the view's dtype): a TP parameter's forward view.
+    Backward is ``from_local``'s for ``Shard`` and ``Replicate`` placements (their own
+    gradient placements; the wrapper and ``pre_dp_module_transform`` take no others): the
+    gradient redistributed to ``spec``'s placements when it arrives in others (e.g. a
+    partial sum), its local tensor handed to the view.  ``from_local`` rebuilds the spec
+    and checks its arguments on every call: most of the host time per TP parameter."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: Optional[DTensor]):  # type: ignore[override]
+        if grad is None:
+            return None, None
+        spec = ctx.spec
+        if grad.placements == spec.placements:
+            return grad._local_tensor, None
+        target = DTensorSpec(spec.mesh, spec.placements, tensor_meta=grad._spec.tensor_meta)
+        return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
+
 
 
 def alloc_storage(t: torch.Tensor) -> None:

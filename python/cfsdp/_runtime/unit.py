@@ -36,7 +36,8 @@ stride).  What differs is what modules and
 users see, as torch FSDP1 shows it:
 
 * forward binds ``DTensor.from_local`` over each view (run_check=False, the global shape and
-  stride; :class:`_FromLocalView`, its spec built once): its backward turns the gradient into the parameter's placements (e.g. a partial
+  stride; :class:`~.base.FromLocalView`, its spec built once): its backward turns the
+  gradient into the parameter's placements (e.g. a partial
   sum over TP ranks into Replicate, one all-reduce per backward), as torch's;
 * summoned and state-dict parameters are DTensors on the TP mesh over the full views
   (:meth:`Unit.params_as_full`); the idle (sharded) attributes of ``use_orig_params=False``
@@ -57,13 +58,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from .. import _core
 from .._fqn import FLAT_PARAM, join_fqn
 from . import comm
-from .base import (PendingReduce, TrainingState, UnshardStates, accumulate_sharded, all_none,
-                   alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
+from .base import (FromLocalView, PendingReduce, TrainingState, UnshardStates, accumulate_sharded,
+                   all_none, alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
 from .reduce import divide_factors, scale_cast_add
 from .replaced import WRAPPER, WRAPPER_TP, mark_replaced
 
@@ -155,32 +155,6 @@ def tp_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
         spec = DTensorSpec(spec.mesh, spec.placements,
                            tensor_meta=TensorMeta(spec.shape, spec.stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
-
-
-class _FromLocalView(torch.autograd.Function):
-    """``DTensor.from_local(view, mesh, placements, run_check=False, shape=, stride=)`` with
-    the spec built once (``spec``, in the view's dtype): a TP parameter's forward view.
-    Backward is ``from_local``'s for the placements the wrapper takes (``Shard`` and
-    ``Replicate``, which are their own gradient placements): the gradient redistributed
-    to ``spec``'s placements when it arrives in others (e.g. a partial sum), its local
-    tensor handed to the view.  ``from_local`` rebuilt the spec and checked its arguments
-    on every call, most of the wrapper's host time per TP parameter."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad: Optional[DTensor]):  # type: ignore[override]
-        if grad is None:
-            return None, None
-        spec = ctx.spec
-        if grad.placements == spec.placements:
-            return grad._local_tensor, None
-        target = DTensorSpec(spec.mesh, spec.placements, tensor_meta=grad._spec.tensor_meta)
-        return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
 
 
 class Unit(UnshardStates):
@@ -582,7 +556,7 @@ class Unit(UnshardStates):
                     vspec = specs[(k, v.dtype)] = DTensorSpec(
                         spec.mesh, spec.placements,
                         tensor_meta=TensorMeta(spec.shape, spec.stride, v.dtype))
-                views[k] = _FromLocalView.apply(v, vspec)
+                views[k] = FromLocalView.apply(v, vspec)
             views = tuple(views)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
 
