@@ -5,9 +5,13 @@ per rank: a set-up counter shared by the threads once gave the two ranks differe
 keys, and every collective waited out the group timeout (torch's test_old_import_training
 and test_reset_sharded_param_in_lazy_init, 300 s each).
 
-One test: both faces of FSDP2's API, cfsdp's and torch's, train a small model for 2 steps
-on 2 threaded ranks; the losses and local shards must be bitwise equal, and the whole run
-must end within a bound far below the group timeout.
+cfsdp's ``fully_shard`` and torch's train a small model for 2 steps on 2 threaded ranks;
+the losses and local shards must be bitwise equal, and each world must end within a bound
+far below the group timeout.  The second test first runs a world in which the ranks set a
+group up different numbers of times (as when a test fails on one rank mid-way), then a new
+world with a new store: its set-ups must agree again (a count kept in the process, even
+per rank, carried the first world's counts over and hung torch's
+test_rank0_broadcast_meta_device_init).
 """
 
 import copy
@@ -26,6 +30,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 )
 
 import cfsdp
+from cfsdp._runtime import comm
 
 WORLD = 2
 BOUND_S = 60.0  # the group timeout below is 120 s: a stuck set-up cannot pass
@@ -46,16 +51,25 @@ def _train(shard, model: nn.Module, x: torch.Tensor) -> tuple[list, list]:
     return losses, [p.to_local().detach().clone() for p in model.parameters()]
 
 
-def _rank(rank: int, store, results: dict, errors: dict) -> None:
+def _train_both(rank: int):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    return (_train(cfsdp.fully_shard, copy.deepcopy(ref), x),
+            _train(torch_fully_shard, copy.deepcopy(ref), x))
+
+
+def _uneven_setups(rank: int):
+    for _ in range(rank + 1):  # rank 0 once, rank 1 twice: no collective, only the count
+        comm._Setup(dist.group.WORLD)
+
+
+def _rank(fn, rank: int, store, results: dict, errors: dict) -> None:
     try:
         dist.init_process_group("threaded", rank=rank, world_size=WORLD, store=store,
                                 timeout=timedelta(seconds=120))
         try:
-            torch.manual_seed(0)
-            ref = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
-            results[rank] = (_train(cfsdp.fully_shard, copy.deepcopy(ref), x),
-                             _train(torch_fully_shard, copy.deepcopy(ref), x))
+            results[rank] = fn(rank)
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -63,14 +77,15 @@ def _rank(rank: int, store, results: dict, errors: dict) -> None:
         ProcessLocalGroup.exception_handle(e)  # wake the other rank's collectives
 
 
-def test_threaded_ranks_train_as_torch():
+def _world(fn) -> dict:
+    """Run ``fn(rank)`` on WORLD threaded ranks of a new world (a new store); their results."""
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
     results: dict = {}
     errors: dict = {}
     try:
         store = dist.HashStore()
-        threads = [threading.Thread(target=_rank, args=(r, store, results, errors), daemon=True)
+        threads = [threading.Thread(target=_rank, args=(fn, r, store, results, errors), daemon=True)
                    for r in range(WORLD)]
         start = time.monotonic()
         for t in threads:
@@ -84,8 +99,21 @@ def test_threaded_ranks_train_as_torch():
         _uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     assert not errors, f"threaded ranks failed: {errors!r}"
+    return results
+
+
+def _check_as_torch(results: dict) -> None:
     for rank, ((c_losses, c_params), (t_losses, t_params)) in sorted(results.items()):
         for i, (a, b) in enumerate(zip(c_losses, t_losses)):
             assert torch.equal(a, b), f"rank {rank} step {i}: loss {a.item()} vs torch's {b.item()}"
         for i, (a, b) in enumerate(zip(c_params, t_params)):
             assert torch.equal(a, b), f"rank {rank}: local shard of parameter #{i} differs from torch's"
+
+
+def test_threaded_ranks_train_as_torch():
+    _check_as_torch(_world(_train_both))
+
+
+def test_a_new_world_starts_its_set_ups_afresh():
+    _world(_uneven_setups)
+    _check_as_torch(_world(_train_both))

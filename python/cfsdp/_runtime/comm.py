@@ -221,7 +221,6 @@ class _GroupState:
 
 _states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
 _all_shm: "weakref.WeakSet[_GroupState]" = weakref.WeakSet()
-_setups: dict = {}  # (group name, rank) -> set-ups so far: each set-up's store keys are its own
 
 
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -285,12 +284,12 @@ class _Setup:
         self.rank = group.rank()
         self.ranks = dist.get_process_group_ranks(group)
         self.timeout = group_timeout(group)
-        # counted per (group, rank): ranks that are threads of one process (torch's
-        # threaded test groups) count their own set-ups, as processes do
-        key = (self.label, self.rank)
-        n = _setups[key] = _setups.get(key, 0) + 1
-        self.store = dist.PrefixStore(f"{_STORE_PREFIX}/{self.label}/{n}/",
-                                      dist.distributed_c10d._get_default_store())
+        # each rank counts its set-ups of this group in the store itself (not in the
+        # process): ranks that are threads of one process (torch's threaded test groups)
+        # count their own, and a new store (a new world) starts every count afresh
+        store = dist.distributed_c10d._get_default_store()
+        n = store.add(f"{_STORE_PREFIX}/{self.label}/setups/{self.rank}", 1)
+        self.store = dist.PrefixStore(f"{_STORE_PREFIX}/{self.label}/{n}/", store)
 
     def publish(self, key: str, value: str) -> None:
         self.store.set(key, value)
