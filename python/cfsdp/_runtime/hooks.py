@@ -206,7 +206,7 @@ class UnitState:
             if t.requires_grad:
                 t.register_hook(self._pre_backward_hook)
                 base = t._base  # [Note: view outputs]
-                if base is not None and base.requires_grad:
+                if base is not None and base.grad_fn is not None:
                     base.register_hook(self._pre_backward_hook)
                 hooked = True
         return hooked
@@ -219,7 +219,10 @@ class UnitState:
     # freed parameters, or computes with whatever the buffer holds).  A hook on the view's
     # base stays where it was registered, on the node that produced the base's pre-in-place
     # value, which backward still reaches before the unit's own backward; the training-state
-    # check makes the second of the two calls a no-op.
+    # check makes the second of the two calls a no-op.  Only a base that autograd produced:
+    # a hook on a leaf (a view of a parameter, e.g. ``self.weight[:n]``, whose base is the
+    # unit's flat parameter) would stay on it for good, one more every forward, and a leaf
+    # that requires grad cannot be modified in place through a view anyway.
 
     def _neighbour(self, step: int) -> Optional["UnitState"]:
         root = self.root
