@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import _harness as h
 import tp_common as tc
+from ckpt_common import ckpt_dir
 import worker_parity as wp
 
 del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
@@ -339,19 +340,6 @@ def readme_example(ctx, layout, face: str):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
-
-def ckpt_dir(ctx, name: str):
-    from pathlib import Path
-
-    root = os.environ.get("CFSDP_CKPT_DIR")
-    if not root:
-        raise AssertionError("CFSDP_CKPT_DIR is not set (the pytest test passes its tmp_path)")
-    d = Path(root) / name
-    if ctx.rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-    dist.barrier(group=ctx.pg)
-    return d
 
 
 def dcp_save(model, opt, path) -> None:
