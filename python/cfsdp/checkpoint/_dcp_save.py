@@ -239,7 +239,7 @@ def dcp_recover(checkpoint_id: str | os.PathLike) -> None:
         try:
             if _resolve(target, names, claimed=fd is not None) and fd is not None:
                 os.unlink(names["lock"])
-        except OSError:
+        except OSError:  # another cleaner took it first; the next save looks again
             pass
         finally:
             if fd is not None:

@@ -224,7 +224,7 @@ def remove_dead_files(directory: str, stem: str) -> list[str]:
         try:
             os.unlink(path)
             removed.append(path)
-        except OSError:
+        except OSError:  # removed by another cleaner since the claim: nothing left to do
             pass
         finally:
             os.close(fd)

@@ -267,8 +267,8 @@ def _shared_flat(layout: RankMajor, rank: int, group: Any, private: Tensor
         if rank == 0 and path:
             try:
                 os.unlink(path)
-            except OSError:
-                pass
+            except OSError:  # in a finally: never hide the error that got us here; the
+                pass         # mapping works unlinked or not, and the name is cfsdp-<pid>-...
     if not mapped:
         return None, path, ("the bucket's file in " + SHM_DIR + " is not shared by every rank"
                       + (f" ({why})" if why else ""))
