@@ -138,12 +138,21 @@ def pre_dp_module_transform(module: nn.Module) -> nn.Module:
         for name, p in list(mod._parameters.items()):
             if not isinstance(p, DTensor):
                 continue
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            if not all(pl.is_shard() or pl.is_replicate() for pl in p.placements):
+                # FromLocalView's backward hands back gradients in the forward placements,
+                # which are their own gradient placements only for Shard and Replicate
+                raise NotImplementedError(
+                    f"pre_dp_module_transform: parameter '{fqn}' is a DTensor placed "
+                    f"{p.placements}; cfsdp's transform takes Shard and Replicate placements "
+                    "(those parallelize_module gives parameters). Redistribute it to one of "
+                    "them first.")
             local = seen.get(id(p))
             if local is None:
                 local = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
                 seen[id(p)] = local
             mod._parameters[name] = local
-            entries.append(_Entry(mod, name, f"{mod_name}.{name}" if mod_name else name, local, p))
+            entries.append(_Entry(mod, name, fqn, local, p))
     state = _Transform(entries)
     module._cfsdp_dp_transform = state
     module.register_forward_pre_hook(state.pre_forward)
