@@ -252,9 +252,14 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps unreduced gradients (gradient accumulation without
-        communication) until a backward with True."""
+        communication) until a backward with True.  As torch's, it sets HSDP's
+        ``set_requires_all_reduce`` to the same value: a True after
+        ``set_requires_all_reduce(False)`` all-reduces again."""
         for m in _fs_modules(self, recurse):
-            _state(m).ustate.sync_gradients = bool(requires_gradient_sync)
+            st = _state(m)
+            st.ustate.sync_gradients = bool(requires_gradient_sync)
+            if st.unit is not None:
+                st.unit.requires_all_reduce = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces the reduce-scattered gradients across

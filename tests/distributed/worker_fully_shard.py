@@ -779,6 +779,83 @@ def grad_accum(ctx, kind: str):
     run_scenario(ctx, Scenario(kind=kind, steps=2, micro=3, before_micro=before, after_micro=after))
 
 
+# Every dtype policy's accumulation: torch's FSDP2 keeps a no-sync gradient in
+# ``unsharded_param.grad`` (param dtype; autograd adds the next backward's to it) unless
+# ``reduce_dtype`` differs from the gradient's dtype: then it moves it to
+# ``unsharded_accumulated_grad`` cast to ``reduce_dtype`` (fp32 from bf16, but bf16 from fp32
+# when only ``reduce_dtype=bf16`` is given) and adds every later backward's gradient to that.
+FP16 = torch.float16
+ACCUM_POLICIES: dict[str, MixedPrecisionPolicy | None] = {
+    "fp32": None,
+    "bf16_reduce_fp32": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32),
+    "bf16_reduce_bf16": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16),
+    "bf16": MixedPrecisionPolicy(param_dtype=BF16),
+    "fp16_reduce_fp32": MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32),
+    "fp16": MixedPrecisionPolicy(param_dtype=FP16),
+    "fp32_reduce_bf16": MixedPrecisionPolicy(reduce_dtype=BF16),
+    # a bf16 model (its shards, gradients and optimizer in bf16): the reduced fp32 gradient is
+    # cast to bf16 before it is added to the sharded gradient
+    "bf16_model_reduce_fp32": MixedPrecisionPolicy(reduce_dtype=torch.float32),
+    "bf16_model": None,
+}
+
+
+def _accum_sync(path: str, last: int):
+    """``before_micro`` for ``accumulation``'s paths: which units sync on micro-batch ``m``."""
+
+    def before(impl, model, s, m, notes):
+        sync = m == last
+        if path == "all":  # every unit accumulates (recurse)
+            model.set_requires_gradient_sync(sync)
+        elif path == "all_keep_unsharded":  # and stays unsharded until the sync backward
+            model.set_requires_gradient_sync(sync)
+            model.set_reshard_after_backward(sync)
+        elif path == "root":  # the root's unit only (the output head): torchtitan's chunked loss
+            model.set_requires_gradient_sync(sync, recurse=False)
+        elif path == "block":  # one inner unit; the others reduce every micro-batch
+            model.blocks[1].set_requires_gradient_sync(sync, recurse=False)
+        else:
+            raise AssertionError(path)
+
+    return before
+
+
+def _accum_notes(impl, model, s, m, notes):
+    notes.append((f"after backward {m} of step {s}", reg_state(model)))
+    notes.append((f"gradient values after backward {m} of step {s}",
+                  [None if p.grad is None else local(p.grad).detach().clone()
+                   for p in model.parameters()]))
+
+
+def accumulation(ctx, policy: str, path: str, reshard_after_forward: bool = True,
+                 offload: bool = False):
+    """3 micro-batches a step (2 steps), gradient sync off on ``path``'s units for the first two:
+    losses, the gradients (and what is registered) after every backward, and the parameters
+    bitwise as torch's, for every dtype policy.  Units that keep syncing accumulate their
+    reduced gradients into the sharded gradient.  Without mixed precision also as the
+    reference (the mixed-precision reference takes one micro-batch a step).  ``offload``:
+    both with ``CPUOffloadPolicy(pin_memory=False)`` (torch runs it on a CPU mesh)."""
+    pol = ACCUM_POLICIES[policy]
+    kw: dict = {"reshard_after_forward": reshard_after_forward}
+    if pol is not None:
+        kw["mp_policy"] = pol
+    if offload:
+        kw["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
+    bf16_model = policy.startswith("bf16_model")
+    run_scenario(ctx, Scenario(kind="mlp", optim="adamw", steps=2, micro=3, unit_kw=kw,
+                               before_micro=_accum_sync(path, 2), after_micro=_accum_notes,
+                               prepare=(lambda m: m.to(BF16)) if bf16_model else None,
+                               ref=pol is None and not bf16_model))
+
+
+h.subtest(grid={"policy": list(ACCUM_POLICIES), "path": ["all", "root", "block", "all_keep_unsharded"]},
+          name="accumulation")(accumulation)
+h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32", "fp32_reduce_bf16"], "path": ["all", "root"],
+                "reshard_after_forward": [False]}, name="accumulation")(accumulation)
+h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32"], "path": ["all", "root"], "offload": [True]},
+          name="accumulation")(accumulation)
+
+
 def _grad_step(s: int, params: list, opt) -> list | None:
     """What the user does with the gradients before step ``s`` of ``grad_lifetimes``; returns
     the gradients the user keeps (step 2)."""
@@ -1306,6 +1383,38 @@ if WORLD == 4:
 
         run_scenario(ctx, Scenario(kind=kind, steps=2, micro=3, before_micro=before, after_micro=after),
                      mesh_2d(ctx))
+
+    def _hsdp_accum(path: str):
+        def before(impl, model, s, m, notes):
+            if path == "no_all_reduce":
+                model.set_requires_all_reduce(m == 2)
+            elif path == "no_sync":
+                model.set_requires_gradient_sync(m == 2)
+            elif path == "mixed":
+                # torch's set_requires_gradient_sync sets all_reduce_grads too: the True of the
+                # last micro-batch all-reduces again (the first one's shard and the others)
+                if m == 0:
+                    model.set_requires_all_reduce(False)
+                else:
+                    model.set_requires_gradient_sync(m == 2)
+            elif path == "root_no_all_reduce":
+                model.set_requires_all_reduce(m == 2, recurse=False)
+            else:
+                raise AssertionError(path)
+        return before
+
+    @h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32", "bf16_reduce_bf16", "fp32_reduce_bf16"],
+                     "path": ["no_all_reduce", "no_sync", "mixed", "root_no_all_reduce"]})
+    def hsdp_accumulation(ctx, policy: str, path: str):
+        """HSDP 2 x 2, 3 micro-batches a step, every dtype policy: the reduce-scatter-only
+        accumulation (``set_requires_all_reduce(False)``: the reduced shard summed aside in
+        ``reduce_dtype``), the no-sync one, and the two mixed (``set_requires_gradient_sync``
+        sets torch's ``all_reduce_grads`` as well); bitwise as torch after every backward."""
+        pol = ACCUM_POLICIES[policy]
+        run_scenario(ctx, Scenario(kind="mlp", steps=2, micro=3,
+                                   unit_kw={} if pol is None else {"mp_policy": pol},
+                                   before_micro=_hsdp_accum(path), after_micro=_accum_notes,
+                                   ref=pol is None), mesh_2d(ctx))
 
 
 # --------------------------------------------------------------------------------------------

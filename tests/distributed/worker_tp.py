@@ -192,15 +192,19 @@ def fs_mixed_precision(ctx, layout):
     check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), True, fs_kw={"mp_policy": policy}))
 
 
-@h.subtest(grid={"layout": tc.meshes(WORLD)})
-def fs_grad_accumulation(ctx, layout):
+@h.subtest(grid={"layout": tc.meshes(WORLD), "mp": [False, True]})
+def fs_grad_accumulation(ctx, layout, mp: bool):
     """set_requires_gradient_sync(False) for all but the last micro-batch of a step, and a
-    unit kept unsharded after backward (no-sync gradients on the registered TP DTensors)."""
+    unit kept unsharded after backward (no-sync gradients on the registered TP DTensors).
+    ``mp``: bf16 parameters, fp32 reduction: torch sums the no-sync gradients in fp32 (the
+    sequence-parallel norms' partial sums too, redistributed once complete)."""
     mesh = tc.mesh_2d(*layout)
     data = tc.batches(3, dp_size(mesh) * 2)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.float32)} if mp else {}
     res = {}
     for impl in ("torch", "cfsdp"):
-        model = fs_model(impl, mesh, True)
+        model = fs_model(impl, mesh, True, **kw)
         model.blocks[0].set_reshard_after_backward(False)
         opt = wp.make_optim("sgd", model.parameters())
         seen = []

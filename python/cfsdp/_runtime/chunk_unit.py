@@ -236,6 +236,8 @@ class ChunkUnit(UnshardStates):
         self._new_natural()
         self._init_unshard_states()  # ``_buf``: ``natural`` while unsharded
         self.saved_grad: Optional[torch.Tensor] = None
+        # no sync: the unreduced gradient summed in reduce_dtype ([Note: no-sync accumulation])
+        self.acc_grad: Optional[torch.Tensor] = None
         # the sharded gradient last published and its DTensors (see [Note: gradient ownership])
         self._pub: Optional[_Published] = None
         self.grad_unsharded = False
@@ -686,6 +688,7 @@ class ChunkUnit(UnshardStates):
         self.reshard()
         self.saved_grad = None
         self.flat_param.grad = None
+        self.acc_grad = None
         self.grad_unsharded = False
         self.partial_reduce = None
         self._partial.clear()
@@ -780,8 +783,28 @@ class ChunkUnit(UnshardStates):
     def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None:
         accumulate_sharded(self, out, divided)
 
+    # [Note: no-sync accumulation]
+    # With gradient sync off, torch's FSDP2 keeps a backward's unsharded gradient where
+    # autograd accumulates the next one (``unsharded_param.grad``, in the gradient's dtype),
+    # unless ``reduce_dtype`` (after its clamping, see ``_set_dtypes``) differs from that
+    # dtype: then post-backward moves it off the parameter, cast to ``reduce_dtype``
+    # (``unsharded_accumulated_grad``: fp32 from bf16, but bf16 from fp32 with only
+    # ``reduce_dtype=bf16``), and adds every later backward's gradient to it in place
+    # (``acc += grad``, computed in the wider dtype and rounded to ``acc``'s); the
+    # synchronising backward adds its own the same way, then reduces the sum.  The unit
+    # does exactly that on its flat gradient (elementwise the same ops): ``acc_grad``.
+    # So a bf16 gradient accumulated with fp32 reduction is summed in fp32, not in bf16.
+
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
-        """No gradient sync: accumulate the natural gradient, unreduced."""
+        """No gradient sync: accumulate the natural gradient, unreduced, in torch's dtype
+        ([Note: no-sync accumulation])."""
+        acc = self.acc_grad
+        if acc is not None:
+            acc += grad
+            return
+        if grad.dtype != self.reduce_dtype:
+            self.acc_grad = grad.to(self.reduce_dtype)
+            return
         self.flat_param.grad = grad
         self.grad_unsharded = True
 
@@ -811,7 +834,11 @@ class ChunkUnit(UnshardStates):
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pack the natural gradient into the rank-major reduce-scatter input (cast
         to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
-        if self._partial:
+        acc = self.acc_grad
+        if acc is not None:  # [Note: no-sync accumulation]
+            acc += grad
+            grad, self.acc_grad = acc, None
+        if self._partial:  # (a partial sum is redistributed once it is complete)
             self._redistribute_partial(grad)
         if self.saved_grad is None and self.reduce_dtype == self.dtype:
             out = self.new_grad_buffer()  # reduce straight into the gradient
