@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as SS
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -141,20 +141,54 @@ def no_sync_accumulation(ctx, strategy, use_orig_params: bool, kind: str):
     accumulation across backwards; compared bitwise to torch FSDP1 every step (losses, the
     gradients the optimizer sees, parameters), and the gradient after no_sync to the single
     process's gradient of the mean micro-batch loss."""
-    if strategy in HYBRID and ctx.world_size < 4:
-        return
     if kind == "odd" and (use_orig_params is False):
         # torch 2.13 FSDP1 mis-accumulates the 1-element unit of "odd" when use_orig_params=False
         # (see worker_parity.grad_accumulation_and_eval); the transformer covers that path.
         return
+    _no_sync_parity(ctx, strategy, use_orig_params, kind, "fp32")
+
+
+# [Note: wrapper accumulation dtypes] torch's FSDP1 keeps a no_sync() gradient in
+# ``flat_param.grad`` in the compute dtype (param_dtype): autograd adds the next backward's
+# to it there, and only the synchronising backward casts the sum to reduce_dtype.  Plain
+# accumulation (backwards that sync, no zero_grad between) adds each reduced shard, cast to
+# the parameter dtype, to the sharded gradient; NO_SHARD keeps its reduced full gradient in
+# ``.grad`` and autograd adds the next local one to it (so torch reduces the sum again).
+NO_SYNC_CONFIGS = {
+    "fp32": {},
+    "bf16_reduce_fp32": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
+                                                           reduce_dtype=torch.float32)},
+    "bf16": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)},
+    "bf16_keep_low_grads": {"mixed_precision": MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True)},
+    "reduce_bf16_only": {"mixed_precision": MixedPrecision(reduce_dtype=torch.bfloat16)},
+    # torch refuses CPUOffload without an accelerator: its oracle runs without (see cpu_offload)
+    "cpu_offload": {},
+}
+
+
+@h.subtest(grid={"strategy": GRID_STRATEGIES, "config": [c for c in NO_SYNC_CONFIGS if c != "fp32"],
+                 "use_orig_params": [False, True]})
+def no_sync_dtypes(ctx, strategy, config: str, use_orig_params: bool):
+    """``no_sync_accumulation`` under every mixed-precision policy (and CPU offload): bitwise
+    as torch FSDP1 ([Note: wrapper accumulation dtypes])."""
+    _no_sync_parity(ctx, strategy, use_orig_params, "transformer", config)
+
+
+def _no_sync_parity(ctx, strategy, use_orig_params: bool, kind: str, config: str) -> None:
+    if strategy in HYBRID and ctx.world_size < 4:
+        return
     mm = Mismatches(ctx)
     base = build(kind)
     kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=use_orig_params, device_id=CPU,
-              sharding_strategy=strategy)
+              sharding_strategy=strategy, **NO_SYNC_CONFIGS[config])
+    extra = {"cpu_offload": CPUOffload(offload_params=True)} if config == "cpu_offload" else {}
     if kind == "odd":
-        models = [wrap_odd(w, copy.deepcopy(base), **kw) for w in (TorchFSDP, CFSDP)]
+        models = [wrap_odd(w, copy.deepcopy(base), **kw, **(extra if w is CFSDP else {}))
+                  for w in (TorchFSDP, CFSDP)]
     else:
-        models = [w(copy.deepcopy(base), auto_wrap_policy=make_policy("module"), **kw)
+        models = [w(copy.deepcopy(base), auto_wrap_policy=make_policy("module"), **kw,
+                    **(extra if w is CFSDP else {}))
                   for w in (TorchFSDP, CFSDP)]
     W, r = ctx.world_size, ctx.rank
     micro = 3
@@ -167,7 +201,9 @@ def no_sync_accumulation(ctx, strategy, use_orig_params: bool, kind: str):
         opt = make_optim("sgd", model.parameters())
         losses, grads = [], []
         for step, chunks in enumerate(batches):
-            opt.zero_grad(set_to_none=True)
+            # step 3 keeps step 2's gradients (no zero_grad): they accumulate as well
+            if step != 3:
+                opt.zero_grad(set_to_none=True)
             for m in range(micro):
                 # step 1 accumulates without no_sync for its first micro-batch (reduced, sharded
                 # grads) then no_sync for the second; other steps no_sync all but the last
@@ -193,16 +229,19 @@ def no_sync_accumulation(ctx, strategy, use_orig_params: bool, kind: str):
     mm.check(list(csd) == list(tsd), f"state_dict keys {list(csd)} != torch {list(tsd)}")
     for k in tsd:
         mm.tensors(f"state_dict[{k}] at the end", csd.get(k), tsd[k])
-    # the single process: the same micro-batches, mean over every rank's micro-batches
-    ref = copy.deepcopy(base)
-    opt = make_optim("sgd", ref.parameters())
-    for chunks in batches:
-        opt.zero_grad(set_to_none=True)
-        (torch.stack([loss_fn(ref(x), y) for x, y in chunks]).sum() / W).backward()
-        opt.step()
-    for k, v in ref.state_dict().items():
-        if k.rsplit(".", 1)[-1] not in ("running_mean", "running_var", "num_batches_tracked"):
-            mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False, b_name="ref")
+    if config in ("fp32", "cpu_offload"):
+        # the single process: the same micro-batches, mean over every rank's micro-batches
+        ref = copy.deepcopy(base)
+        opt = make_optim("sgd", ref.parameters())
+        for step, chunks in enumerate(batches):
+            if step != 3:
+                opt.zero_grad(set_to_none=True)
+            (torch.stack([loss_fn(ref(x), y) for x, y in chunks]).sum() / W).backward()
+            opt.step()
+        for k, v in ref.state_dict().items():
+            if k.rsplit(".", 1)[-1] not in ("running_mean", "running_var", "num_batches_tracked"):
+                mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False,
+                           b_name="ref")
     mm.raise_if_any()
 
 

@@ -800,8 +800,11 @@ class Unit(UnshardStates):
         return torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
-        """no_sync(): keep the local unsharded gradient (accumulating) unreduced."""
-        self.flat_param.grad = grad
+        """no_sync(): keep the local unsharded gradient (accumulating) unreduced.  It may
+        be of another dtype than the parameter's data (NO_SHARD with mixed precision: the
+        reduced full-precision gradient of an earlier backward, to which autograd added
+        this one, as torch's FSDP1 accumulates it)."""
+        set_grad(self.flat_param, grad)
         self.grad_unsharded = True
 
     def take_grad_for_backward(self) -> None:
