@@ -382,6 +382,41 @@ def test_100_steps_bitwise_with_ieee_sqrt(name, kw, monkeypatch):
         assert len(opt._cf_plans[0].buckets) == 1
 
 
+@pytest.mark.parametrize("name, kw", ADAM_CASES + SGD_CASES, ids=lambda x: str(x))
+def test_duplicate_parameter_as_torch(name, kw, monkeypatch):
+    """A parameter listed twice in a group (torch warns and keeps both copies; a view of a
+    flat buffer, which the C path would take, and a plain one): torch steps it once per
+    copy with its one state (Adam's ``step`` counted twice; SGD's first step starts a
+    buffer per copy and keeps the last): parameters and states bit for bit torch's, and
+    the same warning."""
+    if _core.backend == "c":
+        ieee_sqrt_torch(monkeypatch)
+    out = []
+    for cls in (getattr(co, name), getattr(torch.optim, name)):
+        torch.manual_seed(3)
+        flat = torch.randn(20)
+        a = torch.nn.Parameter(flat[2:9])  # noqa: the views share one buffer: C's layout
+        b = torch.nn.Parameter(flat[11:20])
+        c = torch.nn.Parameter(torch.randn(4))
+        extra = {} if cls.__module__.startswith("cfsdp") else {"foreach": False}
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            opt = cls([a, b, a, c, c], **kw, **extra)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            for p in (a, b, c):
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        out.append(([p.detach().clone() for p in (a, b, c)], opt.state_dict()["state"]))
+    (ours, our_sd), (theirs, their_sd) = out
+    for x, y in zip(ours, theirs):
+        assert_bits(x, y, "param")
+    assert list(our_sd) == list(their_sd)
+    for i in their_sd:
+        assert list(our_sd[i]) == list(their_sd[i])
+        for k, v in their_sd[i].items():
+            assert_bits(our_sd[i][k].reshape(-1), v.reshape(-1), f"state {i} {k}")
+
+
 @pytest.mark.parametrize("name, kw", ADAM_CASES, ids=lambda x: str(x))
 def test_100_steps_against_unpatched_torch(name, kw):
     """Against torch's MKL sqrt: within rtol 1e-5 of the parameters' scale."""

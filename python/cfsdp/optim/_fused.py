@@ -44,8 +44,17 @@ State tensors replaced by hand inside a state dict
 
 What the C core does not take (fp64/bf16/fp16 parameters, non-CPU or strided
 tensors, DTensor gradients with placements other than the parameter's,
-aliasing memory) runs torch's single-tensor math per tensor with torch ops
-(``cfsdp._ref.optim``), with states created as torch creates them.
+aliasing memory, a parameter listed twice) runs torch's single-tensor math per
+tensor with torch ops (``cfsdp._ref.optim``), with states created as torch
+creates them.
+
+[Note: duplicates]
+A parameter listed twice in a group (torch's Optimizer warns and keeps both)
+is stepped by torch once per copy, in list order, with the one state of the
+parameter (Adam's ``step`` counted twice a step); SGD reads every buffer
+before the loop, so on the first step each copy starts a new buffer from the
+gradient and the last one is kept.  Such a parameter takes the per-tensor
+path, copy by copy, in that order, so the result is torch's.
 ``CFSDP_IMPL=python`` runs the same plans on those twins.
 
 Numerics: see ``cfsdp._ref.optim``: SGD is torch's bits; Adam's states are
@@ -290,6 +299,8 @@ class _FusedStep:
     def _cf_build(self, gi: int, group: dict, params: list, grads: list) -> _Plan:
         kinds: list = []
         entries: list[_Entry] = []
+        seen: set = set()
+        dups = {id(p) for p in params if id(p) in seen or seen.add(id(p))}
         for i, (p, g) in enumerate(zip(params, grads)):
             if g is None:
                 kinds.append(None)
@@ -304,7 +315,8 @@ class _FusedStep:
                     f"cfsdp.optim.{self._cf_name}: parameter {i} of param group {gi} is "
                     f"complex ({p.dtype}), which is not supported; use torch.optim."
                 )
-            e = self._cf_entry(i, p, g)
+            # a parameter listed twice takes torch's path, copy by copy: [Note: duplicates]
+            e = self._cf_entry(i, p, g) if id(p) not in dups else None
             kinds.append(e if e is not None else _TORCH)
             if e is not None:
                 entries.append(e)
@@ -703,19 +715,26 @@ class SGD(_FusedStep, torch.optim.SGD):
                                      first_step=b.first, **hp)
         if any_first:  # the buffers are set now: rebuild, one bucket per layout
             self._cf_plans.pop(gi, None)
-        for i, kind in enumerate(plan.kind):
-            if kind is _TORCH:
-                self._cf_sgd_torch(params[i], grads[i], momentum, hp)
+        torch_path = [i for i, kind in enumerate(plan.kind) if kind is _TORCH]
+        if torch_path:
+            self._cf_sgd_torch([params[i] for i in torch_path], [grads[i] for i in torch_path],
+                               momentum, hp)
 
-    def _cf_sgd_torch(self, p: Tensor, g: Tensor, momentum: bool, hp: dict) -> None:
-        """torch's own per-tensor path: the buffer is a clone of the first gradient."""
+    def _cf_sgd_torch(self, ps: list, gs: list, momentum: bool, hp: dict) -> None:
+        """torch's own per-tensor path (``_single_tensor_sgd``): the buffers are read for
+        every parameter first, a missing one is a clone of the first gradient, and they
+        are stored back in order ([Note: duplicates]: a parameter listed twice gets a new
+        buffer for each copy on its first step, and keeps the last)."""
         if not momentum:
-            _core.sgd_tensor(p, g, None, first_step=False, **hp)
+            for p, g in zip(ps, gs):
+                _core.sgd_tensor(p, g, None, first_step=False, **hp)
             return
-        st = self.state[p]
-        buf = st.get(_SGD_KIND)
-        first = buf is None
-        if first:
-            buf = torch.empty_like(g, memory_format=torch.preserve_format)
-        _core.sgd_tensor(p, g, buf, first_step=first, **hp)
-        st[_SGD_KIND] = buf
+        bufs = [self.state[p].get(_SGD_KIND) for p in ps]
+        for k, (p, g) in enumerate(zip(ps, gs)):
+            buf = bufs[k]
+            first = buf is None
+            if first:
+                buf = bufs[k] = torch.empty_like(g, memory_format=torch.preserve_format)
+            _core.sgd_tensor(p, g, buf, first_step=first, **hp)
+        for p, buf in zip(ps, bufs):
+            self.state[p][_SGD_KIND] = buf
