@@ -611,6 +611,95 @@ def constructor_errors(ctx):
     assert "overlap_with_ddp=False" in str(ours)
 
 
+# ------------------------------------------------------------------- duplicates
+def _dup_params(layout: str, ps: list):
+    """A parameter list with duplicates (``ps``: emb.weight (144), emb.bias, mid.weight
+    (576), mid.bias, ...); where torch's sorted-greedy partition puts the copies depends
+    on the sizes around them."""
+    w0, b0, w1, b1 = ps[:4]
+    return {
+        "two_ranks": [w0, b0, w0, w1, b1] + ps[4:],  # mid.weight, ties, on two ranks
+        "same_rank": [w1, b1] + ps[4:] + [w0, b0, w0],  # ...
+        "thrice": [w1, w1, w1, b1, w0, b0] + ps[4:],
+        "big_twice": [w1, w1] + ps[4:],
+    }[layout]
+
+
+def _dup_grads(params: list, step: int) -> None:
+    g = torch.Generator().manual_seed(7 + step)  # the same on every rank, as after DDP
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+
+@h.subtest(grid={"layout": ["two_ranks", "same_rank", "thrice", "big_twice"],
+                 "optim": ["sgd", "adam", "cfsdp_sgd", "cfsdp_adamw"], "bucket_view": [False, True]})
+def duplicate_parameters(ctx, layout, optim, bucket_view):
+    """A parameter listed twice (or three times) in one group: torch's Optimizer warns
+    ("duplicate parameters") and keeps the copies; its ZeRO partitions them like any
+    parameters, so each rank whose share holds a copy steps it (once per copy, the local
+    optimizer's own duplicate), and the parameter sync decides which rank's result every
+    rank gets.  cfsdp's ZeRO: the same warnings, parameters after every step, param_groups,
+    local partition and consolidated state dict as torch's, bit for bit."""
+    cls, ours, kw, _ = OPTIMS[optim]
+    out = {}
+    for name in ("torch", "cfsdp"):
+        model = Net()
+        ps = list(model.parameters())
+        params = _dup_params(layout, ps)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "torch":
+                opt = TorchZeRO(params, cls, process_group=ctx.pg,
+                                parameters_as_bucket_view=bucket_view, **kw)
+            else:
+                opt = cfsdp.ZeroRedundancyOptimizer(params, ours, process_group=ctx.pg,
+                                                    parameters_as_bucket_view=bucket_view, **kw)
+        msgs = sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                       and "duplicate" in str(w.message)})
+        where = {id(p): i for i, p in enumerate(ps)}
+        seen = [[[where[id(p)] for p in g["params"]] for g in opt.param_groups],
+                [[where[id(p)] for p in g["params"]] for g in opt.optim.param_groups]]
+        values = []
+        for step in range(3):
+            _dup_grads(ps, step)
+            opt.step()
+            values.append([p.detach().clone() for p in ps])
+        opt.consolidate_state_dict(0)
+        sd = opt.state_dict() if ctx.rank == 0 else None
+        out[name] = (msgs, seen, values, sd)
+    (tm, ts, tv, tsd), (cm, cs, cv, csd) = out["torch"], out["cfsdp"]
+    assert tm, "torch no longer warns about duplicate parameters: revisit this test"
+    same("duplicate-parameter warnings", cm, tm)
+    same("param_groups / local param_groups (parameter indices)", cs, ts)
+    same("parameters after each step", cv, tv)
+    if ctx.rank == 0:
+        same("consolidated state dict", csd, tsd)
+
+
+@h.subtest(grid={"how": ["two_groups", "add_param_group"], "bucket_view": [False, True]})
+def duplicate_across_groups(ctx, how, bucket_view):
+    """A parameter in two param groups: torch's Optimizer refuses it ("some parameters
+    appear in more than one parameter group"), at construction and in add_param_group;
+    cfsdp's ZeRO the same (and is left as it was: it still steps as torch's)."""
+    errs, after = {}, {}
+    for name, ctor in (("torch", TorchZeRO), ("cfsdp", cfsdp.ZeroRedundancyOptimizer)):
+        model = Net()
+        ps = list(model.parameters())
+        if how == "two_groups":
+            errs[name] = raises(ctor, [{"params": ps[:3]}, {"params": ps[2:]}], torch.optim.SGD,
+                                process_group=ctx.pg, parameters_as_bucket_view=bucket_view, lr=0.1)
+            continue
+        opt = ctor(ps[:3], torch.optim.SGD, process_group=ctx.pg,
+                   parameters_as_bucket_view=bucket_view, lr=0.1)
+        errs[name] = raises(opt.add_param_group, {"params": ps[2:]})
+        _dup_grads(ps, 0)
+        opt.step()
+        after[name] = [p.detach().clone() for p in ps]
+    same_error(errs["cfsdp"], errs["torch"])
+    if after:
+        same("parameters after a step", after["cfsdp"], after["torch"])
+
+
 # ------------------------------------------------------------------------------ Join
 class _SetGrads(Joinable):
     """After joining, a rank must still set the gradients it would have had (torch's own

@@ -38,6 +38,24 @@ all-gather whose input is this rank's segment.
 
 Either way the sync is byte copies: every rank ends with the owner's bits.
 
+[Note: ZeRO duplicate parameters]
+A parameter listed twice in a group (torch's Optimizer warns and keeps both copies) is
+partitioned like two parameters: each copy goes to some rank, and every rank holding a
+copy steps it, once per copy (its local optimizer has the duplicate too).  Which rank's
+result everybody then gets is what torch's sync gives, and it differs by mode:
+
+* bucket views: torch builds every rank's bucket in rank order and points ``p.data`` at
+  each copy in turn, so ``p`` lives in the bucket of the *last* rank holding it; that
+  rank's broadcast comes last: its result wins.  cfsdp's views do the same (the last
+  place), and the private bucket's all-gather gives every rank that segment.  A host-
+  shared bucket cannot (every holder would step the same memory: two steps, or more), so
+  a layout with a parameter on two ranks takes private buckets;
+* per-parameter broadcasts (no bucket views): torch broadcasts each rank's parameters in
+  rank order, in place, so the *first* rank holding ``p`` sends its result, which
+  overwrites the later holders' own before they send it on: the first holder's result
+  wins.  :class:`StagedSync` copies ``p`` out of the first holder's block only (a later
+  holder too), and an :class:`OwnBroadcast` is from the first holder.
+
 [Note: ZeRO shared bucket]
 With bucket views, when every rank of the group is on this host and the group takes ONE
 shared-memory segment (``comm.one_segment``: the C core, ``CFSDP_SHM`` not ``0``, one
@@ -332,6 +350,12 @@ class StagedSync:
                         if self.win else None)
         own = layout.places[rank]
         self._own = ([pl.param.detach() for pl in own], [pl.offset for pl in own])
+        # where each parameter is copied from: its first holder's first place ([Note: ZeRO
+        # duplicate parameters]); the first holder itself copies nothing
+        source: dict = {}
+        for row in layout.places:
+            for pl in row:
+                source.setdefault(id(pl.param), pl)
         self._rounds = []  # per window: (lo, n, dsts, srcs)
         for lo in range(0, seg, self.win or 1):
             n = min(self.win, seg - lo)
@@ -340,6 +364,8 @@ class StagedSync:
                 if q == rank:
                     continue
                 for pl in row:
+                    if source[id(pl.param)] is not pl:
+                        continue
                     s, e = max(pl.offset, lo), min(pl.offset + pl.numel, lo + n)
                     if e > s:
                         dsts.append(pl.param.detach().view(-1)[s - pl.offset : e - pl.offset])
@@ -417,5 +443,19 @@ def build_syncs(per_rank: list[list[Tensor]], rank: int, bucket_view: bool,
                 out.append(StagedSync(layout, rank))
             else:
                 cpu = share is not None and layout.device.type == "cpu"
+                if cpu and _on_two_ranks(v):  # [Note: ZeRO duplicate parameters]
+                    _log_once(rank, "a parameter listed twice is stepped on two ranks (torch's "
+                                    "sync keeps the last one's result)")
+                    cpu = False
                 out.append(BucketViews(layout, rank, share if cpu else None))
     return out
+
+
+def _on_two_ranks(per_rank: list[list[Tensor]]) -> bool:
+    """Whether some parameter is in the lists of two ranks (a duplicate)."""
+    seen: dict = {}
+    for r, ps in enumerate(per_rank):
+        for p in ps:
+            if seen.setdefault(id(p), r) != r:
+                return True
+    return False
