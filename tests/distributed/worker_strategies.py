@@ -214,16 +214,20 @@ def _no_sync_parity(ctx, strategy, use_orig_params: bool, kind: str, config: str
                     loss = loss_fn(model(x), y)
                     loss.backward()
                 losses.append(loss.detach().clone())
-            grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
+                # what the parameters show after every backward (no_sync: the unsharded
+                # gradient, in the compute dtype), then what the optimizer sees
+                grads.append([None if p.grad is None else p.grad.detach().clone()
+                              for p in model.parameters()])
             opt.step()
         record.append((losses, grads, [p.detach().clone() for p in model.parameters()], model.state_dict()))
     (tl, tg, tp, tsd), (cl, cg, cp, csd) = record
     for i, (a, b) in enumerate(zip(cl, tl)):
         mm.tensors(f"loss of micro-batch {i}", a, b)
-    for s, (ga, gb) in enumerate(zip(cg, tg)):
+    for k, (ga, gb) in enumerate(zip(cg, tg)):
+        s, m = divmod(k, micro)
         mm.check(len(ga) == len(gb), f"step {s}: {len(ga)} grads vs torch {len(gb)}")
         for i, (a, b) in enumerate(zip(ga, gb)):
-            mm.tensors(f"step {s}: grad of parameter #{i} seen by the optimizer", a, b)
+            mm.tensors(f"step {s}: grad of parameter #{i} after backward {m}", a, b)
     for i, (a, b) in enumerate(zip(cp, tp)):
         mm.tensors(f"local parameter #{i} at the end", a, b)
     mm.check(list(csd) == list(tsd), f"state_dict keys {list(csd)} != torch {list(tsd)}")
