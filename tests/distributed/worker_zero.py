@@ -613,15 +613,15 @@ def constructor_errors(ctx):
 
 # ------------------------------------------------------------------- duplicates
 def _dup_params(layout: str, ps: list):
-    """A parameter list with duplicates (``ps``: emb.weight (144), emb.bias, mid.weight
-    (576), mid.bias, ...); where torch's sorted-greedy partition puts the copies depends
-    on the sizes around them."""
+    """Every parameter of ``ps`` (emb.weight (144), emb.bias, mid.weight (576), mid.bias,
+    ...), some listed twice or three times; where torch's sorted-greedy partition puts the
+    copies (two ranks, one rank, both) depends on the sizes around them and the world size."""
     w0, b0, w1, b1 = ps[:4]
     return {
-        "two_ranks": [w0, b0, w0, w1, b1] + ps[4:],  # mid.weight, ties, on two ranks
-        "same_rank": [w1, b1] + ps[4:] + [w0, b0, w0],  # ...
+        "two_ranks": [w0, b0, w0, w1, b1] + ps[4:],
+        "same_rank": [w1, b1] + ps[4:] + [w0, b0, w0],
         "thrice": [w1, w1, w1, b1, w0, b0] + ps[4:],
-        "big_twice": [w1, w1] + ps[4:],
+        "big_twice": [w1, w0, w1, b0, b1] + ps[4:],
     }[layout]
 
 
@@ -857,6 +857,44 @@ def hook_parity(ctx, bucket_view, grad_view):
             for i in want["state"]:
                 close(f"state {i}", list(got["state"][i].values()),
                       list(want["state"][i].values()), ctx.world_size)
+
+
+@h.subtest(grid={"layout": ["two_ranks", "thrice", "big_twice"], "bucket_view": [False, True]})
+def hook_duplicate_parameters(ctx, layout, bucket_view):
+    """ZeRO-2 with a parameter listed twice (see duplicate_parameters): every rank that
+    steps a copy gets its reduced gradient, so parameters and the consolidated state dict
+    are torch's ZeRO-1's (DDP's gradients; ``close``'s tolerance at 3/4 ranks)."""
+    kw = dict(process_group=ctx.pg, bucket_cap_mb=0.001)
+    cls, _, okw, _ = OPTIMS["sgd"]
+    out = {}
+    for name in ("torch", "cfsdp"):
+        model = DDP(Net(), **kw)
+        params = _dup_params(layout, list(model.parameters()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if name == "torch":
+                opt = TorchZeRO(params, cls, process_group=ctx.pg,
+                                parameters_as_bucket_view=bucket_view, **okw)
+            else:
+                opt = cfsdp.ZeroRedundancyOptimizer(params, cls, process_group=ctx.pg,
+                                                    parameters_as_bucket_view=bucket_view, **okw)
+                model.register_comm_hook(opt, co.reduce_scatter_hook)
+        values = []
+        for step in range(3):
+            x, y = batch(ctx.rank, step)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            values += [p.detach().clone() for p in model.parameters()]
+        opt.consolidate_state_dict(0)
+        out[name] = (values, opt.state_dict() if ctx.rank == 0 else None)
+    close("parameters after each step", out["cfsdp"][0], out["torch"][0], ctx.world_size)
+    if ctx.rank == 0:
+        got, want = out["cfsdp"][1], out["torch"][1]
+        same("state keys", sorted(got["state"]), sorted(want["state"]))
+        for i in want["state"]:
+            close(f"state {i}", list(got["state"][i].values()), list(want["state"][i].values()),
+                  ctx.world_size)
 
 
 @h.subtest

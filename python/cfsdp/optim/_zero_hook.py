@@ -20,7 +20,9 @@ all-reduce inside: there the bytes are the same).
 
 After DDP has copied the buckets into the gradients (its end-of-backward callback), the
 gradients of the parameters this rank does not own are set to ``None``: a rank holds
-gradients only for what it steps.  (The hook queues an autograd final callback that
+gradients only for what it steps.  A parameter listed twice in the optimizer may be
+stepped on several ranks ([Note: ZeRO duplicate parameters] in ``_zero_buckets.py``): each
+of them gets its gradient (the packing lists it once per such rank).  (The hook queues an autograd final callback that
 queues a second one, which therefore runs after DDP's.)  Hence:
 
 * ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see this rank's gradients
@@ -68,12 +70,12 @@ class _BucketPlan:
     def __init__(self, zero: ZeroRedundancyOptimizer, bucket: dist.GradBucket, key: tuple):
         self.key = key
         buf = bucket.buffer()
-        W, rank, owner = zero.world_size, zero.rank, zero._param_to_rank
+        W, rank, holders = zero.world_size, zero.rank, zero._param_holders
         spans: list = [[] for _ in range(W)]  # per rank: (bucket view, numel)
         self.foreign: list = []
         for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
-            r = owner.get(p)
-            if r is None:
+            ranks = holders.get(p)  # its owner; every rank stepping a copy of a duplicate
+            if ranks is None:
                 raise ValueError(
                     f"cfsdp.optim.reduce_scatter_hook: parameter {i} of DDP bucket "
                     f"{bucket.index()} (shape {tuple(p.shape)}) is not a parameter of the "
@@ -83,8 +85,9 @@ class _BucketPlan:
             if g.numel() != p.numel() or not 0 <= off <= buf.numel() - p.numel():
                 raise AssertionError(f"DDP bucket {bucket.index()}: gradient {i} is not a view "
                                      "of the bucket's buffer")
-            spans[r].append((buf[off : off + p.numel()], p))
-            if r != rank:
+            for r in ranks:
+                spans[r].append((buf[off : off + p.numel()], p))
+            if rank not in ranks:
                 self.foreign.append(p)
         counts = [sum(v.numel() for v, _ in row) for row in spans]
         self.B = max(counts)

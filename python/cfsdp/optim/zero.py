@@ -172,6 +172,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Joinable.__init__(self)
         self._partition_cache: list = []
         self._param_to_rank_cache: dict = {}
+        self._param_holders_cache: dict = {}
         self._param_to_index_cache: dict = {}
         self._index_to_param_cache: list = []
         self._is_trainable_mask = self._get_is_trainable_mask()
@@ -280,6 +281,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._rs_plans = {}  # the ZeRO-2 hook's bucket plans hold owners
         self._partition_cache = []
         self._param_to_rank_cache = {}
+        self._param_holders_cache = {}
         self._param_to_index_cache = {}
         self._index_to_param_cache = []
 
@@ -306,6 +308,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     for p in g["params"]:
                         self._param_to_rank_cache[p] = r
         return self._param_to_rank_cache
+
+    @property
+    def _param_holders(self) -> dict:
+        """Each parameter's ranks, in rank order: one, or several for a parameter listed
+        twice ([Note: ZeRO duplicate parameters] in ``_zero_buckets.py``)."""
+        if not self._param_holders_cache:
+            for r, groups in enumerate(self._partition_parameters()):
+                for g in groups:
+                    for p in g["params"]:
+                        ranks = self._param_holders_cache.setdefault(p, [])
+                        if r not in ranks:
+                            ranks.append(r)
+        return self._param_holders_cache
 
     @property
     def _param_to_index(self) -> dict:
