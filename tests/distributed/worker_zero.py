@@ -625,6 +625,19 @@ def _dup_params(layout: str, ps: list):
     }[layout]
 
 
+def _zero_of(name: str, params: list, optim_class, pg, bucket_view: bool, kw: dict,
+             record: bool = True) -> tuple:
+    """(torch's or cfsdp's ZeroRedundancyOptimizer over ``params``, the duplicate-parameter
+    warnings its construction gave, if ``record``)."""
+    ctor = TorchZeRO if name == "torch" else cfsdp.ZeroRedundancyOptimizer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always" if record else "ignore")
+        opt = ctor(params, optim_class, process_group=pg, parameters_as_bucket_view=bucket_view,
+                   **kw)
+    return opt, sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                        and "duplicate" in str(w.message)})
+
+
 def _dup_grads(params: list, step: int) -> None:
     g = torch.Generator().manual_seed(7 + step)  # the same on every rank, as after DDP
     for p in params:
@@ -645,17 +658,8 @@ def duplicate_parameters(ctx, layout, optim, bucket_view):
     for name in ("torch", "cfsdp"):
         model = Net()
         ps = list(model.parameters())
-        params = _dup_params(layout, ps)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if name == "torch":
-                opt = TorchZeRO(params, cls, process_group=ctx.pg,
-                                parameters_as_bucket_view=bucket_view, **kw)
-            else:
-                opt = cfsdp.ZeroRedundancyOptimizer(params, ours, process_group=ctx.pg,
-                                                    parameters_as_bucket_view=bucket_view, **kw)
-        msgs = sorted({str(w.message) for w in caught if issubclass(w.category, UserWarning)
-                       and "duplicate" in str(w.message)})
+        opt, msgs = _zero_of(name, _dup_params(layout, ps), cls if name == "torch" else ours,
+                             ctx.pg, bucket_view, kw)
         where = {id(p): i for i, p in enumerate(ps)}
         seen = [[[where[id(p)] for p in g["params"]] for g in opt.param_groups],
                 [[where[id(p)] for p in g["params"]] for g in opt.optim.param_groups]]
@@ -869,16 +873,10 @@ def hook_duplicate_parameters(ctx, layout, bucket_view):
     out = {}
     for name in ("torch", "cfsdp"):
         model = DDP(Net(), **kw)
-        params = _dup_params(layout, list(model.parameters()))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if name == "torch":
-                opt = TorchZeRO(params, cls, process_group=ctx.pg,
-                                parameters_as_bucket_view=bucket_view, **okw)
-            else:
-                opt = cfsdp.ZeroRedundancyOptimizer(params, cls, process_group=ctx.pg,
-                                                    parameters_as_bucket_view=bucket_view, **okw)
-                model.register_comm_hook(opt, co.reduce_scatter_hook)
+        opt, _ = _zero_of(name, _dup_params(layout, list(model.parameters())), cls, ctx.pg,
+                          bucket_view, okw, record=False)
+        if name == "cfsdp":
+            model.register_comm_hook(opt, co.reduce_scatter_hook)
         values = []
         for step in range(3):
             x, y = batch(ctx.rank, step)
