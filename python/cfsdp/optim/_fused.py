@@ -46,16 +46,15 @@ What the C core does not take (fp64/bf16/fp16 parameters, non-CPU or strided
 tensors, DTensor gradients with placements other than the parameter's,
 aliasing memory, a parameter listed twice) runs torch's single-tensor math per
 tensor with torch ops (``cfsdp._ref.optim``), with states created as torch
-creates them.
+creates them.  ``CFSDP_IMPL=python`` runs the same plans on those twins.
 
-[Note: duplicates]
+[Note: duplicate parameters]
 A parameter listed twice in a group (torch's Optimizer warns and keeps both)
 is stepped by torch once per copy, in list order, with the one state of the
 parameter (Adam's ``step`` counted twice a step); SGD reads every buffer
 before the loop, so on the first step each copy starts a new buffer from the
 gradient and the last one is kept.  Such a parameter takes the per-tensor
 path, copy by copy, in that order, so the result is torch's.
-``CFSDP_IMPL=python`` runs the same plans on those twins.
 
 Numerics: see ``cfsdp._ref.optim``: SGD is torch's bits; Adam's states are
 torch's bits and its parameters within a few ulps per step (torch's CPU
@@ -299,8 +298,10 @@ class _FusedStep:
     def _cf_build(self, gi: int, group: dict, params: list, grads: list) -> _Plan:
         kinds: list = []
         entries: list[_Entry] = []
-        seen: set = set()
-        dups = {id(p) for p in params if id(p) in seen or seen.add(id(p))}
+        counts: dict = {}
+        for p in params:
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        dups = {k for k, n in counts.items() if n > 1}
         for i, (p, g) in enumerate(zip(params, grads)):
             if g is None:
                 kinds.append(None)
@@ -315,7 +316,8 @@ class _FusedStep:
                     f"cfsdp.optim.{self._cf_name}: parameter {i} of param group {gi} is "
                     f"complex ({p.dtype}), which is not supported; use torch.optim."
                 )
-            # a parameter listed twice takes torch's path, copy by copy: [Note: duplicates]
+            # a parameter listed twice: torch's path, copy by copy ([Note: duplicate
+            # parameters])
             e = self._cf_entry(i, p, g) if id(p) not in dups else None
             kinds.append(e if e is not None else _TORCH)
             if e is not None:
@@ -723,8 +725,8 @@ class SGD(_FusedStep, torch.optim.SGD):
     def _cf_sgd_torch(self, ps: list, gs: list, momentum: bool, hp: dict) -> None:
         """torch's own per-tensor path (``_single_tensor_sgd``): the buffers are read for
         every parameter first, a missing one is a clone of the first gradient, and they
-        are stored back in order ([Note: duplicates]: a parameter listed twice gets a new
-        buffer for each copy on its first step, and keeps the last)."""
+        are stored back in order ([Note: duplicate parameters]: a parameter listed twice
+        gets a new buffer for each copy on its first step, and keeps the last)."""
         if not momentum:
             for p, g in zip(ps, gs):
                 _core.sgd_tensor(p, g, None, first_step=False, **hp)

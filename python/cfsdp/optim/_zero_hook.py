@@ -20,10 +20,11 @@ all-reduce inside: there the bytes are the same).
 
 After DDP has copied the buckets into the gradients (its end-of-backward callback), the
 gradients of the parameters this rank does not own are set to ``None``: a rank holds
-gradients only for what it steps.  A parameter listed twice in the optimizer may be
-stepped on several ranks ([Note: ZeRO duplicate parameters] in ``_zero_buckets.py``): each
-of them gets its gradient (the packing lists it once per such rank).  (The hook queues an autograd final callback that
-queues a second one, which therefore runs after DDP's.)  Hence:
+gradients only for what it steps.  (The hook queues an autograd final callback that
+queues a second one, which therefore runs after DDP's.)  A parameter listed twice in the
+optimizer may be stepped on several ranks ([Note: ZeRO duplicate parameters] in
+``_zero_buckets.py``): each of them gets its gradient (the packing lists it once per such
+rank).  Hence:
 
 * ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see this rank's gradients
   only: use ``zero.clip_grad_norm_`` (the norm of all owners' gradients);
