@@ -198,7 +198,7 @@ class Attacker:
         os.close(r1)
         os.close(w2)
         self._to = os.fdopen(w1, "w", buffering=1)
-        self._from = os.fdopen(r2)
+        self._from, self._buf = r2, b""  # read with os.read: select sees every byte
 
     def ask(self, **cmd) -> dict:
         """Send a command; its first reply (the attacker is watching when it returns)."""
@@ -208,10 +208,18 @@ class Attacker:
         return reply
 
     def reply(self) -> dict:
-        ready, _, _ = select.select([self._from], [], [], WAIT_S)
-        if not ready:
-            raise AssertionError(f"the attacker said nothing in {WAIT_S} s")
-        reply = json.loads(self._from.readline() or '{"error": "the attacker exited"}')
+        deadline = time.monotonic() + WAIT_S
+        while b"\n" not in self._buf:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._from], [], [], left)
+            if not ready:
+                raise AssertionError(f"the attacker said nothing in {WAIT_S} s")
+            chunk = os.read(self._from, 65536)
+            if not chunk:
+                raise AssertionError("the attacker exited")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        reply = json.loads(line)
         if "error" in reply:
             raise AssertionError("the attacker failed:\n" + reply["error"])
         return reply
@@ -310,8 +318,12 @@ def forged(ctx, how: str, seg: str, seg_world: int, refusing: list) -> None:
         got = outcome(lambda: comm.all_gather(out, shard, pg, async_op=False))
     if ATTACKER is not None:
         reply = ATTACKER.reply()
-        check_untouched(reply, [shard_values(r).numpy().tobytes()[:64]
-                                for r in range(ctx.world_size)])
+        try:
+            check_untouched(reply, [shard_values(r).numpy().tobytes()[:64]
+                                    for r in range(ctx.world_size)])
+        finally:  # (the attacker removes them too when rank 0 exits)
+            for p in filter(None, (reply["path"], reply["link"])):
+                os.unlink(p)
     msg = expect_refusal(got, refusing, what)
     if ctx.rank == 0:
         ctx.log("every rank raised, e.g.:", msg)
