@@ -58,7 +58,8 @@ typedef struct {
  * Raise the Python exception for a failed status, the only mapping of
  * statuses to exceptions: CF_EINVAL -> ValueError, CF_EOVERFLOW ->
  * OverflowError, CF_ENOMEM -> MemoryError, CF_ERUNTIME -> RuntimeError (a
- * collective or a system call failed), anything else SystemError; the
+ * collective or a system call failed), CF_EPERM -> PermissionError (a file
+ * that is not this job's), anything else SystemError; the
  * message is err->msg.  Always returns NULL.
  */
 PyObject *cf_py_raise(const cf_err *err);
@@ -170,6 +171,7 @@ CF_PY_DECLARE(norm_partial);
 CF_PY_DECLARE(shm_reduce);
 CF_PY_DECLARE(shm_memcpy);
 CF_PY_DECLARE(shm_segment_bytes);
+CF_PY_DECLARE(shm_check_fd);
 
 /*
  * module.c's exec slot, for bind_shm.c: make the ShmWork and ShmGroup types

@@ -23,6 +23,7 @@ PyObject *cf_py_raise(const cf_err *err)
     case CF_EOVERFLOW: type = PyExc_OverflowError; break;
     case CF_ENOMEM: type = PyExc_MemoryError; break;
     case CF_ERUNTIME: type = PyExc_RuntimeError; break;
+    case CF_EPERM: type = PyExc_PermissionError; break;
     default: type = PyExc_SystemError; break;
     }
     PyErr_SetString(type, err->msg[0] ? err->msg : "cfsdp._C: unknown error");

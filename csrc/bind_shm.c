@@ -1,7 +1,7 @@
 /*
  * bind_shm.c -- the shared-memory collectives of cfsdp._C (csrc/shm.c on the
  * ordered work queue of csrc/queue.c): the kernels shm_reduce, shm_memcpy and
- * shm_segment_bytes, and the types ShmGroup (one rank's view of a segment plus
+ * shm_segment_bytes, the check shm_check_fd (before any mapping), and the types ShmGroup (one rank's view of a segment plus
  * its worker thread) and ShmWork (one queued collective).  Kernel twins:
  * cfsdp._ref.shm; transport twin: the process group (cfsdp._runtime.comm).
  *
@@ -19,6 +19,7 @@
  */
 #include "bind.h" /* first: it includes Python.h */
 
+#include <limits.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -139,6 +140,47 @@ PyObject *cf_py_shm_segment_bytes(PyObject *module, PyObject *const *args, Py_ss
     if (cf_py_parse("shm_segment_bytes", args, nargs, table, CF_PY_COUNT(table)) < 0)
         return NULL;
     return PyLong_FromSize_t(cf_shm_segment_bytes(w, s));
+}
+
+CF_PY_DOC(shm_check_fd,
+"shm_check_fd($module, fd, path, /)\n"
+"--\n"
+"\n"
+"Refuse to map the open file fd unless it is a regular file owned by this\n"
+"process's effective uid with no group or other permission bits: None, or\n"
+"PermissionError naming path (for the message only), the file's type, owner\n"
+"(uid and user name) and mode, and what to do.  Every mapping of cfsdp is\n"
+"checked so before mmap (ShmGroup does it itself).  Twin:\n"
+"cfsdp._ref.shm_check_fd (the same message).  ValueError for fd outside\n"
+"[0, 2**31); RuntimeError if fstat fails (e.g. fd is not open).");
+
+PyObject *cf_py_shm_check_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t fd;
+    PyObject *path_obj;
+    const char *path;
+    cf_err err;
+    cf_status st;
+    const cf_py_arg table[] = {{"fd", CF_PY_I64, &fd}, {"path", CF_PY_STR, &path_obj}};
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_parse("shm_check_fd", args, nargs, table, CF_PY_COUNT(table)) < 0)
+        return NULL;
+    if (fd < 0 || fd > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "fd must be in [0, %d], got %lld", INT_MAX,
+                     (long long)fd);
+        return NULL;
+    }
+    path = PyUnicode_AsUTF8(path_obj);
+    if (path == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_shm_check_fd((int)fd, path, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ types */

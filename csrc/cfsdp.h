@@ -11,7 +11,9 @@
  * cleanup label.  Only cf_py_raise (bind_args.c) turns a cf_err into a
  * Python exception: CF_EINVAL -> ValueError, CF_EOVERFLOW -> OverflowError,
  * CF_ENOMEM -> MemoryError, CF_ERUNTIME -> RuntimeError (shm.c, queue.c: a
- * failed system call, a timeout, a peer that failed).
+ * failed system call, a timeout, a peer that failed), CF_EPERM ->
+ * PermissionError (shm.c: a file that is not this job's, refused before it
+ * is mapped).
  */
 #ifndef CFSDP_H
 #define CFSDP_H
@@ -36,7 +38,8 @@ typedef enum {
     CF_EINVAL = 1,    /* bad argument (ValueError) */
     CF_EOVERFLOW = 2, /* a size or offset does not fit (OverflowError) */
     CF_ENOMEM = 3,    /* an index array could not be allocated (MemoryError) */
-    CF_ERUNTIME = 4   /* a collective or system call failed (RuntimeError) */
+    CF_ERUNTIME = 4,  /* a collective or system call failed (RuntimeError) */
+    CF_EPERM = 5      /* a file that is not this job's, refused (PermissionError) */
 } cf_status;
 
 #define CF_ERR_MSG_LEN 512

@@ -33,6 +33,7 @@ static PyMethodDef cf_py_methods[] = {
     CF_PY_FASTCALL(shm_reduce),
     CF_PY_FASTCALL(shm_memcpy),
     CF_PY_FASTCALL(shm_segment_bytes),
+    CF_PY_FASTCALL(shm_check_fd),
     /* bind_optim.c: the fused optimizer steps */
     CF_PY_FASTCALL(adam_step),
     CF_PY_FASTCALL(sgd_step),

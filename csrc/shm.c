@@ -56,6 +56,17 @@
  * all_reduce gets the same bits) in float (double for fp64), see
  * cf_shm_reduce_run.  Copies and sums split across up to max_threads
  * threads (cf_parallel_for) above CF_CHUNK_PARALLEL_BYTES.
+ *
+ * Trust.  The ranks of the job and whoever can reach its rendezvous store are
+ * trusted (torch's store has no authentication); other users of the machine
+ * are not.  So nothing of the job may land in memory another user can map:
+ * the creator makes the segment with O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600,
+ * under an unguessable name; and as the name reaches the other ranks through
+ * the store, where another local user can forge it, every rank opens it with
+ * O_NOFOLLOW and refuses, before mapping, any file that is not a regular file
+ * of its own effective uid with no group or other permission bits
+ * (cf_shm_check_fd: CF_EPERM naming the path, owner and mode).  comm.py makes
+ * such a refusal an error on every rank of the group.
  */
 #define _GNU_SOURCE /* syscall(SYS_futex), shm_open, clock_gettime */
 
@@ -63,6 +74,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <pwd.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -452,12 +464,66 @@ static void cf_shm_wake(_Atomic uint32_t *word)
 #endif
 }
 
+/* A file type in words (messages). */
+static const char *cf_shm_file_kind(mode_t mode)
+{
+    switch (mode & S_IFMT) {
+    case S_IFREG: return "regular file";
+    case S_IFDIR: return "directory";
+    case S_IFLNK: return "symbolic link";
+    case S_IFIFO: return "FIFO";
+    case S_IFSOCK: return "socket";
+    case S_IFCHR: return "character device";
+    case S_IFBLK: return "block device";
+    default: return "file of unknown type";
+    }
+}
+
+/* The user name of `uid` into buf, or "no user name" if the user database has none. */
+static void cf_shm_user_name(uid_t uid, char *buf, size_t n)
+{
+    struct passwd pw, *found = NULL;
+    char tmp[2048];
+    if (getpwuid_r(uid, &pw, tmp, sizeof tmp, &found) == 0 && found != NULL)
+        snprintf(buf, n, "%s", found->pw_name);
+    else
+        snprintf(buf, n, "no user name");
+}
+
+/* cf_shm_check_fd on a stat already taken (fstat, or lstat of a symbolic link). */
+static cf_status cf_shm_check_stat(const struct stat *sb, const char *path, cf_err *err)
+{
+    uid_t me = geteuid();
+    char owner[64], mine[64];
+    if (S_ISREG(sb->st_mode) && sb->st_uid == me && (sb->st_mode & 077) == 0)
+        return CF_OK;
+    cf_shm_user_name(sb->st_uid, owner, sizeof owner);
+    cf_shm_user_name(me, mine, sizeof mine);
+    return cf_err_set(err, CF_EPERM,
+                      "cfsdp: refused to map %s: a %s of uid %lu (%s) with mode %04o, not "
+                      "this job's (a regular file of uid %lu (%s) with no group or other "
+                      "permissions). Another user of this machine may be attacking the job "
+                      "through its rendezvous store (torch's store has no authentication): "
+                      "find who, keep other users off the store's port, restart the job",
+                      path, cf_shm_file_kind(sb->st_mode), (unsigned long)sb->st_uid, owner,
+                      (unsigned)(sb->st_mode & 07777), (unsigned long)me, mine);
+}
+
+cf_status cf_shm_check_fd(int fd, const char *path, cf_err *err)
+{
+    struct stat sb;
+    if (fstat(fd, &sb) != 0)
+        return cf_shm_sys_err(err, "fstat", path);
+    return cf_shm_check_stat(&sb, path, err);
+}
+
 cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, int64_t rank,
                             int64_t slot_bytes, double timeout_s, const char *label,
                             const int64_t *global_ranks, cf_shm_group **out, cf_err *err)
 {
     cf_shm_group *g = NULL;
     size_t bytes;
+    char path[sizeof CF_SHM_DIR + CF_SHM_NAME_LEN];
     int fd = -1;
     void *base = MAP_FAILED;
     cf_status st = CF_OK;
@@ -498,12 +564,23 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
         st = cf_err_set(err, CF_ENOMEM, "cfsdp shm: out of memory for a group");
         goto fail;
     }
-    fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+    snprintf(path, sizeof path, "%s%s", CF_SHM_DIR, name);
+    /* O_NOFOLLOW: glibc's shm_open adds it too; a symbolic link is refused below */
+    fd = shm_open(name, (create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR) | O_NOFOLLOW, 0600);
     if (fd < 0) {
-        st = cf_shm_sys_err(err, "shm_open", name);
+        int e = errno;
+        struct stat sb;
+        if (e == ELOOP && lstat(path, &sb) == 0)
+            st = cf_shm_check_stat(&sb, path, err); /* names the link's owner and mode */
+        if (st == CF_OK) {
+            errno = e;
+            st = cf_shm_sys_err(err, "shm_open", name);
+        }
         goto fail;
     }
     g->creator = g->linked = create;
+    /* before anything reads, writes or maps it: see "Trust" in the file comment */
+    CF_CHECK_GOTO(cf_shm_check_fd(fd, path, err), st, fail);
     if (create && ftruncate(fd, (off_t)bytes) != 0) {
         st = cf_shm_sys_err(err, "ftruncate", name);
         goto fail;

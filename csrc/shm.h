@@ -76,22 +76,42 @@ cf_status cf_shm_memcpy(void *dst, const void *src, int64_t nbytes, int64_t max_
 
 typedef struct cf_shm_group cf_shm_group;
 
+/* Where shm_open puts a name "/x" (glibc): CF_SHM_DIR "/x". */
+#define CF_SHM_DIR "/dev/shm"
+
+/*
+ * Whether the open file `fd` may be mapped: fstat shows a regular file owned
+ * by this process's effective uid with no group or other permission bits
+ * (mode & 077 == 0).  Anything else is CF_EPERM with a message naming `path`
+ * (the file's name, for the message only), its type, owner (uid and user
+ * name, if the user database has one) and mode, and what to do: someone who
+ * is not this job forged it (see the trust paragraph of shm.c).  CF_ERUNTIME
+ * if fstat fails.  Twin: cfsdp._ref.shm_check_fd (the same message).  Every
+ * mapping of cfsdp checks this before mmap: cf_shm_group_open (one level and
+ * the two-level per-host segments) here, ZeRO's shared bucket through
+ * cfsdp._core.shm_check_fd.  Needs no GIL.
+ */
+cf_status cf_shm_check_fd(int fd, const char *path, cf_err *err);
+
 /* Bytes of a segment for `world_size` ranks with data slots of `slot_bytes`
  * per half buffer (each rank has two halves); 0 if it overflows. */
 size_t cf_shm_segment_bytes(int64_t world_size, int64_t slot_bytes);
 
 /*
- * Open one rank's view of a segment.  create: shm_open(name, O_CREAT|O_EXCL),
- * size it and write its header (rank must then be 0); else attach to an
- * existing segment and check its header (world size and slot size must
+ * Open one rank's view of a segment.  create: shm_open(name, O_CREAT|O_EXCL,
+ * 0600), size it and write its header (rank must then be 0); else attach to an
+ * existing segment.  Either way the name is opened with O_NOFOLLOW and the file
+ * must pass cf_shm_check_fd before it is sized or mapped (CF_EPERM naming its
+ * path, type, owner and mode: a symbolic link is refused so too), and an
+ * attached segment's header is checked (world size and slot size must
  * match; slot_bytes is a multiple of 64 in [CF_SHM_MIN_SLOT_PER_RANK x
  * world_size, CF_SHM_MAX_SLOT_BYTES]).  `name` is a POSIX shm name
  * ("/cfsdp-..."); `label` names the
  * group in every error message; `global_ranks` (world_size entries, may be
  * NULL) names the ranks in messages.  Every wait of this group is bounded by
  * timeout_s seconds.  Errors: CF_EINVAL for bad arguments or a header that
- * does not match, CF_ERUNTIME for a failing system call (message with
- * strerror), CF_ENOMEM.  On success *out is a new group (cf_shm_group_close).
+ * does not match, CF_EPERM for a file that is not this job's, CF_ERUNTIME
+ * for a failing system call (message with strerror), CF_ENOMEM.  On success *out is a new group (cf_shm_group_close).
  * Needs no GIL.
  */
 cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, int64_t rank,

@@ -329,6 +329,17 @@ def shm_memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
         _ref.shm_memcpy(dst, src)
 
 
+def shm_check_fd(fd: int, path: str) -> None:
+    """Refuse to map the open file ``fd`` unless it is this job's: a regular file owned by
+    this process's effective uid with no group or other permission bits, else
+    ``PermissionError`` naming ``path``, its owner and mode, and what to do (see "Trust"
+    in ``csrc/shm.c``); the twin is ``cfsdp._ref.shm_check_fd``, the same message."""
+    if _C is not None:
+        _C.shm_check_fd(fd, path)
+    else:
+        _ref.shm_check_fd(fd, path)
+
+
 # ---------------------------------------------------------------------------
 # Fused optimizer steps (cfsdp.optim; C: csrc/optim.c, twin: cfsdp._ref.optim).
 # Ranges are (start, len) element pairs, the same for every buffer, counted

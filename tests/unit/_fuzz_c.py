@@ -278,7 +278,7 @@ ENTRIES: dict[str, tuple] = {}  # name -> (family, strategy, run(call, spec))
 CORE_ALLOWED = (TypeError, ValueError, OverflowError, EvilError)
 ALLOWED = {
     "core": CORE_ALLOWED,
-    "shm": CORE_ALLOWED + (RuntimeError,),
+    "shm": CORE_ALLOWED + (RuntimeError, PermissionError),
     "bind": CORE_ALLOWED + (KeyError, AttributeError, RuntimeError, IndexError),
     "_core": CORE_ALLOWED + (AssertionError, RuntimeError, NotImplementedError, IndexError),
 }
@@ -429,6 +429,33 @@ def _shm_memcpy(draw):
 def _shm_segment_bytes(draw):
     h = H(draw)
     return h.checked(st.integers(1, 300)), h.checked(st.integers(0, 1 << 20))
+
+
+_CHECK_FDS: list = []
+
+
+def _check_fds() -> list:
+    """Open fds for shm_check_fd, made once (each file unlinked at once, the fd stays): a
+    0600 file of this process (accepted), a 0644 one and a directory (refused)."""
+    if not _CHECK_FDS:
+        for mode in (0o600, 0o644):
+            path = f"/dev/shm/cfsdp-fuzz-{os.getpid()}-{secrets.token_hex(4)}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.fchmod(fd, mode)
+            os.unlink(path)
+            _CHECK_FDS.append(fd)
+        _CHECK_FDS.append(os.open("/", os.O_RDONLY))
+    return _CHECK_FDS
+
+
+@plain("shm_check_fd", family="shm")
+@st.composite
+def _shm_check_fd(draw):
+    h = H(draw)
+    fds = _check_fds()
+    return (h.checked(st.sampled_from(fds + [-1, 2**31 - 1, 2**31, max(fds) + 100])),
+            h.checked(st.sampled_from(["/dev/shm/cfsdp-1-ab", "", "x" * 2000, "\udc80",
+                                       "/dev/shm/caf\u00e9"])))
 
 
 OPT_ELEMS = 16

@@ -624,3 +624,145 @@ def test_open_errors():
     finally:
         g.close()
     assert shm_entries() == []
+
+
+# ----------------------------------------------------------------------------------------
+# Trust: nothing is mapped that is not this job's ("Trust" in csrc/shm.c)
+# ----------------------------------------------------------------------------------------
+
+
+def needs_root(what):
+    """chown to another user needs root (CI runs as root): fail, never skip."""
+    if os.geteuid() != 0:
+        pytest.fail(f"{what} needs root (chown to another user); run the tests as root",
+                    pytrace=False)
+
+
+def unknown_uid():
+    """A uid that the user database does not know."""
+    import pwd
+
+    known = {p.pw_uid for p in pwd.getpwall()}
+    return next(u for u in range(54321, 60000) if u not in known)
+
+
+def check_both(fd, path):
+    """(exception type, message) of the C check and of its twin, which must agree."""
+    from cfsdp._ref import shm_check_fd as ref_check
+
+    out = []
+    for check in (C.shm_check_fd, ref_check):
+        try:
+            check(fd, path)
+            out.append((None, ""))
+        except Exception as e:  # noqa: BLE001 - compared below
+            out.append((type(e), str(e)))
+    assert out[0] == out[1], out
+    return out[0]
+
+
+def test_check_fd_matches_twin_and_names_owner_and_mode(tmp_path):
+    """cfsdp._C.shm_check_fd and cfsdp._ref.shm_check_fd: a regular file of this process's
+    uid with no group/other bits passes; anything else is a PermissionError (the same
+    message, byte for byte) naming the path, the file's type, owner (uid and user name)
+    and mode, and what to do; a closed fd is a RuntimeError, a negative one ValueError."""
+    needs_root("test_check_fd_matches_twin_and_names_owner_and_mode")
+    import pwd
+
+    me = f"uid {os.geteuid()} ({pwd.getpwuid(os.geteuid()).pw_name})"
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        for mode in (0o600, 0o700, 0o400):
+            os.fchmod(fd, mode)
+            assert check_both(fd, path) == (None, "")
+            _core.shm_check_fd(fd, path)  # the door: either implementation, one contract
+        for mode in (0o644, 0o660, 0o606, 0o601, 0o610, 0o666):
+            os.fchmod(fd, mode)
+            kind, msg = check_both(fd, path)
+            assert kind is PermissionError, (oct(mode), kind, msg)
+            assert msg.startswith(f"cfsdp: refused to map {path}: a regular file of {me} "
+                                  f"with mode {mode & 0o7777:04o}, not this job's"), msg
+            assert "rendezvous store" in msg and "restart the job" in msg, msg
+        os.fchmod(fd, 0o600)
+        for uid, name in ((65534, pwd.getpwuid(65534).pw_name), (unknown_uid(), "no user name")):
+            os.fchown(fd, uid, -1)
+            kind, msg = check_both(fd, path)
+            assert kind is PermissionError
+            assert f"a regular file of uid {uid} ({name}) with mode 0600" in msg, msg
+    finally:
+        os.close(fd)
+    link = str(tmp_path / "link")
+    os.symlink(path, link)
+    for where, flags, kind_name in ((str(tmp_path), os.O_RDONLY, "directory"),
+                                    (link, os.O_PATH | os.O_NOFOLLOW, "symbolic link")):
+        fd = os.open(where, flags)
+        try:
+            kind, msg = check_both(fd, where)
+            assert kind is PermissionError and f"refused to map {where}: a {kind_name} of " \
+                in msg, msg
+        finally:
+            os.close(fd)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo, 0o600)
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        assert check_both(fd, fifo)[0] is PermissionError
+    finally:
+        os.close(fd)
+    kind, msg = check_both(fd, path)  # closed
+    assert kind is RuntimeError and msg == (f'cfsdp shm: fstat("{path}") failed: Bad file '
+                                            f"descriptor (errno 9)"), msg
+    assert check_both(-1, path) == (ValueError, "fd must be in [0, 2147483647], got -1")
+
+
+def test_attach_refuses_a_segment_that_is_not_ours():
+    """The attack of issue 22 at the C level (it serves one-level and two-level segments
+    alike, comm.py's _open_segment): a segment name that leads to a file of another user,
+    or with group/other permission bits, or to a symbolic link, is refused before it is
+    mapped (PermissionError naming path, owner and mode), and nothing of the file changes
+    (no attach count, no data)."""
+    needs_root("test_attach_refuses_a_segment_that_is_not_ours")
+    import pwd
+
+    world, slot = 2, 512
+    nobody = pwd.getpwuid(65534).pw_name
+    for mode, owner, what in ((0o666, 65534, f"uid 65534 ({nobody}) with mode 0666"),
+                              (0o600, 65534, f"uid 65534 ({nobody}) with mode 0600"),
+                              (0o640, os.geteuid(), "with mode 0640")):
+        name = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+        creator = C.ShmGroup(name, True, world, 0, slot, 1.0, "forger", [0, 1])
+        path = "/dev/shm" + name
+        try:
+            size = os.stat(path).st_size
+            with open(path, "r+b") as f:  # data that an attach or a collective would change
+                f.seek(size // 2)
+                f.write(secrets.token_bytes(size - size // 2))
+            os.chmod(path, mode)
+            os.chown(path, owner, -1)
+            with open(path, "rb") as f:
+                before = f.read()
+            with pytest.raises(PermissionError) as e:
+                C.ShmGroup(name, False, world, 1, slot, 1.0, "victim", [0, 1])
+            assert f"refused to map {path}: a regular file of " in str(e.value), str(e.value)
+            assert what in str(e.value), str(e.value)
+            with open(path, "rb") as f:
+                assert f.read() == before, "the refused attach changed the file"
+        finally:
+            creator.close()  # unlinks the name
+    # a symbolic link in /dev/shm (shm_open never follows one: O_NOFOLLOW)
+    target = f"/dev/shm/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+    link = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, C.shm_segment_bytes(world, slot))
+        os.symlink(target, "/dev/shm" + link)
+        with pytest.raises(PermissionError, match=f"refused to map /dev/shm{link}: a symbolic "
+                                                  f"link of uid {os.geteuid()} "):
+            C.ShmGroup(link, False, world, 1, slot, 1.0, "victim", [0, 1])
+    finally:
+        os.close(fd)
+        os.unlink(target)
+        if os.path.lexists("/dev/shm" + link):
+            os.unlink("/dev/shm" + link)
+    assert shm_entries() == []

@@ -61,16 +61,36 @@ so a set-up after ``release`` never reads an older one's keys):
 a. publishes its host key, host name and ``CFSDP_SHM`` wish and reads everyone's: rules
    1 and 2 decide, the same way on every rank; if they say process group, done;
 b. the first rank of each segment (group rank 0, or each host's local rank 0) creates it
-   (``/cfsdp-<pid>-<random>``, ``O_EXCL``, its pages reserved) and publishes its name, or
-   the error; the others attach to it by that name;
-c. every rank publishes whether it has its view ("ok" or the error: no ``/dev/shm``,
-   not enough room, permission denied, a segment of another ``/dev/shm``, ...) and
-   reads everyone's.  All "ok": the group uses shared memory (the attach counts in each
-   segment are then complete, so ``wait_attached`` returns at once and the creator
-   unlinks the name: nothing stays in ``/dev/shm``, even if the job is killed later).
-   Any error: every rank closes its view (the name is unlinked) and the group takes the
-   process group, on every rank at once, and group rank 0 logs one warning naming the
-   ranks and their errors.
+   (``/cfsdp-<pid>-<16 random hex digits>``, ``O_EXCL``, ``O_NOFOLLOW``, mode 0600, its
+   pages reserved) and publishes its name, or the error; the others read the name, take
+   it only in that form, and attach to it, checking the file before mapping it (see
+   Trust);
+c. every rank publishes whether it has its view ("ok", "refused" with the reason, or the
+   error: no ``/dev/shm``, not enough room, permission denied, a segment of another
+   ``/dev/shm``, ...) and reads everyone's.  All "ok": the group uses shared memory (the
+   attach counts in each segment are then complete, so ``wait_attached`` returns at once
+   and the creator unlinks the name: nothing stays in ``/dev/shm``, even if the job is
+   killed later).  Any "refused": every rank closes its view (the name is unlinked) and
+   raises ``PermissionError`` naming the refusing ranks and their reasons (Trust).  Any
+   other error: every rank closes its view and the group takes the process group, on
+   every rank at once, and group rank 0 logs one warning naming the ranks and their
+   errors.
+
+Trust.  Every rank of the job and whoever can reach its rendezvous store are trusted
+(torch's store has no authentication); other users of the machine are not, and nothing of
+the job may land in memory they can map.  Segment names are unguessable and created
+``O_EXCL``/0600, so another user cannot open a segment; but a name travels through the
+store, where another user who reaches it can replace it with a file of their own.  So a
+name read from the store must be of the creator's form (``_SEGMENT_NAME``: no path, no
+``..``), and every rank opens it with ``O_NOFOLLOW`` and, before mapping it, checks that
+``fstat`` shows a regular file owned by its own effective uid with no group or other
+permission bits (``csrc/shm.c``, ``cf_shm_check_fd``; two-level segments are opened the
+same way).  Anything else is refused, and a refusal is an error on every rank of the
+group, never a fallback to the process group: a forged name means someone is attacking
+the job (or two jobs share a store), and carrying on with a warning would hide it while
+the attacker keeps the store.  The message names the file's path, owner (uid and user
+name) and mode, and what to do.  ZeRO's shared bucket applies the same check to its file
+(``optim/_zero_buckets.py``).
 
 Nothing in a set-up waits for a timeout but a rank that died or stalled before its
 first collective on the group (a ``RuntimeError`` naming the missing keys after the
@@ -125,6 +145,7 @@ import functools
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import weakref
@@ -148,6 +169,8 @@ _STORE_PREFIX = "cfsdp_shm"
 _SHM_DIR = "/dev/shm"  # where POSIX shm_open puts segments (glibc)
 _log = logging.getLogger(__name__)
 _NOT_ATTEMPTED = "not attempted"
+_REFUSED = "refused:"  # an attach status: a name or file that is not this job's ("Trust")
+_SEGMENT_NAME = re.compile(r"/cfsdp-[0-9]+-[0-9a-f]{16}")  # what _open_segment creates
 _SAME_EVERYWHERE = "set it the same on every rank"
 
 
@@ -357,11 +380,28 @@ def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
     return True
 
 
+def _segment_name(su: _Setup, seg: str, creator: int) -> str:
+    """The name of segment ``seg`` that group rank ``creator`` published (waiting for it),
+    or its ``"error:..."``.  Anything else than a name of the creator's form
+    (``_SEGMENT_NAME``) was not written by cfsdp: ``PermissionError`` (see "Trust")."""
+    su.wait([f"name/{seg}"], f"segment name of {seg!r} from group rank {creator}")
+    name = su.store.get(f"name/{seg}").decode(errors="replace")
+    if name.startswith("error:") or _SEGMENT_NAME.fullmatch(name):
+        return name
+    raise PermissionError(
+        f"cfsdp: refused the segment name {name[:80]!r} that the job's rendezvous store "
+        f"holds for group {su.label!r} (segment {seg!r}): cfsdp's names are "
+        f"/cfsdp-<pid>-<16 hex digits>, so someone else wrote it. Another user of this "
+        f"machine may be attacking the job through the store (torch's store has no "
+        f"authentication): find who, keep other users off the store's port, restart the job")
+
+
 def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
     """Create (first member) or attach this rank's view of segment ``seg`` shared by the
     group ranks ``members`` (``slot`` bytes per slot half); ``(view or None, error or
     None)``, never raising for a failure of the segment itself: the caller reports it and
-    the group agrees."""
+    the group agrees; but ``PermissionError`` for a name or a file that is not this job's
+    (see "Trust"), after publishing what the other ranks wait for."""
     local = members.index(su.rank)
     label = su.label if seg == "all" else f"{su.label}/{seg}"
     granks = [su.ranks[r] for r in members]
@@ -369,13 +409,14 @@ def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
         name = f"/cfsdp-{os.getpid()}-{secrets.token_hex(8)}"
         try:
             shm = _core._C.ShmGroup(name, True, len(members), 0, slot, su.timeout, label, granks)
-        except (RuntimeError, ValueError, OverflowError) as e:
+        except (RuntimeError, ValueError, OverflowError, PermissionError) as e:
             su.publish(f"name/{seg}", "error:" + str(e))
+            if isinstance(e, PermissionError):
+                raise
             return None, str(e)
         su.publish(f"name/{seg}", name)
         return shm, None
-    su.wait([f"name/{seg}"], f"segment name of {seg!r} from group rank {members[0]}")
-    name = su.store.get(f"name/{seg}").decode()
+    name = _segment_name(su, seg, members[0])
     if name.startswith("error:"):
         return None, f"{_NOT_ATTEMPTED}: group rank {members[0]} could not create it"
     try:
@@ -421,9 +462,21 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
         hosts = how
         h = su.rank // len(hosts[0])
         members, seg = hosts[h], f"host{h}"
-    shm, err = _open_segment(su, members, seg, slot)
-    su.publish(f"attach/{su.rank}", "ok" if err is None else "error:" + err)
+    try:
+        shm, err = _open_segment(su, members, seg, slot)
+        status = "ok" if err is None else "error:" + err
+    except PermissionError as e:  # see "Trust": every rank raises it below
+        shm, status = None, _REFUSED + str(e)
+    su.publish(f"attach/{su.rank}", status)
     results = su.gather("attach", range(su.world))
+    refused = {r: v[len(_REFUSED):] for r, v in enumerate(results) if v.startswith(_REFUSED)}
+    if refused:
+        if shm is not None:
+            shm.close()  # the creator's close unlinks the name
+        raise PermissionError(
+            f"cfsdp: group {su.label!r} (rank {su.rank} of {su.world}): group rank(s) "
+            f"{sorted(refused)} refused to map shared memory that is not this job's: "
+            + "; ".join(f"rank {r}: {m}" for r, m in sorted(refused.items())))
     failed = {r: v[6:] for r, v in enumerate(results) if v != "ok"}
     if failed:
         if shm is not None:

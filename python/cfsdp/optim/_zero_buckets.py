@@ -86,24 +86,34 @@ views) is unchanged.
 Making the mapping (``_shared_flat``), collectively, at construction and every rebuild
 (``add_param_group``, trainability changes, moved parameters):
 
-1. group rank 0 creates ``SHM_DIR/cfsdp-<pid>-<random>-zero`` (``O_EXCL``, mode 0600,
-   its pages reserved with ``posix_fallocate``: no SIGBUS later for a full ``/dev/shm``),
-   the bucket's bytes followed by a random 64-byte nonce, and broadcasts its *name*;
-2. every rank opens ``SHM_DIR/<name>`` (never creating it: a private ``/dev/shm`` must
-   not get one), checks its size against its own layout, maps it ``MAP_SHARED``
-   (``torch.from_file(shared=True)``), checks the nonce, and writes ONLY its own segment
-   (its private values: the rest of the file is other ranks');
-3. an all-reduce agrees that every rank did (and is the barrier after the writes); the
-   creator then unlinks the name, so nothing is left in ``/dev/shm`` after this point
-   even if a rank is killed; the mapping lives as long as views of it do;
+1. group rank 0 creates ``SHM_DIR/cfsdp-<pid>-<16 random hex digits>-zero`` (``O_EXCL``,
+   ``O_NOFOLLOW``, mode 0600, its pages reserved with ``posix_fallocate``: no SIGBUS later
+   for a full ``/dev/shm``), the bucket's bytes followed by a random 64-byte nonce, and
+   broadcasts its *name*;
+2. every rank takes the name only in that form (no path, no ``..``), opens
+   ``SHM_DIR/<name>`` with ``O_NOFOLLOW`` (never creating it: a private ``/dev/shm`` must
+   not get one), refuses it unless ``fstat`` shows a regular file of its own effective
+   uid with no group or other permission bits (``_open_own``, ``_core.shm_check_fd``: the
+   check of comm.py's "Trust"), checks its size against its own layout, maps it
+   ``MAP_SHARED`` through that descriptor (never by name again), checks the nonce, and
+   writes ONLY its own segment (its private values: the rest of the file is other
+   ranks');
+3. an all-reduce agrees that every rank did (and is the barrier after the writes), and
+   counts the ranks that refused the name or the file; the creator then unlinks the
+   name, so nothing is left in ``/dev/shm`` after this point even if a rank is killed;
+   the mapping lives as long as views of it do;
 4. every rank compares the shared bucket with its private one, bitwise (as integers), and
    an all-reduce agrees that all are equal.  torch's ZeRO leaves each rank's values as
    they are until the first step's broadcast, so where the ranks' initial values differ
    (no DDP broadcast before the optimizer), one shared copy would change the first
    forward's numbers: private buckets then.
 
-Any "no" in steps 1 to 4 gives every rank its private bucket (today's path: the
-all-gather), at once; group rank 0 logs the reason once per process (WARNING).  The
+A refusal in step 2 (a file of another user, a symbolic link, group or other permission
+bits, a name of another form) is a ``PermissionError`` on every rank naming each
+refusing rank's path, owner and mode: someone who is not the job made that file, and a
+fallback would hide it (comm.py's "Trust").  Any other "no" in steps 1 to 4 gives every
+rank its private bucket (today's path: the all-gather), at once; group rank 0 logs the
+reason once per process (WARNING).  The
 shared bucket changes no number: the local steps read and write the same values, the sync
 copies the owners' bits in both cases.  One visible difference: a write to a parameter
 outside ``step()`` (``model.load_state_dict``, an in-place op) is seen by every rank of
@@ -119,8 +129,10 @@ written.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -135,6 +147,7 @@ from .._runtime import comm
 _ALIGN_BYTES = 64
 STAGING_BYTES = 32 << 20  # StagedSync's staging buffer, all ranks' blocks together
 SHM_DIR = "/dev/shm"  # where a shared bucket's file is made (a module variable: tests move it)
+_FILE_NAME = re.compile(r"cfsdp-[0-9]+-[0-9a-f]{16}-zero")  # what group rank 0 makes
 _NONCE_BYTES = 64  # after the bucket's elements in its file: proves the mapping is shared
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _log = logging.getLogger(__name__)
@@ -210,11 +223,17 @@ def _views(layout: RankMajor, flat: Tensor) -> list[Tensor]:
     return out
 
 
+def _count(flags: list, group: Any) -> list:
+    """How many ranks of ``group`` say each of ``flags``; a collective, hence also a
+    barrier."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags])
+    comm.all_reduce(t, group, async_op=False)
+    return [int(v) for v in t.tolist()]
+
+
 def _agree(ok: bool, group: Any) -> bool:
     """Whether every rank of ``group`` says ``ok``; a collective, hence also a barrier."""
-    t = torch.tensor([1.0 if ok else 0.0])
-    comm.all_reduce(t, group, async_op=False)
-    return float(t[0]) == dist.get_world_size(group)
+    return _count([ok], group)[0] == dist.get_world_size(group)
 
 
 def _log_once(rank: int, why: str) -> None:
@@ -225,10 +244,46 @@ def _log_once(rank: int, why: str) -> None:
                      "(not one shared bucket per host): %s", why)
 
 
-def _map_shared(layout: RankMajor, rank: int, group: Any) -> tuple[Optional[Tensor], str, str]:
+def _open_own(path: str) -> int:
+    """``path`` opened read-write for mapping, never through a symbolic link, and only if
+    it is this job's file ([Note: ZeRO shared bucket], "Trust"): a regular file owned by
+    this process's effective uid with no group or other permission bits
+    (``_core.shm_check_fd``); else ``PermissionError`` without an errno naming its path,
+    type, owner and mode (a symbolic link too).  ``OSError`` (with its errno) if it cannot
+    be opened."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        link = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)  # the link itself
+        try:
+            _core.shm_check_fd(link, path)  # refuses it (not a regular file), naming it
+        finally:
+            os.close(link)
+        raise
+    try:
+        _core.shm_check_fd(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_fd(fd: int, nbytes: int) -> Tensor:
+    """The first ``nbytes`` of the open file ``fd``, mapped ``MAP_SHARED``, as a uint8
+    tensor (the mapping keeps a duplicate of ``fd``; unmapped when the last view dies).
+    Through the fd that was checked, never by name again."""
+    return torch.empty(0, dtype=torch.uint8).set_(
+        torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes))
+
+
+def _map_shared(layout: RankMajor, rank: int, group: Any
+                ) -> tuple[Optional[Tensor], str, str, bool]:
     """[Note: ZeRO shared bucket], steps 1 and 2: group rank 0 makes the file, every rank
     maps it and checks the nonce.  ``(this rank's mapping as uint8 or None, the file's
-    path or "", why not)``; the creator unlinks the file after the caller's agreement."""
+    path or "", why not, whether it was refused as not this job's)``; the creator unlinks
+    the file after the caller's agreement."""
     nbytes = layout.numel * layout.elem_size
     info = ["", "", ""]  # file name, nonce (hex), error
     if rank == 0:
@@ -236,7 +291,8 @@ def _map_shared(layout: RankMajor, rank: int, group: Any) -> tuple[Optional[Tens
         path = os.path.join(SHM_DIR, name)
         nonce = secrets.token_bytes(_NONCE_BYTES)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
             info = [name, nonce.hex(), ""]
             try:
                 os.posix_fallocate(fd, 0, nbytes + _NONCE_BYTES)  # its pages, or ENOSPC now
@@ -248,24 +304,35 @@ def _map_shared(layout: RankMajor, rank: int, group: Any) -> tuple[Optional[Tens
     box = [info]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     name, nonce_hex, err = box[0]
-    path = os.path.join(SHM_DIR, name) if name else ""  # each rank's own SHM_DIR
     if err:
-        return None, path, err
+        return None, os.path.join(SHM_DIR, name) if name else "", err, False
+    if not _FILE_NAME.fullmatch(name):  # no path, no "..": only what rank 0 makes
+        return None, "", (f"cfsdp: refused the shared bucket's file name {name[:80]!r} "
+                          f"from group rank 0: not of the form cfsdp-<pid>-<16 hex "
+                          f"digits>-zero, the only one it makes, so someone else wrote it. "
+                          f"Another user of this machine may be attacking the job: find "
+                          f"who, keep other users off the rendezvous store's port, restart "
+                          f"the job"), True
+    path = os.path.join(SHM_DIR, name)  # each rank's own SHM_DIR
     try:
-        fd = os.open(path, os.O_RDWR)  # never O_CREAT: a private /dev/shm must not get one
+        fd = _open_own(path)  # never O_CREAT: a private /dev/shm must not get one
         try:
             size = os.fstat(fd).st_size
+            if size != nbytes + _NONCE_BYTES:
+                return None, path, (f"group rank {rank}: {path} has {size} bytes, its own "
+                                    f"layout needs {nbytes + _NONCE_BYTES}"), False
+            m = _map_fd(fd, nbytes + _NONCE_BYTES)
         finally:
             os.close(fd)
-        if size != nbytes + _NONCE_BYTES:
-            return None, path, (f"group rank {rank}: {path} has {size} bytes, its own layout "
-                                f"needs {nbytes + _NONCE_BYTES}")
-        m = torch.from_file(path, shared=True, size=nbytes + _NONCE_BYTES, dtype=torch.uint8)
+    except PermissionError as e:
+        if e.errno is None:  # _open_own's refusal (an EACCES from open has its errno)
+            return None, path, str(e), True
+        return None, path, f"group rank {rank} could not map {path}: {e}", False
     except (OSError, RuntimeError, ValueError) as e:
-        return None, path, f"group rank {rank} could not map {path}: {e}"
+        return None, path, f"group rank {rank} could not map {path}: {e}", False
     if bytes(m[nbytes:].numpy()) != bytes.fromhex(nonce_hex):
-        return None, path, f"group rank {rank} maps {path} but sees another file"
-    return m, path, ""
+        return None, path, f"group rank {rank} maps {path} but sees another file", False
+    return m, path, "", False
 
 
 def _shared_flat(layout: RankMajor, rank: int, group: Any, private: Tensor
@@ -273,21 +340,30 @@ def _shared_flat(layout: RankMajor, rank: int, group: Any, private: Tensor
     """[Note: ZeRO shared bucket]: one host-shared flat buffer holding ``private``'s
     values, or None, on every rank at once; with the (unlinked) file's path and why not.
     Collective over ``group``."""
-    m, path, why = _map_shared(layout, rank, group)
+    m, path, why, refused = _map_shared(layout, rank, group)
     seg, nbytes = layout.seg, layout.numel * layout.elem_size
     flat = None
     try:
         if m is not None:
             flat = m[:nbytes].view(layout.dtype)
             flat[rank * seg : (rank + 1) * seg].copy_(private[rank * seg : (rank + 1) * seg])
-        mapped = _agree(flat is not None, group)  # every rank mapped it, wrote its segment
+        # every rank mapped it and wrote its segment; how many refused it
+        n_mapped, n_refused = _count([flat is not None, refused], group)
     finally:  # after the agreement, or when it raised (a peer died): nothing is left
         if rank == 0 and path:
             try:
                 os.unlink(path)
             except OSError:  # in a finally: never hide the error that got us here; the
                 pass         # mapping works unlinked or not, and the name is cfsdp-<pid>-...
-    if not mapped:
+    if n_refused:  # "Trust": an error on every rank, naming what each refused
+        whys: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(whys, why if refused else None, group=group)
+        bad = {r: w for r, w in enumerate(whys) if w is not None}
+        raise PermissionError(
+            f"cfsdp ZeroRedundancyOptimizer (group rank {rank}): group rank(s) {sorted(bad)} "
+            f"refused to map the shared parameter bucket's file, which is not this job's: "
+            + "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
+    if n_mapped != dist.get_world_size(group):
         return None, path, ("the bucket's file in " + SHM_DIR + " is not shared by every rank"
                       + (f" ({why})" if why else ""))
     as_int = _INT_OF_SIZE[layout.elem_size]
