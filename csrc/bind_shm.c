@@ -192,7 +192,8 @@ typedef struct {
     PyObject_HEAD
     cf_shm_group *g; /* NULL once closed */
     cf_queue *q;     /* freed with the object (ShmWork objects hold the group) */
-    _Atomic int busy;
+    _Atomic int busy;     /* a wait_attached in flight (at most one) */
+    _Atomic int watching; /* failure() calls in flight */
 } cf_py_shm_group;
 
 /* A queued op.  It holds what the worker reads until the op is done: the tensors
@@ -217,8 +218,8 @@ static void cf_py_shm_group_shutdown(cf_py_shm_group *self)
         return;
     self->g = NULL;
     Py_BEGIN_ALLOW_THREADS
-    cf_shm_group_abort(g); /* a wait_attached in flight returns at once... */
-    while (atomic_load(&self->busy) > 0)
+    cf_shm_group_abort(g); /* a wait_attached or failure() in flight returns at once... */
+    while (atomic_load(&self->busy) > 0 || atomic_load(&self->watching) > 0)
         sched_yield(); /* ...and is gone before g is unmapped */
     cf_queue_stop(self->q);
     cf_shm_group_close(g);
@@ -290,6 +291,7 @@ static PyObject *cf_py_shm_group_new(PyTypeObject *type, PyObject *args, PyObjec
     self->g = g;
     self->q = q;
     atomic_init(&self->busy, 0);
+    atomic_init(&self->watching, 0);
     return (PyObject *)self;
 }
 
@@ -653,6 +655,44 @@ static PyObject *cf_py_shm_group_fail(PyObject *obj, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(cf_py_shm_group_failure_doc,
+"failure($self, timeout_s, /)\n"
+"--\n"
+"\n"
+"Block up to timeout_s seconds (GIL released; 0: just look) until some rank\n"
+"of the segment has failed, and return 'rank R (global rank G) of cfsdp shm\n"
+"group ... failed: <its message>'; None on timeout, once the view is closed\n"
+"(also by a close() meanwhile), or if no rank failed.  For a thread that\n"
+"waits on something else than the segment (the two-level lane's process-\n"
+"group waits) and must learn that this host's segment failed.  See\n"
+"cf_shm_group_wait_failure in csrc/shm.h.");
+
+static PyObject *cf_py_shm_group_failure(PyObject *obj, PyObject *arg)
+{
+    cf_py_shm_group *self = (cf_py_shm_group *)obj;
+    char msg[CF_ERR_MSG_LEN + 160];
+    double timeout_s = PyFloat_AsDouble(arg);
+    cf_shm_group *g;
+    bool failed = false;
+    if (timeout_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!(timeout_s >= 0.0) || timeout_s > 1e6) { /* NaN too */
+        PyErr_Format(PyExc_ValueError, "timeout_s must be in [0, 1e6] seconds, got %R", arg);
+        return NULL;
+    }
+    g = self->g; /* close() sets self->g to NULL, then waits for `watching` */
+    if (g == NULL)
+        Py_RETURN_NONE;
+    atomic_fetch_add(&self->watching, 1);
+    Py_BEGIN_ALLOW_THREADS
+    failed = cf_shm_group_wait_failure(g, timeout_s, msg, sizeof msg);
+    atomic_fetch_sub(&self->watching, 1); /* before the GIL: close() may be waiting for it */
+    Py_END_ALLOW_THREADS
+    if (!failed)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+}
+
 PyDoc_STRVAR(cf_py_shm_group_close_doc,
 "close($self, /)\n"
 "--\n"
@@ -716,6 +756,7 @@ static PyMethodDef cf_py_shm_group_methods[] = {
      cf_py_shm_group_broadcast_doc},
     {"drain", cf_py_shm_group_drain, METH_NOARGS, cf_py_shm_group_drain_doc},
     {"fail", cf_py_shm_group_fail, METH_O, cf_py_shm_group_fail_doc},
+    {"failure", cf_py_shm_group_failure, METH_O, cf_py_shm_group_failure_doc},
     {"close", cf_py_shm_group_close, METH_NOARGS, cf_py_shm_group_close_doc},
     {NULL, NULL, 0, NULL}};
 

@@ -40,10 +40,49 @@
  * and across several mappings in one process), waking at least every
  * CF_SHM_NAP_NS to re-check the deadline; without futexes (non-Linux) it
  * naps with nanosleep.  Every wait is bounded by the group's timeout.  A
- * rank that fails (timeout, mismatch, closed group, or a failure outside the
- * segment reported with cf_shm_group_fail) records its message in its ctrl,
- * sets header.failed and wakes every sleeper: every other rank's current or
- * next wait then fails at once, naming it.
+ * rank that fails (timeout, mismatch, closed group, a dead peer, or a failure
+ * outside the segment reported with cf_shm_group_fail) records its message in
+ * its ctrl, sets header.failed and wakes every sleeper (and whoever sleeps on
+ * header.failed itself: cf_shm_group_wait_failure): every other rank's
+ * current or next wait then fails at once, naming it.
+ *
+ * Liveness.  A rank that dies (SIGKILL, the OOM killer, a segfault) publishes
+ * nothing, so a wait alone would only notice it at the timeout.  Each ctrl[r]
+ * holds a process-shared ROBUST mutex `alive`, initialised by the creator
+ * before it writes the magic, and locked by rank r's *keeper*: a thread that
+ * each view starts when it opens (before it counts itself in `attached`) and
+ * that does nothing but hold the lock, blocked on a condition variable, until
+ * the view is closed; it then sets ctrl[r].closed and unlocks.  A wait that
+ * has lasted CF_SHM_PROBE_S on rank q, and every CF_SHM_PROBE_S after that,
+ * probes q with pthread_mutex_trylock (an atomic compare-and-swap on q's
+ * line, no system call): EBUSY means q's view is open (alive, or stopped, or
+ * slow: it keeps the whole timeout); EOWNERDEAD (the kernel marked the lock
+ * when q's keeper thread ended without unlocking: its process died) or a lock
+ * found free with `closed` unset (an earlier prober saw EOWNERDEAD, made it
+ * consistent and unlocked it) means q died; a free lock with `closed` set means
+ * q closed its view and will never arrive.  Either way the prober re-reads q's
+ * counter (q may have published before it went) and otherwise fails naming q,
+ * its global rank and the host, which fails every rank at once as above.
+ * Why this signal: the kernel releases a robust mutex when its owner THREAD
+ * exits, while processing the thread's robust list in exit_mm, i.e. before
+ * the process becomes a zombie, so an unreaped rank is seen dead at once; the
+ * owner is recorded as a thread id of the owner's own pid namespace and only
+ * the owner's exit marks it, so neither PID reuse nor ranks in different pid
+ * namespaces (containers sharing /dev/shm) confuse it; a fork()ed child
+ * (DataLoader workers) does not inherit ownership, so a rank whose children
+ * outlive it is still seen dead.  (File locks on the segment's descriptor
+ * would be inherited by such children and kept until they exit; pidfds and
+ * /proc do not work across pid namespaces.)  The keeper is a thread of its
+ * own because ownership dies with the thread: the thread that opens a view
+ * (any user thread) may end before the view, and the worker of queue.c is
+ * not the only thread that drives a view (the unit tests run collectives
+ * directly).  A keeper blocks every signal and is joined by
+ * cf_shm_group_close, only in the process that opened the view (a fork()ed
+ * child that closes its copy just unmaps it).  Peers probe only a rank they
+ * are waiting for, so a rank that closes its view cleanly once it has
+ * nothing more to contribute fails nobody.  Builds without robust mutexes
+ * (not Linux, or no pthreads) have no keeper and no probe: a dead peer is
+ * then an error at the timeout.
  *
  * Bytes.  all_gather: a rank writes its piece into shm once, and every rank
  * reads the W - 1 other pieces once (its own block is copied straight from
@@ -86,6 +125,13 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #endif
+#if defined(__linux__) && defined(CF_HAVE_PTHREADS)
+#define CF_SHM_LIVENESS 1 /* robust mutexes: see "Liveness" above */
+#include <pthread.h>
+#include <signal.h>
+#else
+#define CF_SHM_LIVENESS 0
+#endif
 
 #include "cf_half.h"
 #include "chunk.h"
@@ -103,6 +149,9 @@
 #define CF_SHM_NAP_NS 10000000L /* 10 ms: the longest sleep between deadline checks */
 #define CF_SHM_NAME_LEN 64
 #define CF_SHM_LABEL_LEN 96
+#define CF_SHM_HOST_LEN 72
+#define CF_SHM_PROBE_S 0.1 /* a wait probes the awaited rank's liveness this often */
+#define CF_SHM_KEEPER_STACK (64 * 1024)
 
 typedef struct {
     _Atomic uint64_t magic; /* written last by the creator */
@@ -124,6 +173,10 @@ typedef struct {
     _Atomic uint32_t waiters; /* sleepers on `step` (any rank increments) */
     _Alignas(CF_SHM_LINE) cf_shm_desc desc[2];
     char fail_msg[CF_ERR_MSG_LEN];
+#if CF_SHM_LIVENESS
+    _Alignas(CF_SHM_LINE) pthread_mutex_t alive; /* held by the rank's keeper (Liveness) */
+#endif
+    _Atomic uint32_t closed; /* set by the keeper when the rank closes its view */
 } cf_shm_ctrl;
 
 struct cf_shm_group {
@@ -138,7 +191,17 @@ struct cf_shm_group {
     bool creator, linked;
     char name[CF_SHM_NAME_LEN];
     char label[CF_SHM_LABEL_LEN];
+    char host[CF_SHM_HOST_LEN]; /* this host's name: every rank of a segment is on it */
     int64_t *global_ranks;
+    pid_t pid; /* the process that opened the view (a fork()ed child's copy is not it) */
+#if CF_SHM_LIVENESS
+    /* the keeper thread (Liveness): keep_state 0 starting, 1 holding, -1 failed to lock */
+    pthread_t keeper;
+    pthread_mutex_t keep_mu;
+    pthread_cond_t keep_cv;
+    int keep_state;
+    bool keep_stop, keeper_started;
+#endif
     /* this rank's position in the step sequence (see the file comment) */
     uint32_t step, free_at[2], seq;
     unsigned buf;
@@ -517,6 +580,136 @@ cf_status cf_shm_check_fd(int fd, const char *path, cf_err *err)
     return cf_shm_check_stat(&sb, path, err);
 }
 
+/* Unlink the segment's name (the creator's, or any rank's on failure). */
+static void cf_shm_unlink(cf_shm_group *g)
+{
+    if (g->linked || !g->creator) {
+        shm_unlink(g->name); /* ENOENT (someone did it) is fine */
+        g->linked = false;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Liveness (see the file comment)
+ * ------------------------------------------------------------------------ */
+
+#if CF_SHM_LIVENESS
+/* Initialise every rank's `alive` lock (the creator, before the magic). */
+static cf_status cf_shm_alive_init(cf_shm_group *g, cf_err *err)
+{
+    pthread_mutexattr_t attr;
+    int rc = pthread_mutexattr_init(&attr);
+    if (rc == 0)
+        rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    if (rc == 0)
+        rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    for (int q = 0; rc == 0 && q < g->world; q++)
+        rc = pthread_mutex_init(&g->ctrl[q].alive, &attr);
+    pthread_mutexattr_destroy(&attr);
+    if (rc != 0)
+        return cf_err_set(err, CF_ERUNTIME,
+                          "cfsdp shm: cannot make the liveness locks of segment \"%s\": %s",
+                          g->name, strerror(rc));
+    return CF_OK;
+}
+
+/* The keeper: lock this rank's `alive`, say so, hold it until told to stop,
+ * then mark the view closed and unlock. */
+static void *cf_shm_keeper_main(void *arg)
+{
+    cf_shm_group *g = arg;
+    pthread_mutex_t *alive = &g->ctrl[g->rank].alive;
+    sigset_t all;
+    int rc;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    rc = pthread_mutex_lock(alive);
+    if (rc == EOWNERDEAD) /* cannot happen on a fresh segment; be safe anyway */
+        rc = pthread_mutex_consistent(alive);
+    pthread_mutex_lock(&g->keep_mu);
+    g->keep_state = rc == 0 ? 1 : -1;
+    pthread_cond_broadcast(&g->keep_cv);
+    while (rc == 0 && !g->keep_stop)
+        pthread_cond_wait(&g->keep_cv, &g->keep_mu);
+    pthread_mutex_unlock(&g->keep_mu);
+    if (rc == 0) {
+        atomic_store_explicit(&g->ctrl[g->rank].closed, 1u, memory_order_seq_cst);
+        pthread_mutex_unlock(alive);
+    }
+    return NULL;
+}
+
+/* Start the keeper and wait until it holds this rank's lock. */
+static cf_status cf_shm_keeper_start(cf_shm_group *g, cf_err *err)
+{
+    pthread_attr_t attr;
+    int rc, state;
+    rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        pthread_attr_setstacksize(&attr, CF_SHM_KEEPER_STACK); /* EINVAL: the default */
+        rc = pthread_create(&g->keeper, &attr, cf_shm_keeper_main, g);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc != 0)
+        return cf_err_set(err, CF_ERUNTIME,
+                          "cfsdp shm: cannot start the liveness thread of segment \"%s\": %s",
+                          g->name, strerror(rc));
+    g->keeper_started = true;
+    pthread_mutex_lock(&g->keep_mu);
+    while (g->keep_state == 0)
+        pthread_cond_wait(&g->keep_cv, &g->keep_mu);
+    state = g->keep_state;
+    pthread_mutex_unlock(&g->keep_mu);
+    if (state < 0)
+        return cf_err_set(err, CF_ERUNTIME,
+                          "cfsdp shm: cannot take rank %d's liveness lock in segment \"%s\"",
+                          g->rank, g->name);
+    return CF_OK;
+}
+
+/* Stop and join the keeper (it unlocks); only in the process that started it. */
+static void cf_shm_keeper_stop(cf_shm_group *g)
+{
+    if (!g->keeper_started)
+        return;
+    if (getpid() == g->pid) {
+        pthread_mutex_lock(&g->keep_mu);
+        g->keep_stop = true;
+        pthread_cond_broadcast(&g->keep_cv);
+        pthread_mutex_unlock(&g->keep_mu);
+        pthread_join(g->keeper, NULL);
+    }
+    g->keeper_started = false;
+}
+#endif
+
+typedef enum { CF_SHM_ALIVE = 0, CF_SHM_DEAD, CF_SHM_CLOSED } cf_shm_liveness;
+
+/* Whether rank q's view is open (see Liveness); CF_SHM_ALIVE when unknown. */
+static cf_shm_liveness cf_shm_probe(const cf_shm_group *g, int q)
+{
+#if CF_SHM_LIVENESS
+    pthread_mutex_t *alive = &g->ctrl[q].alive;
+    int rc = pthread_mutex_trylock(alive);
+    if (rc == EBUSY)
+        return CF_SHM_ALIVE;
+    if (rc == EOWNERDEAD) {
+        pthread_mutex_consistent(alive);
+        pthread_mutex_unlock(alive);
+        return CF_SHM_DEAD;
+    }
+    if (rc == 0) {
+        pthread_mutex_unlock(alive);
+        return atomic_load(&g->ctrl[q].closed) ? CF_SHM_CLOSED : CF_SHM_DEAD;
+    }
+    return rc == ENOTRECOVERABLE ? CF_SHM_DEAD : CF_SHM_ALIVE;
+#else
+    (void)g;
+    (void)q;
+    return CF_SHM_ALIVE;
+#endif
+}
+
 cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, int64_t rank,
                             int64_t slot_bytes, double timeout_s, const char *label,
                             const int64_t *global_ranks, cf_shm_group **out, cf_err *err)
@@ -564,6 +757,10 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
         st = cf_err_set(err, CF_ENOMEM, "cfsdp shm: out of memory for a group");
         goto fail;
     }
+#if CF_SHM_LIVENESS
+    pthread_mutex_init(&g->keep_mu, NULL);
+    pthread_cond_init(&g->keep_cv, NULL);
+#endif
     snprintf(path, sizeof path, "%s%s", CF_SHM_DIR, name);
     /* O_NOFOLLOW: glibc's shm_open adds it too; a symbolic link is refused below */
     fd = shm_open(name, (create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR) | O_NOFOLLOW, 0600);
@@ -624,6 +821,10 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
     g->timeout_s = timeout_s;
     snprintf(g->name, sizeof g->name, "%s", name);
     snprintf(g->label, sizeof g->label, "%s", label ? label : "");
+    if (gethostname(g->host, sizeof g->host) != 0)
+        snprintf(g->host, sizeof g->host, "?");
+    g->host[sizeof g->host - 1] = '\0'; /* a truncated name may lack its NUL */
+    g->pid = getpid();
     for (int64_t q = 0; q < world_size; q++)
         g->global_ranks[q] = global_ranks ? global_ranks[q] : q;
     atomic_init(&g->aborted, 0);
@@ -633,6 +834,11 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
         g->hdr->world_size = (uint64_t)world_size;
         g->hdr->slot_bytes = (uint64_t)slot_bytes;
         g->hdr->total_bytes = (uint64_t)bytes;
+#if CF_SHM_LIVENESS
+        st = cf_shm_alive_init(g, err);
+        if (st != CF_OK)
+            goto fail;
+#endif
         atomic_store_explicit(&g->hdr->magic, CF_SHM_MAGIC, memory_order_release);
     } else if (atomic_load_explicit(&g->hdr->magic, memory_order_acquire) != CF_SHM_MAGIC ||
                g->hdr->world_size != (uint64_t)world_size ||
@@ -646,7 +852,13 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
                         (unsigned long long)g->hdr->slot_bytes);
         goto fail;
     }
-    atomic_fetch_add(&g->hdr->attached, 1u);
+#if CF_SHM_LIVENESS
+    st = cf_shm_keeper_start(g, err); /* before counting in: peers may probe us after */
+    if (st != CF_OK)
+        goto fail;
+#endif
+    if (atomic_fetch_add(&g->hdr->attached, 1u) + 1u == (uint32_t)world_size)
+        cf_shm_unlink(g); /* every rank has mapped it: the name has done its work */
     cf_shm_wake(&g->hdr->attached);
     *out = g;
     return CF_OK;
@@ -654,6 +866,13 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
 fail:
     if (fd >= 0)
         close(fd);
+#if CF_SHM_LIVENESS
+    if (g != NULL && g->global_ranks != NULL) { /* keep_mu and keep_cv were made */
+        cf_shm_keeper_stop(g);
+        pthread_cond_destroy(&g->keep_cv);
+        pthread_mutex_destroy(&g->keep_mu);
+    }
+#endif
     if (g != NULL && g->base != NULL)
         munmap(g->base, g->bytes);
     if (g != NULL && g->linked)
@@ -662,14 +881,6 @@ fail:
         free(g->global_ranks);
     free(g);
     return st;
-}
-
-static void cf_shm_unlink(cf_shm_group *g)
-{
-    if (g->linked || !g->creator) {
-        shm_unlink(g->name); /* ENOENT (someone did it) is fine */
-        g->linked = false;
-    }
 }
 
 /* The prefix of every message of a collective. */
@@ -725,6 +936,7 @@ void cf_shm_group_abort(cf_shm_group *g)
     for (int q = 0; q < g->world; q++)   /* ...but on any peer's counter */
         cf_shm_wake(&g->ctrl[q].step);
     cf_shm_wake(&g->hdr->attached);
+    cf_shm_wake(&g->hdr->failed); /* a cf_shm_group_wait_failure */
 }
 
 void cf_shm_group_close(cf_shm_group *g)
@@ -733,6 +945,11 @@ void cf_shm_group_close(cf_shm_group *g)
         return;
     if (g->linked)
         cf_shm_unlink(g);
+#if CF_SHM_LIVENESS
+    cf_shm_keeper_stop(g); /* marks the view closed and unlocks: before the unmap */
+    pthread_cond_destroy(&g->keep_cv);
+    pthread_mutex_destroy(&g->keep_mu);
+#endif
     munmap(g->base, g->bytes);
     free(g->global_ranks);
     free(g);
@@ -770,6 +987,27 @@ static void cf_shm_publish_failure(cf_shm_group *g, const cf_err *err)
         for (int q = 0; q < g->world; q++)
             cf_shm_wake(&g->ctrl[q].step);
         cf_shm_wake(&g->hdr->attached);
+        cf_shm_wake(&g->hdr->failed);
+    }
+}
+
+bool cf_shm_group_wait_failure(cf_shm_group *g, double timeout_s, char *msg, size_t n)
+{
+    double deadline = cf_shm_now() + (timeout_s > 0 ? timeout_s : 0);
+    for (;;) {
+        uint32_t f = atomic_load_explicit(&g->hdr->failed, memory_order_acquire);
+        double left;
+        if (f != 0) {
+            int r = (int)f - 1;
+            snprintf(msg, n, "rank %d (global rank %lld) of cfsdp shm group '%s' failed: %s", r,
+                     (long long)g->global_ranks[r], g->label, g->ctrl[r].fail_msg);
+            return true;
+        }
+        left = deadline - cf_shm_now();
+        if (left <= 0 || atomic_load(&g->aborted))
+            return false;
+        cf_shm_sleep_on(&g->hdr->failed, 0u,
+                        left * 1e9 < CF_SHM_NAP_NS ? (long)(left * 1e9) + 1 : CF_SHM_NAP_NS);
     }
 }
 
@@ -805,6 +1043,28 @@ static cf_status cf_shm_check_failed(const cf_shm_group *g, const cf_shm_args *a
 }
 
 /* Wait until every other rank's step has reached `target` (mod 2^32). */
+/* Rank q, which this rank waits for (its step has not reached `target`), is
+ * dead or closed (`how`): fail naming it, unless it published `target` before
+ * it went (re-read after the probe). */
+static cf_status cf_shm_gone(cf_shm_group *g, int q, cf_shm_liveness how, uint32_t target,
+                             const cf_shm_args *a, cf_err *err)
+{
+    uint32_t v = atomic_load_explicit(&g->ctrl[q].step, memory_order_seq_cst);
+    if ((int32_t)(v - target) >= 0)
+        return CF_OK;
+    return cf_err_set(err, CF_ERUNTIME,
+                      CF_SHM_WHO ": %s #%u (numel %lld, %s): rank %d (global rank %lld) on "
+                      "host '%s' %s while this rank waited for it",
+                      CF_SHM_WHO_ARGS(g), cf_shm_op_name(a->op), g->seq, (long long)a->numel,
+                      cf_shm_dtype_name(a->dtype), q, (long long)g->global_ranks[q], g->host,
+                      how == CF_SHM_DEAD
+                          ? "died (its process ended: killed, crashed, or exited without "
+                            "closing the group)"
+                          : "closed the group (it will not run this collective)");
+}
+
+/* Wait until every other rank's step has reached `target` (mod 2^32).  A
+ * wait on rank q probes q's liveness every CF_SHM_PROBE_S (see Liveness). */
 static cf_status cf_shm_wait_all(cf_shm_group *g, uint32_t target, const cf_shm_args *a,
                                  cf_err *err)
 {
@@ -812,6 +1072,7 @@ static cf_status cf_shm_wait_all(cf_shm_group *g, uint32_t target, const cf_shm_
     for (int q = 0; q < g->world; q++) {
         cf_shm_ctrl *c = &g->ctrl[q];
         int spins = 0;
+        double probe_at = -1.0;
         if (q == g->rank)
             continue;
         for (;;) {
@@ -827,6 +1088,16 @@ static cf_status cf_shm_wait_all(cf_shm_group *g, uint32_t target, const cf_shm_
             now = cf_shm_now();
             if (deadline < 0)
                 deadline = now + g->timeout_s;
+            if (probe_at < 0)
+                probe_at = now + CF_SHM_PROBE_S;
+            if (now >= probe_at) {
+                cf_shm_liveness how = cf_shm_probe(g, q);
+                if (how != CF_SHM_ALIVE) {
+                    CF_CHECK(cf_shm_gone(g, q, how, target, a, err));
+                    break; /* it published before it went */
+                }
+                probe_at = now + CF_SHM_PROBE_S;
+            }
             if (now >= deadline) {
                 char who[160];
                 size_t at = 0;

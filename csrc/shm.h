@@ -5,9 +5,10 @@
  *
  * A *group* is one rank's view of a segment shared by the `world_size` ranks
  * of a process group that live on one host.  Rank 0 creates the segment
- * (cf_shm_group_open with create), the others attach to it by name, every
+ * (cf_shm_group_open with create), the others attach to it by name (the last
+ * to attach unlinks the name at once, so nothing is left in /dev/shm), every
  * rank waits until all are attached (cf_shm_group_wait_attached, which also
- * unlinks the name so nothing is left in /dev/shm), and then every rank runs
+ * unlinks the name if it is still there), and then every rank runs
  * the same collectives in the same order (cf_shm_run).  One process may open
  * the same segment several times as different ranks (each open is its own
  * mapping and its own cf_shm_group); the unit tests drive a collective that
@@ -15,6 +16,12 @@
  *
  * cf_shm_run is blocking and not re-entrant per group: one thread at a time
  * per cf_shm_group (queue.c runs them on the group's worker thread).
+ *
+ * Each open view also runs a *keeper* thread that holds the rank's liveness
+ * lock (a robust mutex in the segment) until cf_shm_group_close, so a rank
+ * that waits for a peer learns within CF_SHM_PROBE_S (0.1 s) that the peer's
+ * process died or that it closed its view, whatever the timeout (shm.c,
+ * Liveness).
  */
 #ifndef CF_SHM_H
 #define CF_SHM_H
@@ -111,8 +118,10 @@ size_t cf_shm_segment_bytes(int64_t world_size, int64_t slot_bytes);
  * NULL) names the ranks in messages.  Every wait of this group is bounded by
  * timeout_s seconds.  Errors: CF_EINVAL for bad arguments or a header that
  * does not match, CF_EPERM for a file that is not this job's, CF_ERUNTIME
- * for a failing system call (message with strerror), CF_ENOMEM.  On success *out is a new group (cf_shm_group_close).
- * Needs no GIL.
+ * for a failing system call (message with strerror), CF_ENOMEM.  On success
+ * *out is a new group (cf_shm_group_close) whose keeper thread holds this
+ * rank's liveness lock; the view that brings the attach count to world_size
+ * unlinks the name.  Needs no GIL.
  */
 cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, int64_t rank,
                             int64_t slot_bytes, double timeout_s, const char *label,
@@ -143,7 +152,22 @@ void cf_shm_group_abort(cf_shm_group *g);
  */
 void cf_shm_group_fail(cf_shm_group *g, const char *msg);
 
-/* Unmap and free (unlinks the name first if still linked).  NULL is a no-op. */
+/*
+ * Block up to timeout_s seconds (0: just look) until the segment records a
+ * failure of any rank (header.failed); then copy "rank R (global rank G) of
+ * cfsdp shm group '<label>' failed: <its message>" into msg (n bytes, NUL
+ * terminated) and return true.  False on timeout or once the view is aborted
+ * (cf_shm_group_abort).  For a caller that waits on something else than the
+ * segment meanwhile (comm.py's two-level lane, waiting on the process group)
+ * and must learn at once that this host's segment failed.  Thread-safe
+ * against the view's collectives; needs no GIL.
+ */
+bool cf_shm_group_wait_failure(cf_shm_group *g, double timeout_s, char *msg, size_t n);
+
+/* Unmap and free (unlinks the name first if still linked).  In the process
+ * that opened the view, first stops its keeper thread, which marks the rank's
+ * view closed and releases its liveness lock (see shm.c, Liveness).  NULL is
+ * a no-op. */
 void cf_shm_group_close(cf_shm_group *g);
 
 int64_t cf_shm_group_rank(const cf_shm_group *g);
@@ -193,8 +217,10 @@ cf_status cf_shm_check(const cf_shm_group *g, const cf_shm_args *a, cf_err *err)
  * sequence of collectives; a rank that sees a different op, dtype, numel or
  * root fails with CF_ERUNTIME naming the rank.  A wait longer than the
  * timeout fails with CF_ERUNTIME naming the op and the ranks that did not
- * arrive; any failure is published in the segment, so every other rank's
- * current or next wait fails at once naming this rank and its message.
+ * arrive; a wait on a peer whose process died, or that closed its view, fails
+ * within about 0.1 s naming that peer, its global rank and the host; any
+ * failure is published in the segment, so every other rank's current or next
+ * wait fails at once naming this rank and its message.
  * Needs no GIL; one thread at a time per group.
  */
 cf_status cf_shm_run(cf_shm_group *g, const cf_shm_args *a, cf_err *err);

@@ -1,6 +1,8 @@
 /*
- * thread.c -- the C core's only use of threads: cut a memory-bound loop into
- * a few contiguous parts and run them at once.
+ * thread.c -- the C core's parallel loops: cut a memory-bound loop into a
+ * few contiguous parts and run them at once.  (The only other threads of the
+ * core are long-lived ones of a shared-memory group: its queue's worker,
+ * queue.c, and its view's liveness keeper, shm.c.)
  *
  * Design.  No pool and no globals: each call creates its helper threads and
  * joins them before it returns, so the core stays re-entrant and nothing

@@ -15,8 +15,10 @@ left; building hosts first removes what a killed run left (by the name prefix).
   (worker_dcp.py's resharding load, at 2 ranks);
 * set-up failures on one host (worker_hosts_setup.py): every rank takes the process group
   at once, one warning;
-* a host killed mid-step (worker_hosts_kill.py): the other host's ranks fail at once with a
-  message naming it.
+* a host killed mid-step (worker_hosts_kill.py) and one rank of a host killed in a
+  reduce-scatter (worker_hosts_dead_rank.py), under a 300 s process-group timeout: every
+  other rank fails within seconds (DETECT_S) with a message naming the dead host, or the
+  dead rank's global rank and host.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from launcher import failure_message, run_worker
 # launches test the transports (the twin pass's CFSDP_IMPL=python would turn them off)
 SHM_ON = {"CFSDP_IMPL": "c", "CFSDP_SHM": "1"}
 LAUNCH_TIMEOUT_S = 300
+LONG_TIMEOUT_S = 300  # the process group's: a dead peer must be named long before it
+DETECT_S = 5.0  # the detection time asserted (designed for well under 2 s; loaded machine)
 
 
 def ours() -> list[str]:
@@ -104,19 +108,46 @@ def test_killed_host_is_named(hosts):
             killed_at.append(time.monotonic())
             eh.kill_host(1)
 
-    res = eh.launch("worker_hosts_kill.py", 2, timeout=180, env=SHM_ON, on_line=on_line)
-    ended = time.monotonic()
+    res = eh.launch("worker_hosts_kill.py", 2, timeout=180,
+                    env={**SHM_ON, "CFSDP_TEST_PG_TIMEOUT_S": str(LONG_TIMEOUT_S)},
+                    on_line=on_line)
     out = res.output
     print(out[-12000:])
     assert not res.timed_out, failure_message(res)
     assert killed_at, "host 1 never reached the freeze:\n" + out[-6000:]
     assert res.returncode != 0, out[-6000:]
-    lines = re.findall(r"SURVIVOR rank=(\d+) (.*)", out)
-    assert sorted(int(r) for r, _ in lines) == [0, 1], out[-6000:]
-    for rank, msg in lines:
+    lines = re.findall(r"SURVIVOR rank=(\d+) at=([\d.]+) (.*)", out)
+    assert sorted(int(r) for r, _, _ in lines) == [0, 1], out[-6000:]
+    for rank, at, msg in lines:
         assert msg.startswith("error="), (rank, msg)
         assert "host 1 'cfsdp-host1'" in msg and "global rank " in msg, (rank, msg)
-    assert ended - killed_at[0] < 60, f"the survivors took {ended - killed_at[0]:.0f} s"
+        took = float(at) - killed_at[0]
+        print(f"rank {rank}: failed {took:.3f} s after the kill")
+        assert took < DETECT_S, (rank, took, msg)
+
+
+@pytest.mark.timeout(240)
+def test_dead_rank_on_a_host_is_named(hosts):
+    """Global rank 3 (host 1) SIGKILLs itself before a two-level reduce-scatter
+    (worker_hosts_dead_rank.py): its host-mate learns it through the segment, rank 1
+    through gloo, rank 0 (blocked on gloo for rank 2, alive but failed) through host 0's
+    segment; each within seconds, under a 300 s timeout, naming global rank 3 and its host."""
+    eh = hosts(2)
+    res = eh.launch("worker_hosts_dead_rank.py", 2, timeout=180,
+                    env={**SHM_ON, "CFSDP_TEST_PG_TIMEOUT_S": str(LONG_TIMEOUT_S)})
+    out = res.output
+    print(out[-12000:])
+    assert not res.timed_out, failure_message(res)
+    assert res.returncode != 0, out[-6000:]
+    (killed_at,) = [float(t) for t in re.findall(r"KILL rank=3 at=([\d.]+)", out)]
+    lines = re.findall(r"SURVIVOR rank=(\d+) at=([\d.]+) (.*)", out)
+    assert sorted(int(r) for r, _, _ in lines) == [0, 1, 2], out[-6000:]
+    for rank, at, msg in lines:
+        assert msg.startswith("error="), (rank, msg)
+        assert "global rank 3" in msg and "'cfsdp-host1'" in msg, (rank, msg)
+        took = float(at) - killed_at
+        print(f"rank {rank}: failed {took:.3f} s after the kill")
+        assert took < DETECT_S, (rank, took, msg)
 
 
 def test_fixture_removes_what_it_made(hosts):

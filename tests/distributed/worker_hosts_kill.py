@@ -6,8 +6,11 @@ between them).  In step 2 the ranks of host 1 print ``FREEZE`` in a block's forw
 sleep there; the test kills every process of host 1 when it sees that line (the plug is
 pulled mid-step: host 0's ranks are in or about to enter a collective that needs host 1).
 Each rank of host 0 must then fail with a message naming host 1 and print one line that the
-test checks: ``SURVIVOR rank=<r> error=<message>`` (or ``NO ERROR``).  The survivors ignore
-torchrun's SIGTERM (sent once one of them exits) so that each can report.
+test checks: ``SURVIVOR rank=<r> at=<t> error=<message>`` (or ``NO ERROR``), ``t`` being
+``time.monotonic()`` (the machine's one clock: the test measures from its kill).  The gloo
+group's timeout is long (``CFSDP_TEST_PG_TIMEOUT_S``, 300 s in the test): the failure must
+not wait for it.  The survivors ignore torchrun's SIGTERM (sent once one of them exits) so
+that each can report.
 """
 
 import os
@@ -28,6 +31,7 @@ del h._REGISTRY[:]
 import cfsdp  # noqa: E402
 
 FREEZE_STEP = 2
+TIMEOUT_S = float(os.environ.get("CFSDP_TEST_PG_TIMEOUT_S", "300"))
 
 
 def say(line: str) -> None:
@@ -37,7 +41,7 @@ def say(line: str) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank, host = dist.get_rank(), int(os.environ["GROUP_RANK"])
     if host == 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -66,7 +70,7 @@ def main() -> None:
         msg = "NO ERROR"
     except RuntimeError as e:
         msg = "error=" + str(e)
-    say(f"SURVIVOR rank={rank} {msg}")
+    say(f"SURVIVOR rank={rank} at={time.monotonic():.4f} {msg}")
     sys.stdout.flush()
     os._exit(3)
 

@@ -1,17 +1,31 @@
-"""A peer that dies between two shared-memory collectives (run by test_shm.py).
+"""A slow, a stopped, then a killed peer in shared-memory collectives (run by test_shm.py).
 
-Not a harness worker: the run is meant to fail.  Every rank sets up the shared-memory path
-with one all-reduce (gloo group timeout ``CFSDP_TEST_PG_TIMEOUT_S``, short), then the last
-rank ``os._exit(1)``s before the next collective.  The survivors must get a RuntimeError from
-the all-gather within the timeout, naming the dead rank; each prints one line that the test
-checks: ``SURVIVOR rank=<r> pid=<pid> elapsed=<s> error=<message>`` (or ``NO ERROR``).
-torchrun sends SIGTERM to the survivors as soon as the dead rank exits; they ignore it so they
-can report (torchrun kills them with SIGKILL after its grace period, far longer than this).
+Not a harness worker: the run is meant to fail.  The gloo group's timeout is long
+(``CFSDP_TEST_PG_TIMEOUT_S``, 120 s in the test), so only the dead-peer detection of
+csrc/shm.c can end the last phase in time.  The last rank is the *victim*:
+
+1. slow: it enters an all-reduce 2.5 s after the others; the all-reduce completes;
+2. stopped: rank 0 stops it (SIGSTOP) before an all-reduce and continues it (SIGCONT) 2.5 s
+   later, while it waits in that all-reduce; the all-reduce completes (25 probe intervals
+   without a false "dead");
+3. killed: every rank starts a 64 MB all-reduce through 4 KiB slots (thousands of pieces);
+   0.3 s later rank 0 SIGKILLs the victim, mid-collective, and prints ``KILL rank=<r>
+   at=<t>``.  Each survivor must get a RuntimeError naming it, and prints ``SURVIVOR
+   rank=<r> pid=<pid> at=<t> error=<message>`` (or ``NO ERROR``); ``t`` is
+   ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the machine),
+   taken right after the ``kill`` and right after the error, so the test measures each
+   survivor's detection time from the kill (a write to the shared pipe, which may block,
+   comes after both).
+
+Every rank prints ``RANK rank=<r> pid=<pid>`` first and ``PHASE <n> rank=<r> ok`` after the
+first two phases.  torchrun sends SIGTERM to the survivors as soon as the victim dies; they
+ignore it so they can report (torchrun kills them with SIGKILL after its grace period, far
+longer than this).
 """
 
 import os
 import signal
-import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -20,7 +34,9 @@ import torch.distributed as dist
 
 from cfsdp._runtime import comm
 
-TIMEOUT_S = float(os.environ.get("CFSDP_TEST_PG_TIMEOUT_S", "3"))
+TIMEOUT_S = float(os.environ.get("CFSDP_TEST_PG_TIMEOUT_S", "120"))
+PAUSE_S = 2.5
+BIG = 16 << 20  # elements of the last all-reduce (64 MB of float32)
 
 
 def say(line: str) -> None:
@@ -29,27 +45,55 @@ def say(line: str) -> None:
     os.write(1, (line.replace("\n", " ") + "\n").encode())
 
 
+def all_reduce_ones(world: int, n: int = 1000) -> None:
+    t = torch.ones(n)
+    comm.all_reduce(t, None, False)
+    assert float(t[0]) == world and float(t[-1]) == world, (float(t[0]), float(t[-1]))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
-    say(f"RANK rank={rank} pid={os.getpid()}")
-    t = torch.ones(1000)
-    comm.all_reduce(t, None, False)  # set-up + one collective
-    assert comm.uses_shm(None)
-    assert float(t[0]) == world
-    if rank == world - 1:
-        sys.stdout.flush()
-        os._exit(1)
+    victim = world - 1
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    out = torch.empty(world * 1000)
-    t0 = time.monotonic()
+    say(f"RANK rank={rank} pid={os.getpid()}")
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    all_reduce_ones(world)  # set-up + one collective
+    assert comm.uses_shm(None), comm.describe(None)
+
+    # 1. slow
+    if rank == victim:
+        time.sleep(PAUSE_S)
+    all_reduce_ones(world)
+    say(f"PHASE 1 rank={rank} ok")
+
+    # 2. stopped
+    dist.barrier()
+    if rank == 0:
+        os.kill(pids[victim], signal.SIGSTOP)
+        threading.Timer(PAUSE_S, os.kill, (pids[victim], signal.SIGCONT)).start()
+    all_reduce_ones(world)
+    say(f"PHASE 2 rank={rank} ok")
+
+    # 3. killed mid-collective
+    dist.barrier()
+    big = torch.ones(BIG)
+    pending = comm.all_reduce(big, None, async_op=True)
+    if rank == 0:
+        time.sleep(0.3)
+        os.kill(pids[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        say(f"KILL rank={victim} at={killed_at:.4f}")
     try:
-        comm.all_gather(out, t, None, async_op=True).wait()
+        pending.wait()
+        all_reduce_ones(world)  # in case the big one ended before the kill
         msg = "NO ERROR"
     except RuntimeError as e:
-        msg = "error=" + str(e).replace("\n", " ")
-    say(f"SURVIVOR rank={rank} pid={os.getpid()} elapsed={time.monotonic() - t0:.2f} {msg}")
+        msg = "error=" + str(e)
+    at = time.monotonic()
+    say(f"SURVIVOR rank={rank} pid={os.getpid()} at={at:.4f} {msg}")
     os._exit(0)
 
 

@@ -919,10 +919,12 @@ for _op in OPS:
 
 @entry("ShmGroup.misc", "shm", st.lists(st.sampled_from(
     ["wait_attached", "drain", "close", "closed", "rank", "world_size", "nbytes", "args",
-     "fail", "fail_bad"]),
+     "fail", "fail_bad", "failure"]
+    + [("failure", bad) for bad in (-1.0, float("nan"), float("inf"), 1e7, "1", None)]),
     min_size=1, max_size=6))
 def _run_group_misc(call, spec):
-    """wait_attached, drain, fail, close and the attributes, in any order, closed or not."""
+    """wait_attached, drain, fail, failure, close and the attributes, in any order, closed
+    or not."""
     g = C.ShmGroup(_name(), True, 1, 0, 512, 1.0, "misc", [0])
     try:
         for what in spec:
@@ -933,11 +935,16 @@ def _run_group_misc(call, spec):
                     g.fail("x" * 600)  # longer than a failure message holds
                 elif what == "fail_bad":
                     g.fail(b"not a str")
+                elif what == "failure":
+                    msg = g.failure(0.01)
+                    assert msg is None or "failed: " in msg, msg
+                elif isinstance(what, tuple):  # a bad timeout: ValueError / TypeError
+                    g.failure(what[1])
                 elif what in ("closed", "rank", "world_size", "nbytes"):
                     getattr(g, what)
                 else:
                     getattr(g, what)()
-            except (RuntimeError, TypeError):
+            except (RuntimeError, TypeError, ValueError):
                 pass
     finally:
         g.close()
@@ -1124,8 +1131,9 @@ COVERED_BY = {
     "ShmWork": "ShmGroup.all_gather",  # no constructor; made by every collective
     "ShmWork.wait": "ShmGroup.all_gather", "ShmWork.is_completed": "ShmGroup.all_gather",
     "ShmWork.op": "ShmGroup.all_gather",
-    **{f"ShmGroup.{n}": "ShmGroup.misc" for n in ("wait_attached", "drain", "fail", "close",
-                                                  "closed", "rank", "world_size", "nbytes")},
+    **{f"ShmGroup.{n}": "ShmGroup.misc" for n in ("wait_attached", "drain", "fail", "failure",
+                                                  "close", "closed", "rank", "world_size",
+                                                  "nbytes")},
 }
 
 

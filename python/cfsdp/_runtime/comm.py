@@ -18,17 +18,17 @@ set-up) and per call:
   compute; ``Pending.wait()`` sleeps (GIL released) until the op is done and raises
   ``RuntimeError`` with the op's message if it failed.  A wait inside a collective is
   bounded by the group's timeout (``group``'s gloo timeout, else torch's default); a
-  peer that dies or stalls is an error on every rank naming the group, the op and the
-  rank, and after an error the group is poisoned (every later op on it fails with the
-  first error).
+  peer that stalls is an error on every rank at that timeout, a peer that dies one at
+  once (see Dead peers), both naming the group, the op and the rank, and after an error
+  the group is poisoned (every later op on it fails with the first error).
 * **two levels** (``two_level.py``), for a group spread over several hosts with several
   ranks on each: shared memory inside each host (a segment per host) and the process
   group between hosts, in one collective, so the bytes between hosts are 1/(ranks per
   host) of a flat collective's per rank.  Ops run in issue order on a Python thread per
   group (its *lane*), waiting with the GIL released; errors, the timeout and poisoning
-  as for shared memory, and a peer host that goes away is named (global rank and host
-  name) on every rank that talks to it, and through the segment on the other ranks of
-  its host at once.  See two_level.py for the algorithms and the order of the sums.
+  as for shared memory, and a peer or a host that goes away is named (global rank and
+  host name) on every rank at once (see Dead peers).  See two_level.py for the
+  algorithms and the order of the sums.
 * **the process group** (gloo), exactly as before, for everything else.
 
 Rule.  A call goes through shared memory (one level or two) when all of these hold,
@@ -60,11 +60,12 @@ so a set-up after ``release`` never reads an older one's keys):
 
 a. publishes its host key, host name and ``CFSDP_SHM`` wish and reads everyone's: rules
    1 and 2 decide, the same way on every rank; if they say process group, done;
-b. the first rank of each segment (group rank 0, or each host's local rank 0) creates it
+b. the first rank of each segment (group rank 0, or each host's local rank 0) publishes
+   the name it is about to use (key ``plan/<segment>``), creates it
    (``/cfsdp-<pid>-<16 random hex digits>``, ``O_EXCL``, ``O_NOFOLLOW``, mode 0600, its
    pages reserved) and publishes its name, or the error; the others read the name, take
    it only in that form, and attach to it, checking the file before mapping it (see
-   Trust);
+   Trust); the last to attach unlinks the name at once;
 c. every rank publishes whether it has its view ("ok", "refused" with the reason, or the
    error: no ``/dev/shm``, not enough room, permission denied, a segment of another
    ``/dev/shm``, ...) and reads everyone's.  All "ok": the group uses shared memory (the
@@ -94,12 +95,39 @@ name) and mode, and what to do.  ZeRO's shared bucket applies the same check to 
 
 Nothing in a set-up waits for a timeout but a rank that died or stalled before its
 first collective on the group (a ``RuntimeError`` naming the missing keys after the
-group's timeout).  Group rank 0 logs the transport a group takes at INFO
+group's timeout).  A set-up that raises so (a rank killed between b and c: the *set-up
+window*, while the segment has a name) first closes this rank's view and unlinks the
+planned name, whoever created it, so the survivors leave nothing in ``/dev/shm`` even when
+the creator is the rank that died (a process killed by a signal runs no clean-up: a
+survivor that torchrun kills in the same instant cannot remove it either, which is why
+the window is kept as short as the attaching itself).
+
+Group rank 0 logs the transport a group takes at INFO
 (``logging.getLogger("cfsdp")``); :func:`describe` returns it in words, and
 :func:`one_segment` whether it is one segment over every rank (what may share more host
 memory than the segment asks it: ZeRO's shared parameter bucket).
 ``CFSDP_SHM_SLOT_BYTES`` (default 1 MiB, a multiple of 64) sets the bytes per rank and
 half buffer; larger tensors are processed in pieces of that size, double-buffered.
+
+Dead peers.  A rank whose process dies (SIGKILL, the OOM killer, a segfault) while
+others wait for it in a shared-memory collective is an error on every other rank within a
+fraction of a second (0.1 s and scheduling), whatever the group's timeout, naming its group
+rank, global rank and host;
+a peer that is stopped (SIGSTOP) or slow gets the whole timeout, as before.  The signal
+is a robust mutex per rank in the segment, held by a thread of that rank's view for the
+view's life; a wait that has lasted 0.1 s on a peer probes it every 0.1 s (one
+compare-and-swap): the kernel frees the mutex of a thread that ends without unlocking it,
+before the process becomes a zombie, whatever its pid namespace, and a forked child does
+not inherit it (csrc/shm.c, Liveness, says why not file locks or pidfds).  A rank that
+closes its view (``release``, exit) while a peer waits for it is an error too, since it
+will never arrive; one that exits with nothing more to contribute fails nobody (only a
+rank being waited for is probed).  The first rank that sees the death fails in the
+segment, so the others fail at once with its message.  Two levels: a dead peer on the
+same host is seen by the segment's waits, on another host by gloo (its connections
+break: an error at once), and every rank of every host learns it through one or the
+other, even a rank blocked in a gloo exchange with a peer that failed without dying
+(two_level.py).  ZeRO's shared-bucket barriers are all-reduces on the group's segment:
+the same.  The set-up itself still waits for a rank that never arrives until the timeout.
 
 Ordering between the transports on one group: an op that takes the process
 group first drains the group's shared-memory queue (or lane), and a shared-memory
@@ -407,6 +435,7 @@ def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
     granks = [su.ranks[r] for r in members]
     if local == 0:
         name = f"/cfsdp-{os.getpid()}-{secrets.token_hex(8)}"
+        su.publish(f"plan/{seg}", name)  # before it exists: see _abandon
         try:
             shm = _core._C.ShmGroup(name, True, len(members), 0, slot, su.timeout, label, granks)
         except (RuntimeError, ValueError, OverflowError, PermissionError) as e:
@@ -424,6 +453,31 @@ def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
                                  granks), None
     except (RuntimeError, ValueError, OverflowError) as e:
         return None, str(e)
+
+
+def _abandon(su: _Setup, seg: str, shm: Optional[Any]) -> None:
+    """A set-up that raised inside its window (a rank died or stalled between creating
+    segment ``seg`` and the agreement): close this rank's view and unlink the name its
+    creator planned, whoever that is and whether or not it got to create it, so nothing
+    is left in ``/dev/shm`` (see Set-up).  Never raises: the caller re-raises the cause."""
+    if shm is not None:
+        shm.close()  # the creator's close unlinks the name
+    key = f"plan/{seg}"
+    try:
+        name = su.store.get(key).decode() if su.store.check([key]) else ""
+    except Exception as e:  # noqa: BLE001 - a store that went with the dead rank
+        _log.warning("cfsdp: group %r: set-up failed and its segment name could not be read "
+                     "from the store (%s); a /dev/shm/cfsdp-* file may be left", su.label, e)
+        return
+    if not _SEGMENT_NAME.fullmatch(name):
+        return
+    try:
+        os.unlink(_SHM_DIR + name)
+    except FileNotFoundError:  # never created, or already unlinked
+        pass
+    except OSError as e:
+        _log.warning("cfsdp: group %r: set-up failed and %s could not be removed: %s",
+                     su.label, _SHM_DIR + name, e)
 
 
 def _setup(group: dist.ProcessGroup) -> _GroupState:
@@ -462,13 +516,18 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
         hosts = how
         h = su.rank // len(hosts[0])
         members, seg = hosts[h], f"host{h}"
+    shm = None
     try:
-        shm, err = _open_segment(su, members, seg, slot)
-        status = "ok" if err is None else "error:" + err
-    except PermissionError as e:  # see "Trust": every rank raises it below
-        shm, status = None, _REFUSED + str(e)
-    su.publish(f"attach/{su.rank}", status)
-    results = su.gather("attach", range(su.world))
+        try:
+            shm, err = _open_segment(su, members, seg, slot)
+            status = "ok" if err is None else "error:" + err
+        except PermissionError as e:  # see "Trust": every rank raises it below
+            shm, status = None, _REFUSED + str(e)
+        su.publish(f"attach/{su.rank}", status)
+        results = su.gather("attach", range(su.world))
+    except BaseException:
+        _abandon(su, seg, shm)
+        raise
     refused = {r: v[len(_REFUSED):] for r, v in enumerate(results) if v.startswith(_REFUSED)}
     if refused:
         if shm is not None:

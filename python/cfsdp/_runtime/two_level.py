@@ -45,6 +45,22 @@ host; it is recorded in the segment (``ShmGroup.fail``), so this host's other ra
 once rather than at their timeout; and the lane is poisoned: every later op fails with the
 first error.  Process-group messages use send/recv tag ``TAG`` on the group, so they never
 match a collective of the group or a user's send/recv with another tag.
+
+A dead peer, within about a second, whatever the timeout (comm.py, "Dead peers").  A peer
+on this host that dies is seen by the segment's own waits (csrc/shm.c, Liveness); a peer on
+another host that dies breaks its gloo connections, so the send/recv with it fails at once.
+What neither sees: a peer on another host that is alive but failed (its host-mate died, or
+its lane is poisoned) never posts its half of an exchange, and a gloo send/recv cannot be
+interrupted (gloo's own timeout on one poisons every connection of the group).  So the
+lane never blocks in a gloo wait itself: a *waiter* thread per lane does the blocking
+waits of an exchange, and the lane meanwhile waits for the waiter's answer and, every
+``POLL_S``, asks the segment whether a rank of this host failed (``ShmGroup.failure``).  In
+every exchange each host has a rank paired with the dead peer's local index, which gets the
+gloo error and records it in its segment; so every rank of every host learns it, through
+gloo or through its segment.  When the segment says so, the op fails with that rank's
+message (naming the dead peer and its host) and the waiter is left behind, blocked until
+gloo's wait ends (the peer's process exits, or gloo's timeout); the lane is poisoned, so it
+never gets another exchange.
 """
 
 from __future__ import annotations
@@ -59,6 +75,7 @@ import torch.distributed as dist
 from .. import _core
 
 TAG = 0x0CF5D  # send/recv tag of the process-group part (any fixed value the user does not use)
+POLL_S = 0.05  # how often a lane waiting on the process group looks at its segment
 
 
 class LaneWork:
@@ -106,6 +123,9 @@ class Lane:
         self._idle = threading.Condition(self._lock)
         self.error: Optional[str] = None  # the first failure: the lane is poisoned
         self.closed = False
+        # the waiter (see the module doc): (posted works, _Waits) to wait for, None to stop
+        self._waits: "queue.SimpleQueue[Optional[_Waits]]" = queue.SimpleQueue()
+        self._waiter: Optional[threading.Thread] = None
 
     # -- the lane ----------------------------------------------------------------------
 
@@ -161,6 +181,11 @@ class Lane:
             return (f"{who}: {name}: the exchange with global rank {e.global_rank} on host "
                     f"{e.host} '{self.host_names[e.host]}' failed (that host died, stalled "
                     f"past the timeout, or the network failed): {e.cause}")
+        if isinstance(e, _HostFailed):
+            peers = ", ".join(f"global rank {self.global_ranks[self._peer(h)]} on host {h} "
+                              f"'{self.host_names[h]}'" for h in e.hosts)
+            return (f"{who}: {name}: aborted while exchanging with {peers}: a rank of this "
+                    f"host failed: {e.cause}")
         return f"{who}: {name} failed: {e}"
 
     def drain(self) -> None:
@@ -180,6 +205,8 @@ class Lane:
             self._tasks.put(None)
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=5.0)
+        if self._waiter is not None:
+            self._waits.put(None)  # a waiter left blocked in gloo (a failure) is not joined
 
     # -- the process-group part ----------------------------------------------------------
 
@@ -196,15 +223,34 @@ class Lane:
         for h, t in recvs:
             if t.numel():
                 posted.append((h, self.group.recv([t], self._peer(h), TAG)))
-        first: Optional[_PeerError] = None
-        for h, w in posted:
-            try:
-                w.wait()
-            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError or DistError
-                if first is None:
-                    first = _PeerError(self.global_ranks[self._peer(h)], h, e)
-        if first is not None:
-            raise first
+        if not posted:
+            return
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_loop, daemon=True,
+                                            name=f"cfsdp-two-level-wait-{self.label}")
+            self._waiter.start()
+        waits = _Waits(posted)
+        self._waits.put(waits)
+        while not waits.done.wait(POLL_S):
+            failed = self.intra.failure(0.0)
+            if failed is not None:
+                raise _HostFailed(sorted({h for h, _ in posted}), failed)
+        if waits.error is not None:
+            raise waits.error
+
+    def _wait_loop(self) -> None:
+        """The waiter: wait for each exchange's works in turn (see the module doc)."""
+        while True:
+            waits = self._waits.get()
+            if waits is None:
+                return
+            for h, w in waits.posted:
+                try:
+                    w.wait()
+                except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError or DistError
+                    if waits.error is None:
+                        waits.error = _PeerError(self.global_ranks[self._peer(h)], h, e)
+            waits.done.set()
 
     def _shm_wait(self, works: Sequence[Any]) -> None:
         for w in works:
@@ -294,6 +340,27 @@ class Lane:
                                                  threads, None)])
 
         return self.submit("broadcast", run)
+
+
+class _Waits:
+    """One exchange's posted works ``[(host, work)]``, handed to the waiter; ``done`` once
+    all are waited for, ``error`` the first failure."""
+
+    __slots__ = ("posted", "done", "error")
+
+    def __init__(self, posted: list):
+        self.posted = posted
+        self.done = threading.Event()
+        self.error: Optional[_PeerError] = None
+
+
+class _HostFailed(Exception):
+    """This host's segment recorded a failure (``cause``, the failing rank's message) while
+    the lane waited on the exchange with the peers on ``hosts``."""
+
+    def __init__(self, hosts: list, cause: str):
+        super().__init__(cause)
+        self.hosts, self.cause = hosts, cause
 
 
 class _PeerError(Exception):
