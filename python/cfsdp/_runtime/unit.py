@@ -95,6 +95,39 @@ _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 # run right after the unit's own backward, as torch's FSDP1 views do.
 
 
+# [Note: strided parameters]
+# A parameter that is not row-major (``nn.Parameter(torch.randn(a, b).t())``, a
+# channels-last convolution weight) keeps its memory layout, as torch FSDP1's
+# ``FlatParamHandle`` does: its elements enter the flat buffer in *memory* order
+# (``as_strided((numel,), (1,))``) and every view of it (forward, summon, state dicts,
+# gradients, optimizer states) is ``as_strided(shape, stride)`` with its own stride.
+# So the module computes with the strides it was built with, the kernels pick the same
+# paths and round the same as torch's and as the unwrapped model's (a row-major copy
+# differs in the 7th digit), and the flat buffer, the shards and LOCAL state dicts are
+# torch's element for element.  ``ParamInfo.stride`` is that stride, or None for a
+# parameter viewed with ``.view(shape)``: a row-major one, and one whose elements do not
+# fill a dense block of memory (``randn(4, 8)[:, :4]``), which torch would read past
+# (its ``as_strided`` takes ``numel`` elements from the storage offset) and cfsdp lays
+# out row-major.  Anything that moves values between a parameter's shape and its flat
+# elements goes through ``ParamInfo.view`` / ``ParamInfo.flat``.
+
+
+def kept_stride(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The stride ``t``'s views keep in a flat buffer, or None: [Note: strided parameters].
+    torch's test (``_is_truly_contiguous``): row-major and a last stride of 1."""
+    if t.stride(-1) == 1 and t.is_contiguous():
+        return None
+    # dense and non-overlapping: the strides, smallest first, are the running products
+    # of the sizes (a size-1 dimension's stride does not matter)
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    step = 1
+    for st, n in dims:
+        if st != step:
+            return None
+        step *= n
+    return tuple(t.stride())
+
+
 def scalar_param_message(torch_name: str, fqn: str) -> str:
     """torch FSDP1's error for a 0-dim parameter (``_verify_managed_params``: it names the
     parameter relative to the wrapped module), with cfsdp's FQN and advice."""
@@ -141,6 +174,26 @@ class ParamInfo:
     # a tensor-parallel parameter's DTensorSpec (TP mesh, placements, global shape and
     # stride); None for a plain one.  ``shape`` / ``numel`` are then the local tensor's.
     tp_spec: Any = None
+    # [Note: strided parameters]: the stride its views keep (its flat elements are in
+    # memory order); None for a parameter laid out and viewed row-major
+    stride: Optional[tuple[int, ...]] = None
+
+    def view(self, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` (this parameter's ``numel`` elements of a flat buffer) with the
+        parameter's shape, and its stride ([Note: strided parameters])."""
+        if self.stride is None:
+            return piece.view(self.shape)
+        return piece.as_strided(self.shape, self.stride)
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a tensor of the parameter's shape: the parameter itself, a state of it)
+        as its ``numel`` flat elements in the layout's order ([Note: strided
+        parameters]); a view of ``t`` where it can be."""
+        if self.stride is None:
+            return t.reshape(-1)
+        if t.stride() != self.stride:
+            t = torch.empty_strided(self.shape, self.stride, dtype=t.dtype, device=t.device).copy_(t)
+        return t.as_strided((self.numel,), (1,))
 
     @property
     def global_shape(self) -> torch.Size:
@@ -223,7 +276,7 @@ class Unit(UnshardStates):
         _core.shard_fill(
             self.shard,
             self._lay_rank * lay.shard_numel,
-            [i.param.detach().contiguous() for i in self.infos],
+            [i.flat(i.param.detach()) for i in self.infos],
             lay.offsets,
         )
         self._fill_alignment_padding()
@@ -274,7 +327,16 @@ class Unit(UnshardStates):
         self._occ_keys = tuple(i.name for i in every)
         self._orig_t = tuple(i.param for i in self.infos)
         # a 1-D parameter's piece of the split already has its shape
-        self._shapes = tuple(None if len(i.shape) == 1 else i.shape for i in self.infos)
+        # (a strided parameter's too: _restride makes its view, [Note: strided parameters])
+        self._shapes = tuple(None if len(i.shape) == 1 or i.stride is not None else i.shape
+                             for i in self.infos)
+        # occurrences of strided parameters: (parameter index, its occurrence indices)
+        strided: dict[int, list[int]] = {}
+        for k, i in enumerate(self._occ_index):
+            if self.infos[i].stride is not None:
+                strided.setdefault(i, []).append(k)
+        self._strided_occ = tuple((i, tuple(ks)) for i, ks in strided.items())
+        self._strided_params = tuple((i, (i,)) for i in strided)
         self._param_index = tuple(range(len(self.infos)))
         self._grad_split: Optional[tuple] = None  # see _orig_grad_views
         self._rg_mask: Optional[bytes] = None
@@ -311,7 +373,8 @@ class Unit(UnshardStates):
                     continue
                 local = p._local_tensor if isinstance(p, DTensor) else p
                 info = ParamInfo(mod, name, join_fqn(mod_name, name), local.shape, local.numel(), p,
-                                 tp_spec=p._spec if isinstance(p, DTensor) else None)
+                                 tp_spec=p._spec if isinstance(p, DTensor) else None,
+                                 stride=kept_stride(local))
                 if p in first:
                     info.primary = first[p]
                     shared.append(info)
@@ -414,7 +477,7 @@ class Unit(UnshardStates):
 
     def _views_of(self, buf: torch.Tensor) -> list[torch.Tensor]:
         return [
-            buf[off : off + i.numel].view(i.shape)
+            i.view(buf[off : off + i.numel])
             for off, i in zip(self.layout.offsets, self.infos)
         ]
 
@@ -546,6 +609,8 @@ class Unit(UnshardStates):
         views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._split_index,
                                   self._shapes, self._rg_mask if self.use_orig_params else None,
                                   self._occ_index)
+        if self._strided_occ:
+            views = self._restride(views, self._strided_occ)
         if self._tp_occ:  # [Note: tensor-parallel wrapper units]
             views = list(views)
             specs = self._tp_view_specs
@@ -663,7 +728,7 @@ class Unit(UnshardStates):
         parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
         for i, (off, info) in enumerate(zip(self.layout.offsets, self.infos)):
             g = (None if full is None or not info.param.requires_grad
-                 else full[off : off + info.numel].view(info.shape))
+                 else info.view(full[off : off + info.numel]))
             shown = self._shown_tp.get(i)
             if shown is not None:  # a TP parameter shown as a DTensor: a DTensor gradient
                 shown.grad = None if g is None else tp_dtensor(g, info.tp_spec)
@@ -732,8 +797,26 @@ class Unit(UnshardStates):
             index, shapes = views_or_none(index, shapes, mask, len(sizes))
             cached = self._grad_split = (mask, sizes, index, shapes)
         _, sizes, index, shapes = cached
-        return _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
-                                 self._param_index)
+        views = _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
+                                  self._param_index)
+        if self._strided_params and not self.sharded:
+            views = self._restride(views, self._strided_params)
+        return views
+
+    def _restride(self, views: tuple, occurrences: tuple) -> tuple:
+        """``views`` with each strided parameter's 1-D piece made its ``as_strided`` view
+        ([Note: strided parameters]): ``occurrences`` pairs a parameter's index with the
+        positions of its pieces in ``views`` (tied ones share one view object, as
+        ``shape_views`` gives them); None stays None."""
+        views = list(views)
+        for i, ks in occurrences:
+            v = views[ks[0]]
+            if v is None:
+                continue
+            v = self.infos[i].view(v)
+            for k in ks:
+                views[k] = v
+        return tuple(views)
 
     # --------------------------------------------------------------- grads
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
@@ -836,7 +919,7 @@ class Unit(UnshardStates):
         if g is None:
             return [None] * len(self.infos)
         return [
-            g[off : off + i.numel].view(i.shape) for off, i in zip(self.layout.offsets, self.infos)
+            i.view(g[off : off + i.numel]) for off, i in zip(self.layout.offsets, self.infos)
         ]
 
     def publish_unsharded_grad(self) -> None:
