@@ -50,6 +50,9 @@ users see, as torch FSDP1 shows it:
 
 from __future__ import annotations
 
+import logging
+import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
-from .._fqn import FLAT_PARAM, join_fqn
+from .._fqn import FLAT_PARAM, clean_tensor_name, join_fqn
 from . import comm
 from .base import (FromLocalView, PendingReduce, TrainingState, UnshardStates, accumulate_sharded,
                    all_none, alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
@@ -126,6 +129,48 @@ def kept_stride(t: torch.Tensor) -> Optional[tuple[int, ...]]:
             return None
         step *= n
     return tuple(t.stride())
+
+
+# [Note: writeback of original parameters]
+# With use_orig_params=True the optimizer and the user hold the original parameters, whose
+# ``.data`` between steps are views of the shard (1-D slices; full shapes with NO_SHARD) and
+# whose ``.grad`` are views of the flat gradient.  A user may point them elsewhere:
+# ``p.data = t``, ``p.grad = g``, ``p.grad = None`` for some parameters only, or register a
+# new parameter object (``module.weight = nn.Parameter(...)``).  torch's FSDP1 carries each
+# over into the flat parameter before its next unshard (``FlatParamHandle.
+# _writeback_orig_params``, from ``pre_unshard``: pre-forward, pre-backward, prefetch,
+# summon_full_params, FULL and SHARDED state dicts), and so does
+# :meth:`Unit.writeback_orig_params`, in torch's order and with torch's rules, for every
+# parameter this rank holds elements of (the others are ignored, as torch):
+#
+# * a new registered object is adopted as the parameter (its gradient is not carried over);
+# * a parameter whose data no longer shares the shard's storage is copied into its place:
+#   it must have the shape it has between steps (torch's RuntimeError "Cannot writeback
+#   when the parameter shape changes" otherwise, naming the FQN); a NO_SHARD parameter may
+#   have another shape of as many elements, as torch's ``view(-1)`` allows;
+# * a gradient set to None while the flat gradient exists zeroes its part of it (the
+#   parameter's next gradient starts from zero, and it shows None until the next
+#   backward); a gradient that does not share the flat gradient's storage is copied into
+#   its part (creating a zero flat gradient if there is none);
+# * a tied occurrence that no longer holds the same object as its first one is torch's
+#   NotImplementedError.
+#
+# Then the parameters' data and gradients are views again (torch re-points them at its next
+# reshard; cfsdp at once).  A unit that is unsharded at the time (SHARD_GRAD_OP between
+# forward and backward, the root) writes nothing back, as torch's.  The check costs three
+# C-level passes per unshard (registered objects, data addresses, gradient objects against
+# what the unit last set: ``_idle_ptrs``, ``_shown_grads``); the per-parameter Python runs
+# only when one of them differs.  torch's ``FSDP_SKIP_WRITEBACK_CHECK=1`` turns it off.
+
+_SKIP_WRITEBACK_ENV = "FSDP_SKIP_WRITEBACK_CHECK"  # torch's switch (_flat_param.py)
+_log = logging.getLogger(__name__)
+
+
+class WritebackError(RuntimeError, ValueError):
+    """A write to an original parameter (or its gradient) after wrapping that cannot be
+    carried over into the flat parameter ([Note: writeback of original parameters]).
+    torch's FSDP1 raises ``RuntimeError`` there, so this is one (and a ``ValueError``:
+    bad user input)."""
 
 
 def scalar_param_message(torch_name: str, fqn: str) -> str:
@@ -201,6 +246,11 @@ class ParamInfo:
         return self.shape if self.tp_spec is None else self.tp_spec.shape
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch FSDP1's test of whether ``a`` still lives in ``b``'s memory."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def tp_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
     """``local`` (a TP parameter's local tensor or a view with its shape) as a DTensor with
     the parameter's ``spec`` (in ``local``'s dtype); no autograd edge, no communication."""
@@ -238,6 +288,13 @@ class Unit(UnshardStates):
         dp_size = self.world_size * (replicate_group.size() if replicate_group is not None else 1)
         self.use_orig_params = use_orig_params
         self.device = device
+        self._where = name_for_errors
+        # [Note: writeback of original parameters]; torch reads its switch at construction
+        self._skip_writeback = use_orig_params and os.environ.get(_SKIP_WRITEBACK_ENV, "") == "1"
+        if self._skip_writeback:
+            _log.warning("Since %s=1, FSDP will not check for parameter or gradient writeback. "
+                         "Changing parameter or gradient storages may lead to silent correctness "
+                         "errors.", _SKIP_WRITEBACK_ENV)
         self.state = TrainingState.IDLE
         self.pre_divide, self.post_divide = divide_factors(dp_size)
         self.replicate_op = dist.ReduceOp.SUM  # HSDP's reduction across replicas
@@ -326,6 +383,12 @@ class Unit(UnshardStates):
         self._occ_attrs = tuple(i.module.__dict__ for i in every)
         self._occ_keys = tuple(i.name for i in every)
         self._orig_t = tuple(i.param for i in self.infos)
+        # [Note: writeback of original parameters]: each occurrence's registered parameters
+        # and the object it should hold; what the unit last set as data and gradients
+        self._occ_params_dicts = tuple(i.module._parameters for i in every)
+        self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
+        self._idle_ptrs: tuple = ()
+        self._shown_grads: tuple = (None,) * len(self.infos)
         # a 1-D parameter's piece of the split already has its shape
         # (a strided parameter's too: _restride makes its view, [Note: strided parameters])
         self._shapes = tuple(None if len(i.shape) == 1 or i.stride is not None else i.shape
@@ -538,12 +601,16 @@ class Unit(UnshardStates):
         if self.use_orig_params:
             for s in self.shared:
                 s.param._cfsdp_flattened = True  # type: ignore[attr-defined]
+            self._note_data()
 
     # ------------------------------------------------------- unshard/reshard
     def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
         """Make the full parameters available: issue the all-gather (sharded)
         or the low-precision copy (NO_SHARD with mixed precision).  A no-op if
-        already unsharded or in flight; ``full_precision`` is for summon."""
+        already unsharded or in flight; ``full_precision`` is for summon.  Writes to the
+        original parameters are carried over first ([Note: writeback of original
+        parameters]), as torch's ``pre_unshard``."""
+        self.writeback_orig_params()
         super().unshard(async_op, full_precision=full_precision)
 
     def _start_unshard(self, full_precision: bool = False):
@@ -574,7 +641,13 @@ class Unit(UnshardStates):
     def reshard(self) -> None:
         """Free the unsharded buffer and point every parameter back at the shard."""
         self.wait_unshard()
-        if self._buf is None or (not self.sharded and not self.uses_mp):
+        if not self.sharded and not self.uses_mp:
+            # NO_SHARD: the parameters stay where they are, but the modules show the
+            # registered original parameters again, not the forward's views (as torch)
+            if self.use_orig_params:
+                _core.dict_pop(self._occ_attrs, self._occ_keys)
+            return
+        if self._buf is None:
             return
         self.flat_param.data = self.shard
         if self._buf is not self.shard:
@@ -680,6 +753,7 @@ class Unit(UnshardStates):
                 for info in [*self.infos, *self.shared]:
                     info.module._parameters[info.name] = info.param
                 self._shown_tp = {}
+            self._note_data()
         else:
             for info, v in zip(self.infos, views):
                 del info.module._parameters[info.name]
@@ -694,7 +768,10 @@ class Unit(UnshardStates):
         the shards into a new tensor (or into the front of ``scratch``, a 1-D buffer
         of this dtype and device that is large enough); the unit itself stays as it
         is.  A FULL state dict keeps it: its entries are views of it, so a unit
-        costs one copy, not two.  Collective over the unit's group."""
+        costs one copy, not two.  Collective over the unit's group.  Writes to the original
+        parameters are carried over first, as torch's state dicts unshard ([Note: writeback
+        of original parameters])."""
+        self.writeback_orig_params()
         n = self.layout.padded_numel if self.sharded else self.layout.flat_numel
         out = torch.empty(n, dtype=self.dtype, device=self.device) if scratch is None else scratch[:n]
         if not self.sharded:
@@ -756,19 +833,18 @@ class Unit(UnshardStates):
         g = self.flat_param.grad
         if g is None:
             _core.attr_set(self._orig_t, "grad", None)
-            return
-        if g.dtype == self.dtype:  # one C pass (see [Note: bulk binding])
+        elif g.dtype == self.dtype:  # one C pass (see [Note: bulk binding])
             _core.attr_set(self._orig_t, "grad", self._orig_grad_views(g))
-            return
-        if not self.sharded:  # keep_low_precision_grads: set_grad's dtype side-step
+        elif not self.sharded:  # keep_low_precision_grads: set_grad's dtype side-step
             for info, v in zip(self.infos, self._grad_views(g)):
                 set_grad(info.param, v if info.param.requires_grad else None)
-            return
-        for info, sl in zip(self.infos, self.layout.slices[self.rank]):
-            if g is None or sl.numel == 0 or not info.param.requires_grad:
-                info.param.grad = None
-            else:
-                set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+        else:
+            for info, sl in zip(self.infos, self.layout.slices[self.rank]):
+                if sl.numel == 0 or not info.param.requires_grad:
+                    info.param.grad = None
+                else:
+                    set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+        self._note_grads()
 
     def _orig_grad_views(self, g: torch.Tensor) -> tuple:
         """Each original parameter's gradient as a view of the flat gradient ``g``
@@ -930,6 +1006,7 @@ class Unit(UnshardStates):
             return
         for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):
             set_grad(info.param, v if info.param.requires_grad else None)
+        self._note_grads()
 
     def before_forward(self) -> None:
         """Per-step bookkeeping of the original parameters (use_orig_params)."""
@@ -945,3 +1022,142 @@ class Unit(UnshardStates):
             if all_none(_core.attr_get(self._orig_t, "grad")):
                 self.flat_param.grad = None
                 self.grad_unsharded = False
+                self._note_grads()
+
+    # --------------------------------------------- writes to the original parameters
+    def _note_data(self) -> None:
+        """Record where the original parameters' data are, as the unit set them
+        ([Note: writeback of original parameters])."""
+        self._idle_ptrs = tuple(map(torch.Tensor.data_ptr, self._orig_t))
+
+    def _note_grads(self) -> None:
+        """Record the gradient objects the unit set on the original parameters."""
+        self._shown_grads = _core.attr_get(self._orig_t, "grad")
+
+    def writeback_orig_params(self, grads_only: bool = False) -> bool:
+        """Carry writes to the original parameters (``p.data = t``, ``p.grad = g``,
+        ``p.grad = None``, a new registered parameter) over into the flat parameter and its
+        gradient, as torch FSDP1's ``_writeback_orig_params``: [Note: writeback of original
+        parameters].  ``grads_only``: the gradients alone (clip_grad_norm_).  Returns whether
+        a parameter was written back.  A no-op without use_orig_params, while the unit is
+        unsharded or its all-gather is in flight."""
+        if not self.use_orig_params or self._skip_writeback:
+            return False
+        if self._unshard_work is not None or (self.sharded and self._buf is not None):
+            return False
+        if (all(map(operator.is_, map(dict.get, self._occ_params_dicts, self._occ_keys), self._occ_params))
+                and all(map(operator.is_, _core.attr_get(self._orig_t, "grad"), self._shown_grads))
+                and (grads_only or tuple(map(torch.Tensor.data_ptr, self._orig_t)) == self._idle_ptrs)):
+            return False
+        return self._writeback(grads_only)
+
+    def _writeback(self, grads_only: bool) -> bool:
+        """The per-parameter pass of :meth:`writeback_orig_params`, in torch's order."""
+        fgrad = self.flat_param.grad
+        full_grad = self.sharded and self.grad_unsharded  # no_sync's unsharded gradient
+        wrote = adopted = False
+        grad_none = [False] * len(self.infos)
+        for i, (info, sl) in enumerate(zip(self.infos, self.layout.slices[self._lay_rank])):
+            if sl.numel == 0 and not full_grad:
+                continue  # no element on this rank: nothing to write (torch skips it too)
+            param = info.param
+            if not grads_only and sl.numel > 0:
+                current = info.module._parameters.get(info.name)
+                if current is None:
+                    continue  # deregistered: nothing to write back, as torch
+                new = current is not param
+                if new:  # a new parameter object: it becomes the parameter
+                    param = info.param = current
+                    param._cfsdp_flattened = True  # type: ignore[attr-defined]
+                    adopted = True
+                if new or not _same_storage(param, self.shard):
+                    self._write_param(info, sl, param)
+                    wrote = True
+            g = param.grad
+            if g is None:
+                if fgrad is not None:
+                    self._grad_slot(i, sl, fgrad, full_grad).zero_()
+                    grad_none[i] = True
+            elif fgrad is None or not _same_storage(g, fgrad):
+                if fgrad is None:
+                    fgrad = self.flat_param.grad = torch.zeros_like(self.shard)
+                self._write_grad(i, sl, g, fgrad, full_grad)
+        if adopted:
+            self._orig_t = tuple(i.param for i in self.infos)
+            self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
+            self._rg_mask = None
+            self.refresh_requires_grad()
+        if not grads_only:
+            for info in self.infos:  # torch registers its own objects again (_use_sharded_views):
+                # an adopted one, else the old one (where this rank holds no element of it)
+                if info.module._parameters.get(info.name) is not info.param:
+                    info.module._parameters[info.name] = info.param
+            for s in self.shared:
+                if s.module._parameters.get(s.name) is not self.infos[s.primary].param:
+                    raise NotImplementedError(
+                        "Changing shared parameters is not supported yet (cfsdp: "
+                        f"{self._where}'s '{clean_tensor_name(s.fqn)}' is tied to "
+                        f"'{clean_tensor_name(self.infos[s.primary].fqn)}' and no longer holds the "
+                        "same parameter; assign the same object to both, or change the values "
+                        "in place.)")
+            for info, v in zip(self.infos, self.shard_views()):  # views of the shard again
+                info.param.data = v
+            self._note_data()
+        if full_grad or (not self.sharded and self.grad_unsharded):
+            self.publish_unsharded_grad()
+        else:
+            self.orig_grads_as_shard_views()
+        if any(grad_none):  # None until the next backward gives them a gradient, as torch
+            for info, none in zip(self.infos, grad_none):
+                if none:
+                    info.param.grad = None
+            self._note_grads()
+        return wrote
+
+    def _shape_error(self, info: ParamInfo, what: str, want: torch.Size, got: torch.Size,
+                     given: torch.Size, sl) -> WritebackError:
+        held = (f"this rank's 1-D shard of its elements ({sl.numel})" if self.sharded
+                else f"its full shape {tuple(info.shape)}")
+        return WritebackError(
+            f"Cannot writeback when the {what} shape changes\nExpects {want} but got {got} "
+            f"(cfsdp: {self._where}'s parameter '{clean_tensor_name(info.fqn)}' was given a "
+            f"{what} of shape {tuple(given)} after wrapping; with use_orig_params=True it is "
+            f"{held} between steps: assign a tensor of that shape, change the values in place, "
+            "or write full values inside summon_full_params.)")
+
+    def _write_param(self, info: ParamInfo, sl, src: torch.Tensor) -> None:
+        """Copy a parameter's new data ``src`` into its place in the shard."""
+        src = src.detach()
+        if self.sharded:
+            want, flat = torch.Size([sl.numel]), src
+        elif info.stride is None:  # NO_SHARD: any shape of as many elements (torch's view(-1))
+            want, flat = torch.Size([info.numel]), src.reshape(-1)
+        else:  # a strided parameter's elements in memory order: its own shape only
+            if src.shape != info.shape:
+                raise self._shape_error(info, "parameter", info.shape, src.shape, src.shape, sl)
+            want, flat = torch.Size([info.numel]), info.flat(src)
+        if flat.shape != want:
+            raise self._shape_error(info, "parameter", want, flat.shape, src.shape, sl)
+        self.shard[sl.shard_offset : sl.shard_offset + sl.numel].copy_(flat)
+
+    def _grad_slot(self, i: int, sl, fgrad: torch.Tensor, full_grad: bool) -> torch.Tensor:
+        """Parameter ``i``'s part of the flat gradient: its shard slice, or its whole
+        range of no_sync's unsharded gradient."""
+        if full_grad:
+            off = self.layout.offsets[i]
+            return fgrad[off : off + self.infos[i].numel]
+        return fgrad[sl.shard_offset : sl.shard_offset + sl.numel]
+
+    def _write_grad(self, i: int, sl, g: torch.Tensor, fgrad: torch.Tensor, full_grad: bool) -> None:
+        """Copy a parameter's new gradient ``g`` into its part of the flat gradient."""
+        info = self.infos[i]
+        g = g.detach()
+        if self.sharded and not full_grad:
+            want, flat = torch.Size([sl.numel]), g
+        elif info.stride is not None and g.shape == info.shape:
+            want, flat = torch.Size([info.numel]), info.flat(g)
+        else:
+            want, flat = torch.Size([info.numel]), g.reshape(-1)
+        if flat.shape != want:
+            raise self._shape_error(info, "gradient", want, flat.shape, g.shape, sl)
+        self._grad_slot(i, sl, fgrad, full_grad).copy_(flat)
