@@ -108,5 +108,124 @@ def mixed_precision_parity(ctx, config: str, strategy, use_orig_params: bool):
     mm.raise_if_any()
 
 
+CASTS = {
+    "to_float64": lambda m: m.to(torch.float64),
+    "double": lambda m: m.double(),
+    "to_bfloat16": lambda m: m.to(BF16),
+    "half": lambda m: m.half(),
+}
+CAST_DTYPE = {"to_float64": torch.float64, "double": torch.float64, "to_bfloat16": BF16, "half": FP16}
+CAST_MP = {None: None, "bf16": MixedPrecision(param_dtype=BF16, buffer_dtype=BF16),
+           "reduce_fp32": MixedPrecision(reduce_dtype=FP32)}
+
+
+def build_cast() -> nn.Module:
+    """``build()`` without its BatchNorm: torch's FSDP1 runs no mixed precision with one on CPU
+    once the model is cast (its BatchNorm unit, kept in full precision by
+    ``_module_classes_to_ignore``, gets fp32 inputs and float64 parameters: "mixed dtype
+    (CPU): expect parameter to have scalar type of Float")."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), Block(7), Block(7), nn.Linear(7, 1))
+
+
+def _train_cast(model, steps, rank: int, dtype, losses: list, grads: list, first: int = 0) -> None:
+    """``steps`` SGD steps on rank-seeded inputs in ``dtype`` (step indices from ``first``);
+    SGD, as AdamW's ``eps`` underflows in float16."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    for step in range(first, first + steps):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank)).to(dtype)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append([(n, None if p.grad is None else p.grad.detach().clone())
+                      for n, p in model.named_parameters()])
+        opt.step()
+        opt.zero_grad()
+
+
+@h.subtest(grid={"cast": list(CASTS), "mp": list(CAST_MP), "strategy": [SS.FULL_SHARD, SS.NO_SHARD],
+                 "use_orig_params": [False, True]})
+def cast_after_wrapping(ctx, cast: str, mp, strategy, use_orig_params: bool):
+    """``model.to(float64)`` / ``.double()`` / ``.to(bfloat16)`` / ``.half()`` after wrapping and
+    before the first forward, which torch FSDP1 takes: its lazy initialisation trains the flat
+    parameters in the new dtype, mixed-precision dtypes given explicitly staying (with
+    ``reduce_fp32`` only the reduction stays fp32).  Bitwise torch's: losses, the gradients the
+    optimizer sees (values and dtypes), the state dict (values and dtypes: buffers cast back to
+    their dtype at wrapping, as torch records them then)."""
+    mm = Mismatches(ctx)
+    dtype = CAST_DTYPE[cast]
+    base = build_cast()
+    record = []
+    for w in (TorchFSDP, CFSDP):
+        model = w(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU, mixed_precision=CAST_MP[mp],
+                  sharding_strategy=strategy, use_orig_params=use_orig_params,
+                  auto_wrap_policy=ModuleWrapPolicy({Block}))
+        CASTS[cast](model)
+        losses, grads = [], []
+        _train_cast(model, 3, ctx.rank, dtype, losses, grads)
+        record.append((losses, grads, model.state_dict()))
+    _compare_cast(mm, record)
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"cast": ["to_float64", "to_bfloat16"], "strategy": [SS.FULL_SHARD, SS.NO_SHARD],
+                 "use_orig_params": [False, True]})
+def cast_between_steps(ctx, cast: str, strategy, use_orig_params: bool):
+    """The same cast between training steps.  torch 2.13's FSDP1 reads the dtype only in its lazy
+    initialisation and fails afterwards (its optimizer step meets fp32 buffers: "Invalid usage of
+    tensors with different dtypes"); cfsdp casts the units at any time between steps.  Oracle:
+    torch trained the same first steps, its full state dict loaded into a fresh torch model cast
+    before (loading is its first use); both continue with a new optimizer, bitwise equal."""
+    mm = Mismatches(ctx)
+    dtype = CAST_DTYPE[cast]
+    base = build_cast()
+    kw = dict(process_group=ctx.pg, device_id=CPU, sharding_strategy=strategy,
+              use_orig_params=use_orig_params, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    record = []
+    for w in (TorchFSDP, CFSDP):
+        model = w(copy.deepcopy(base), **kw)
+        losses, grads = [], []
+        _train_cast(model, 2, ctx.rank, FP32, losses, grads)
+        if w is TorchFSDP:  # a fresh model, cast, then loaded (loading initialises it lazily)
+            sd = model.state_dict()
+            model = w(copy.deepcopy(base), **kw)
+            CASTS[cast](model)
+            model.load_state_dict(sd)
+        else:
+            CASTS[cast](model)
+        _train_cast(model, 2, ctx.rank, dtype, losses, grads, first=2)
+        record.append((losses, grads, model.state_dict()))
+    _compare_cast(mm, record)
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"use_orig_params": [False, True]})
+def cast_refused(ctx, use_orig_params: bool):
+    """What the units cannot take over is refused, naming a parameter, never ignored: a move to
+    another device (here the meta device: the GPU path cannot run here)."""
+    mm = Mismatches(ctx)
+    model = CFSDP(build_cast(), process_group=ctx.pg, device_id=CPU, use_orig_params=use_orig_params)
+    try:
+        model.to("meta")
+    except NotImplementedError as e:
+        mm.check("'0.weight'" in str(e) and "meta" in str(e), f"the error names no parameter: {e}")
+    else:
+        mm.add("model.to('meta') was not refused")
+    mm.raise_if_any()
+
+
+def _compare_cast(mm: Mismatches, record: list) -> None:
+    (tl, tg, tsd), (cl, cg, csd) = record
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss at step {i}", a, b)
+    for s, (ga, gb) in enumerate(zip(cg, tg)):
+        mm.check([n for n, _ in ga] == [n for n, _ in gb], f"step {s}: parameter names differ")
+        for (n, a), (_, b) in zip(ga, gb):
+            mm.tensors(f"step {s}: grad of {n}", a, b)
+    mm.check(list(csd) == list(tsd), f"state_dict keys {list(csd)} != torch {list(tsd)}")
+    for k in tsd:
+        mm.tensors(f"state_dict[{k}] at the end", csd.get(k), tsd[k])
+
+
 if __name__ == "__main__":
     h.main()

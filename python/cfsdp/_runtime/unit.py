@@ -50,6 +50,7 @@ users see, as torch FSDP1 shows it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -315,6 +316,7 @@ class Unit(UnshardStates):
         mp = mixed_precision
         mp_param = getattr(mp, "param_dtype", None)
         mp_reduce = getattr(mp, "reduce_dtype", None)
+        self._mp_param_given, self._mp_reduce_given = mp_param is not None, mp_reduce is not None
         self.param_dtype = mp_param or dtype
         self.reduce_dtype = mp_param if (mp_param and not mp_reduce) else (mp_reduce or dtype)
         self.keep_low_precision_grads = bool(getattr(mp, "keep_low_precision_grads", False))
@@ -343,21 +345,9 @@ class Unit(UnshardStates):
             self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
         self.flat_param._cfsdp_flattened = True  # type: ignore[attr-defined]
-        # The forward buffer (param_dtype): the all-gather output, or for
-        # NO_SHARD with mixed precision the low-precision copy of the shard.
-        fwd_numel = lay.padded_numel if sharded else (lay.flat_numel if self.uses_mp else 0)
-        self.unsharded = torch.empty(fwd_numel, dtype=self.param_dtype, device=device)
-        # Full-precision gather for summon/state dicts under mixed precision.
-        self.unsharded_full = (
-            torch.empty(lay.padded_numel, dtype=dtype, device=device)
-            if (sharded and self.uses_mp)
-            else None
-        )
-        if self.unsharded_full is not None:
-            self.unsharded_full.untyped_storage().resize_(0)
-        # The buffer the parameters currently live in (None while sharded).
-        self._init_unshard_states(None if (sharded or self.uses_mp) else self.shard)
+        self._make_buffers()
         self.saved_grad: Optional[torch.Tensor] = None
+        self._applied: Optional[nn.Parameter] = None  # see _take_applied
         # True while flat_param.grad is an unsharded gradient accumulated
         # under no_sync() (not yet reduced).
         self.grad_unsharded = False
@@ -570,17 +560,38 @@ class Unit(UnshardStates):
             out.append(self.shard[sl.shard_offset : sl.shard_offset + sl.numel])
         return out
 
-    def _install_initial_views(self) -> None:
+    def _make_buffers(self) -> None:
+        """The forward buffer (param_dtype): the all-gather output, or for NO_SHARD with
+        mixed precision the low-precision copy of the shard; the full-precision gather for
+        summon and state dicts under mixed precision; the buffer the parameters live in
+        (None while sharded).  Storage freed until the first unshard."""
+        lay, sharded = self.layout, self.sharded
+        fwd_numel = lay.padded_numel if sharded else (lay.flat_numel if self.uses_mp else 0)
+        self.unsharded = torch.empty(fwd_numel, dtype=self.param_dtype, device=self.device)
+        self.unsharded_full = (
+            torch.empty(lay.padded_numel, dtype=self.dtype, device=self.device)
+            if (sharded and self.uses_mp)
+            else None
+        )
+        if self.unsharded_full is not None:
+            self.unsharded_full.untyped_storage().resize_(0)
+        self._init_unshard_states(None if (sharded or self.uses_mp) else self.shard)
+
+    def _make_idle_views(self) -> list:
+        """What a sharded unit's modules hold with use_orig_params=False: views with full
+        shapes of the forward buffer, whose storage is freed until the first unshard (as
+        torch leaves its module attributes); with NO_SHARD, views of the shard."""
         if self.sharded or self.uses_mp:
-            # views with full shapes, whose storage is then freed until the
-            # first unshard (as torch leaves its module attributes)
             alloc_storage(self.unsharded)
             views = self._views_of(self.unsharded)
             free_storage(self.unsharded)
         else:
             views = self._views_of(self.shard)
-        views = self._as_seen(views)
-        self._idle_views = views  # what a sharded unit's modules hold (use_orig_params=False)
+        self._idle_views = self._as_seen(views)
+        return self._idle_views
+
+    def _install_initial_views(self) -> None:
+        views = self._make_idle_views()
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
@@ -655,6 +666,107 @@ class Unit(UnshardStates):
         self._buf = None
         if self.use_orig_params:
             _core.dict_pop(self._occ_attrs, self._occ_keys)
+
+    # ----------------------------------- nn.Module._apply: model.to(dtype), .double(), .half()
+    @contextlib.contextmanager
+    def flat_param_registered(self):
+        """Around ``nn.Module._apply`` of the unit's modules (``model.to(dtype)``,
+        ``.double()``, ``.half()``): the flat parameter is what it converts, as torch
+        FSDP1's ``_apply`` arranges (``_deregister_orig_params_ctx``).  The unit is
+        resharded first (the shard is what is converted); with use_orig_params=True the
+        original parameters are taken off their modules and the flat parameter registered
+        for the call, then each is put back in its place.  :meth:`adopt_flat_data` takes
+        the result over.  With use_orig_params=True, writes to the original parameters are carried over first, and
+        gradients the user cleared (``zero_grad``) stay cleared: the flat gradient goes
+        through the conversion too, and would otherwise show again."""
+        self.reshard()
+        self._applied = None
+        if not self.use_orig_params:
+            try:
+                yield
+            finally:
+                self._take_applied()
+            return
+        self.drop_grad_if_orig_grads_cleared()
+        self.writeback_orig_params()
+        hidden: dict[int, tuple[dict, dict, list]] = {}  # id -> (_parameters, ours, order)
+        for info in (*self.infos, *self.shared):
+            d = info.module._parameters
+            entry = hidden.setdefault(id(d), (d, {}, list(d)))
+            entry[1][info.name] = self.infos[info.primary].param if info.primary >= 0 else info.param
+            d.pop(info.name, None)
+        self.module._parameters[FLAT_PARAM] = self.flat_param
+        try:
+            yield
+        finally:
+            self._take_applied()
+            self.module._parameters.pop(FLAT_PARAM, None)
+            for d, ours, order in hidden.values():
+                rest = dict(d)
+                d.clear()
+                for k in order:
+                    if k in ours:
+                        d[k] = ours[k]
+                    elif k in rest:
+                        d[k] = rest.pop(k)
+                d.update(rest)
+
+    def _take_applied(self) -> None:
+        """``_apply`` may register a new parameter in the flat parameter's place (a move
+        to another kind of tensor, or ``torch.__future__``'s overwrite-on-conversion): the
+        unit keeps its own object (the optimizer holds it) and :meth:`adopt_flat_data`
+        looks at the new one's data."""
+        got = self.module._parameters.get(FLAT_PARAM)
+        if got is not None and got is not self.flat_param:
+            self._applied = got
+            self.module._parameters[FLAT_PARAM] = self.flat_param
+
+    def adopt_flat_data(self) -> None:
+        """After ``nn.Module._apply`` (inside :meth:`flat_param_registered`): when it gave
+        the flat parameter new data (a new dtype), that becomes the shard and the unit
+        follows, with torch FSDP1's rules (its ``init_flat_param_attributes``): the
+        mixed-precision dtypes the user gave stay, the others follow the new dtype; the
+        buffers, the modules' views and the original parameters' data and gradients are
+        made anew.  The layout (alignment included) stays, as torch's."""
+        applied, self._applied = self._applied, None
+        new = (applied if applied is not None else self.flat_param).data
+        old = self.shard
+        if new.dtype == old.dtype and new.device == old.device and new.data_ptr() == old.data_ptr():
+            return
+        if new.device != old.device or not (new.is_floating_point() or new.is_complex()):
+            self.flat_param.data = old
+            what = (f"moves it to {new.device}" if new.device != old.device
+                    else f"casts it to {new.dtype}")
+            err = NotImplementedError if new.device != old.device else TypeError
+            raise err(
+                f"cfsdp: nn.Module._apply (to / cuda / type ...) {what}, but {self._where}'s "
+                f"parameters (e.g. '{clean_tensor_name(self.infos[0].fqn)}') are sharded "
+                f"{old.dtype} on {old.device}: cast to a floating-point dtype, or move the "
+                "module before wrapping it.")
+        if new.shape != old.shape:
+            raise AssertionError(f"cfsdp unit: _apply changed the shard's shape {old.shape} to {new.shape}")
+        if applied is not None:
+            self.flat_param.data = new
+            self.flat_param.grad = applied.grad
+        self.shard = new
+        self.dtype = new.dtype
+        if not self._mp_param_given:
+            self.param_dtype = new.dtype
+            if not self._mp_reduce_given:
+                self.reduce_dtype = new.dtype
+        self.uses_mp = self.param_dtype != self.dtype
+        self._make_buffers()
+        views = self._make_idle_views()
+        if self.use_orig_params:
+            for info, v in zip(self.infos, self.shard_views()):
+                info.param.data = v
+            self._note_data()
+            if self.grad_unsharded:
+                self.publish_unsharded_grad()
+            else:
+                self.orig_grads_as_shard_views()
+        else:
+            _core.dict_set(self._occ_attrs, self._occ_keys, tuple(views[i] for i in self._occ_index))
 
     def reshard_after_forward(self, for_backward: bool) -> None:
         """Post-forward reshard (the wrapper face frees everything)."""
