@@ -24,7 +24,7 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp import MixedPrecision, StateDictType
 from torch.distributed.fsdp import ShardingStrategy as SS
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -71,7 +71,7 @@ def mixed_precision_parity(ctx, config: str, strategy, use_orig_params: bool):
                 sharding_strategy=strategy, use_orig_params=use_orig_params,
                 auto_wrap_policy=ModuleWrapPolicy({Block}))
               for w in (TorchFSDP, CFSDP)]
-    record = []
+    record, local_buffers = [], []
     for model in models:
         if mp.keep_low_precision_grads:
             opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
@@ -81,7 +81,16 @@ def mixed_precision_parity(ctx, config: str, strategy, use_orig_params: bool):
         losses, grads = [], []
         train_steps(model, opt, [torch.randn(4, 5, generator=g) for _ in range(4)], losses, grads)
         record.append((losses, grads, model.state_dict()))
+        buffers = {n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_buffers()}
+        with type(model).state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            local_buffers.append({k: v for k, v in model.state_dict().items() if k in buffers})
     compare_records(mm, record)
+    # LOCAL state dicts: buffers stay in the dtype they compute in (torch casts them back in the
+    # state dicts that unshard only, and for NO_SHARD units, which save FULL ones)
+    mm.check(list(local_buffers[1]) == list(local_buffers[0]),
+             f"LOCAL plain entries {list(local_buffers[1])} != torch {list(local_buffers[0])}")
+    for k, v in local_buffers[0].items():
+        mm.tensors(f"LOCAL state_dict[{k}]", local_buffers[1].get(k), v)
     mm.raise_if_any()
 
 
