@@ -280,7 +280,10 @@ class _Out:
             return _shard_utils._create_chunk_dtensor(full, unit.rank, self.view.mesh)
         dev = full.device
         per_node = 1 if dev.type == "cpu" else getattr(torch, dev.type).device_count()
-        return _shard_utils._create_chunk_sharded_tensor(full, unit.rank, unit.world_size, per_node, unit.group)
+        # row-major: a ShardedTensor takes no other local shards (torch's own sharded dicts
+        # raise for a strided parameter's states; [Note: strided parameters])
+        return _shard_utils._create_chunk_sharded_tensor(full.contiguous(), unit.rank, unit.world_size,
+                                                         per_node, unit.group)
 
     def plain(self, state: dict[str, Any]) -> dict[str, Any]:
         """An unmanaged parameter's state: its tensors copied (to CPU with offload; torch
@@ -309,7 +312,7 @@ def _gather_flat(unit: Unit, shard_state: torch.Tensor, fqn: str, name: str) -> 
 
 
 def _unit_views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
-    return [flat[off : off + i.numel].view(i.shape) for off, i in zip(unit.layout.offsets, unit.infos)]
+    return [i.view(flat[off : off + i.numel]) for off, i in zip(unit.layout.offsets, unit.infos)]
 
 
 def _keys_everywhere(view: _View, local: list[_Key], merge: bool, what: str) -> list[_Key]:
@@ -660,7 +663,7 @@ def _flatten_flat(view: _View, e: _Entry, state: dict, what: str) -> dict[str, A
                 if v is None:
                     continue
                 _check_shape(v, f, name, info.shape)
-                flat[off : off + info.numel].copy_(v.reshape(-1))
+                info.view(flat[off : off + info.numel]).copy_(v)
             if unit.sharded:
                 lo, hi = lay.shard_range(unit.rank)
                 shard = torch.zeros(lay.shard_numel, dtype=dtype, device=unit.device)
@@ -712,7 +715,7 @@ def _flatten_orig(e: _Entry, state: dict) -> dict[str, Any]:
     if sl.numel == 0:
         return {}
     return {
-        n: (v.reshape(-1)[sl.param_start : sl.param_start + sl.numel].to(unit.device).clone()
+        n: (info.flat(v)[sl.param_start : sl.param_start + sl.numel].to(unit.device).clone()
             if _is_pos_dim(v) else v)
         for n, v in full.items()
     }

@@ -404,6 +404,16 @@ def _tp_shards_dim0(spec) -> bool:
     return spec is not None and any(pl.is_shard(0) for pl in spec.placements)
 
 
+def _buffer_dtype_out(w, t: StateDictType, name: str) -> Optional[torch.dtype]:
+    """The dtype a buffer ``name`` (clean, under ``w``) leaves in, or None for its own: as
+    torch, its dtype at wrapping when ``w`` casts buffers for compute (``buffer_dtype``) and
+    the state dict unshards (FULL, SHARDED; not LOCAL).  Without buffer mixed precision a
+    buffer leaves as it is, e.g. in float64 after ``model.to(torch.float64)``."""
+    if w.mixed_precision.buffer_dtype is None or t == StateDictType.LOCAL_STATE_DICT:
+        return None
+    return w._buffer_orig_dtypes.get(name)
+
+
 def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
     if _DRY.get():
         _dry_entries(w, state_dict, prefix)
@@ -449,7 +459,7 @@ def _post_state_dict_hook(w, state_dict, prefix: str, local_metadata) -> None:
                     state_dict[flat_key] = _local_flat_value(w, u)
                 flat_done = True
                 continue
-            orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
+            orig = _buffer_dtype_out(w, t, ck[len(prefix):])
             if orig is not None and v.dtype != orig and v.is_floating_point():
                 v = v.detach().to(orig)  # buffers leave in their own dtype (mixed precision)
             state_dict[ck] = v
@@ -664,6 +674,7 @@ def _dry_entries(w, state_dict, prefix: str) -> None:
     """Post hook in dry mode: the subtree's entries as meta tensors of the shape
     and dtype the real state dict (of ``w._state_dict_type``) would hold."""
     u = _unit(w)
+    t = _type_of(w)
     shard_ptr = _storage_ptr(u.shard) if u is not None else None
     items = [(k, state_dict.pop(k)) for k in _subtree(state_dict, prefix)]
     unit_done = False
@@ -672,7 +683,6 @@ def _dry_entries(w, state_dict, prefix: str) -> None:
         if u is not None and _plain_tensor(v) and _storage_ptr(v) == shard_ptr:
             if not unit_done:
                 unit_done = True
-                t = _type_of(w)
                 if t == StateDictType.LOCAL_STATE_DICT:
                     flat = _meta_like((u.layout.flat_numel,), u.dtype)
                     flat._cfsdp_shards = [(off, size) for _, off, size in _local_shards(u)]
@@ -690,7 +700,7 @@ def _dry_entries(w, state_dict, prefix: str) -> None:
                         state_dict[prefix + clean_tensor_name(info.fqn)] = e
             continue
         if _plain_tensor(v):
-            orig = w._buffer_orig_dtypes.get(ck[len(prefix):])
+            orig = _buffer_dtype_out(w, t, ck[len(prefix):])
             dtype = orig if (orig is not None and v.is_floating_point()) else v.dtype
             v = _meta_like(v.shape, dtype)
         state_dict[ck] = v

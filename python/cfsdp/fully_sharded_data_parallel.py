@@ -991,6 +991,27 @@ class FullyShardedDataParallel(nn.Module):
         with ctx:
             return super().apply(fn)
 
+    def _apply(self, *args, **kwargs):
+        """``nn.Module._apply`` (``to(dtype)``, ``double()``, ``half()``, ``bfloat16()``...)
+        converts this unit's flat parameter (its shard), as torch's FSDP1 arranges, and the
+        unit then trains in the new dtype (``Unit.adopt_flat_data``); nested units convert
+        their own.  torch takes the new dtype only before the first forward (its lazy
+        initialisation reads it; afterwards it keeps its old buffers and fails), cfsdp at any
+        time between steps."""
+        st = self.__dict__.get("_state")  # None while the constructor runs
+        u = st.unit if st is not None else None
+        if u is None:
+            return super()._apply(*args, **kwargs)
+        if st.training_state is not TrainingState.IDLE:
+            raise CallStateError(
+                f"{_torch_state_message(st.training_state)} (cfsdp: nn.Module._apply (to / "
+                f"double / half ...) on {st.name}'s unit inside forward/backward or "
+                "summon_full_params; call it between training steps.)")
+        with u.flat_param_registered():
+            out = super()._apply(*args, **kwargs)
+        u.adopt_flat_data()
+        return out
+
     def state_dict(self, *args, **kwargs):
         """``nn.Module.state_dict`` of the type set by ``state_dict_type`` (default
         FULL_STATE_DICT): see ``cfsdp._state_dict`` for what each type holds."""

@@ -10,7 +10,7 @@ from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 240
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
-AT_4 = "bad_input|strategy=FULL_SHARD,optim=adamw|hybrid"
+AT_4 = "bad_input|strategy=FULL_SHARD,optim=adamw|hybrid|strided"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

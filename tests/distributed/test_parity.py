@@ -10,7 +10,7 @@ from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 420  # W=4 on 2 shared cores takes ~100 s for the whole grid
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
-AT_4 = "odd"
+AT_4 = "odd|strided"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

@@ -7,7 +7,7 @@ from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 420
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
-AT_4 = "HYBRID|odd|hybrid"
+AT_4 = "HYBRID|odd|hybrid|orig_param_writes[strategy=FULL_SHARD"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

@@ -24,7 +24,7 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp import MixedPrecision, StateDictType
 from torch.distributed.fsdp import ShardingStrategy as SS
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -71,7 +71,7 @@ def mixed_precision_parity(ctx, config: str, strategy, use_orig_params: bool):
                 sharding_strategy=strategy, use_orig_params=use_orig_params,
                 auto_wrap_policy=ModuleWrapPolicy({Block}))
               for w in (TorchFSDP, CFSDP)]
-    record = []
+    record, local_buffers = [], []
     for model in models:
         if mp.keep_low_precision_grads:
             opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
@@ -79,32 +79,145 @@ def mixed_precision_parity(ctx, config: str, strategy, use_orig_params: bool):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(100 + ctx.rank)
         losses, grads = [], []
-        for step in range(4):
-            x = torch.randn(4, 5, generator=g)
-            loss = model(x).float().pow(2).mean()
-            loss.backward()
-            losses.append(loss.detach().clone())
-            grads.append([(n, None if p.grad is None else p.grad.detach().clone())
-                          for n, p in model.named_parameters()])
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, [torch.randn(4, 5, generator=g) for _ in range(4)], losses, grads)
         record.append((losses, grads, model.state_dict()))
+        buffers = {n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_buffers()}
+        with type(model).state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            local_buffers.append({k: v for k, v in model.state_dict().items() if k in buffers})
+    compare_records(mm, record)
+    # LOCAL state dicts: buffers stay in the dtype they compute in (torch casts them back in the
+    # state dicts that unshard only, and for NO_SHARD units, which save FULL ones)
+    mm.check(list(local_buffers[1]) == list(local_buffers[0]),
+             f"LOCAL plain entries {list(local_buffers[1])} != torch {list(local_buffers[0])}")
+    for k, v in local_buffers[0].items():
+        mm.tensors(f"LOCAL state_dict[{k}]", local_buffers[1].get(k), v)
+    mm.raise_if_any()
+
+
+def train_steps(model: nn.Module, opt, inputs: list, losses: list, grads: list) -> None:
+    """One optimizer step per input; records each loss and the gradients the optimizer sees."""
+    for x in inputs:
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append([(n, None if p.grad is None else p.grad.detach().clone())
+                      for n, p in model.named_parameters()])
+        opt.step()
+        opt.zero_grad()
+
+
+def compare_records(mm: Mismatches, record: list) -> None:
+    """torch's and cfsdp's ``(losses, [(name, grad)] per step, state dict)``, bitwise: values,
+    dtypes (``Mismatches.tensors`` compares them) and None-ness."""
     (tl, tg, tsd), (cl, cg, csd) = record
     for i, (a, b) in enumerate(zip(cl, tl)):
         mm.tensors(f"loss at step {i}", a, b)
     for s, (ga, gb) in enumerate(zip(cg, tg)):
         mm.check([n for n, _ in ga] == [n for n, _ in gb], f"step {s}: parameter names differ")
         for (n, a), (_, b) in zip(ga, gb):
-            mm.check((a is None) == (b is None), f"step {s}: grad of {n}: None mismatch")
-            if a is not None and b is not None:
-                mm.check(a.dtype == b.dtype, f"step {s}: grad of {n}: dtype {a.dtype} != torch {b.dtype}")
-                mm.tensors(f"step {s}: grad of {n}", a, b)
+            mm.tensors(f"step {s}: grad of {n}", a, b)
     mm.check(list(csd) == list(tsd), f"state_dict keys {list(csd)} != torch {list(tsd)}")
     for k in tsd:
-        c = csd.get(k)
-        mm.check(c is not None and c.dtype == tsd[k].dtype,
-                 f"state_dict[{k}] dtype {None if c is None else c.dtype} != torch {tsd[k].dtype}")
-        mm.tensors(f"state_dict[{k}] at the end", c, tsd[k])
+        mm.tensors(f"state_dict[{k}] at the end", csd.get(k), tsd[k])
+
+
+CASTS = {
+    "to_float64": lambda m: m.to(torch.float64),
+    "double": lambda m: m.double(),
+    "to_bfloat16": lambda m: m.to(BF16),
+    "half": lambda m: m.half(),
+}
+CAST_DTYPE = {"to_float64": torch.float64, "double": torch.float64, "to_bfloat16": BF16, "half": FP16}
+CAST_MP = {None: None, "bf16": MixedPrecision(param_dtype=BF16, buffer_dtype=BF16),
+           "reduce_fp32": MixedPrecision(reduce_dtype=FP32)}
+
+
+def build_cast() -> nn.Module:
+    """``build()`` without its BatchNorm: torch's FSDP1 runs no mixed precision with one on CPU
+    once the model is cast (its BatchNorm unit, kept in full precision by
+    ``_module_classes_to_ignore``, gets fp32 inputs and float64 parameters: "mixed dtype
+    (CPU): expect parameter to have scalar type of Float")."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), Block(7), Block(7), nn.Linear(7, 1))
+
+
+def _train_cast(model, steps, rank: int, dtype, losses: list, grads: list, first: int = 0) -> None:
+    """``steps`` SGD steps on rank-seeded inputs in ``dtype`` (step indices from ``first``);
+    SGD, as AdamW's ``eps`` underflows in float16."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    inputs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank)).to(dtype)
+              for step in range(first, first + steps)]
+    train_steps(model, opt, inputs, losses, grads)
+
+
+@h.subtest(grid={"cast": list(CASTS), "mp": list(CAST_MP), "strategy": [SS.FULL_SHARD, SS.NO_SHARD],
+                 "use_orig_params": [False, True]})
+def cast_after_wrapping(ctx, cast: str, mp, strategy, use_orig_params: bool):
+    """``model.to(float64)`` / ``.double()`` / ``.to(bfloat16)`` / ``.half()`` after wrapping and
+    before the first forward, which torch FSDP1 takes: its lazy initialisation trains the flat
+    parameters in the new dtype, mixed-precision dtypes given explicitly staying (with
+    ``reduce_fp32`` only the reduction stays fp32).  Bitwise torch's: losses, the gradients the
+    optimizer sees (values and dtypes), the state dict (values and dtypes: buffers cast back to
+    their dtype at wrapping, as torch records them then)."""
+    mm = Mismatches(ctx)
+    dtype = CAST_DTYPE[cast]
+    base = build_cast()
+    record = []
+    for w in (TorchFSDP, CFSDP):
+        model = w(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU, mixed_precision=CAST_MP[mp],
+                  sharding_strategy=strategy, use_orig_params=use_orig_params,
+                  auto_wrap_policy=ModuleWrapPolicy({Block}))
+        CASTS[cast](model)
+        losses, grads = [], []
+        _train_cast(model, 3, ctx.rank, dtype, losses, grads)
+        record.append((losses, grads, model.state_dict()))
+    compare_records(mm, record)
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"cast": ["to_float64", "to_bfloat16"], "strategy": [SS.FULL_SHARD, SS.NO_SHARD],
+                 "use_orig_params": [False, True]})
+def cast_between_steps(ctx, cast: str, strategy, use_orig_params: bool):
+    """The same cast between training steps.  torch 2.13's FSDP1 reads the dtype only in its lazy
+    initialisation and fails afterwards (its optimizer step meets fp32 buffers: "Invalid usage of
+    tensors with different dtypes"); cfsdp casts the units at any time between steps.  Oracle:
+    torch trained the same first steps, its full state dict loaded into a fresh torch model cast
+    before (loading is its first use); both continue with a new optimizer, bitwise equal."""
+    mm = Mismatches(ctx)
+    dtype = CAST_DTYPE[cast]
+    base = build_cast()
+    kw = dict(process_group=ctx.pg, device_id=CPU, sharding_strategy=strategy,
+              use_orig_params=use_orig_params, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    record = []
+    for w in (TorchFSDP, CFSDP):
+        model = w(copy.deepcopy(base), **kw)
+        losses, grads = [], []
+        _train_cast(model, 2, ctx.rank, FP32, losses, grads)
+        if w is TorchFSDP:  # a fresh model, cast, then loaded (loading initialises it lazily)
+            sd = model.state_dict()
+            model = w(copy.deepcopy(base), **kw)
+            CASTS[cast](model)
+            model.load_state_dict(sd)
+        else:
+            CASTS[cast](model)
+        _train_cast(model, 2, ctx.rank, dtype, losses, grads, first=2)
+        record.append((losses, grads, model.state_dict()))
+    compare_records(mm, record)
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"use_orig_params": [False, True]})
+def cast_refused(ctx, use_orig_params: bool):
+    """What the units cannot take over is refused, naming a parameter, never ignored: a move to
+    another device (here the meta device: the GPU path cannot run here)."""
+    mm = Mismatches(ctx)
+    model = CFSDP(build_cast(), process_group=ctx.pg, device_id=CPU, use_orig_params=use_orig_params)
+    try:
+        model.to("meta")
+    except NotImplementedError as e:
+        mm.check("'0.weight'" in str(e) and "meta" in str(e), f"the error names no parameter: {e}")
+    else:
+        mm.add("model.to('meta') was not refused")
     mm.raise_if_any()
 
 

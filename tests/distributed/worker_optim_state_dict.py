@@ -100,6 +100,8 @@ def build(kind: str, wrapper, ctx, uop: bool, strategy: ShardingStrategy):
         m.body = wrapper(m.body, **kw)
         m.frozen = wrapper(m.frozen, **kw)
         return wrapper(m, ignored_modules=[m.ign], **kw)
+    if kind == "strided":
+        return wp.wrap_strided(wrapper, wp.Strided(), kw)
     m = wp.TinyTransformer(n_blocks=2, d=16)
     return wrapper(m, auto_wrap_policy=ModuleWrapPolicy({wp.Block}), **kw)
 
@@ -107,6 +109,8 @@ def build(kind: str, wrapper, ctx, uop: bool, strategy: ShardingStrategy):
 def batches(kind: str, world: int):
     if kind == "tf":
         return wp.make_batches("transformer", world, steps=TRAIN + MORE), wp.lm_loss
+    if kind == "strided":
+        return wp.make_batches("strided", world, steps=TRAIN + MORE), wp.mse_loss
     out = []
     for step in range(TRAIN + MORE):
         g = torch.Generator().manual_seed(77 + step)
@@ -282,6 +286,20 @@ def torch_offload_bug(mm, name: str, t: dict, clean: dict) -> dict:
     return t
 
 
+def same_states(a: dict, b: dict) -> bool:
+    """Two optimizer state dicts (id-keyed) hold equal tensors under the same keys and names."""
+    sa, sb = a.get("state", {}), b.get("state", {})
+    if set(sa) != set(sb):
+        return False
+    for k in sb:
+        if set(sa[k]) != set(sb[k]):
+            return False
+        for n, v in sb[k].items():
+            if torch.is_tensor(v) and not torch.equal(sa[k][n], v):
+                return False
+    return True
+
+
 def compare_loadable(mm, what, c: dict, t: dict):
     """Dicts for optim.load_state_dict: keyed by each rank's param ids; torch iterates a set
     for the state names of flattened entries, so their order is not compared."""
@@ -314,7 +332,33 @@ def autowrap_transformer(ctx, uop):
     run(ctx, "tf", uop, ShardingStrategy.FULL_SHARD, "adam")
 
 
-def run(ctx, kind, uop, strategy, optim):
+@h.subtest(grid={"uop_strategy": [(False, ShardingStrategy.FULL_SHARD), (False, ShardingStrategy.NO_SHARD),
+                                  (True, ShardingStrategy.FULL_SHARD)]})
+def strided_params(ctx, uop_strategy):
+    """Parameters that are not row-major (worker_parity's ``Strided``: cfsdp's [Note: strided
+    parameters]): their states go between the optimizer's flat shards and each parameter's shape
+    in the parameter's memory order, as torch's.  torch 2.13 cannot save them in sharded
+    dicts (a ShardedTensor takes only row-major local shards: "Only torch.contiguous_format
+    memory_format is currently supported", on the ranks whose chunk is not row-major); cfsdp's
+    are checked by resuming from them.  Nor load them: it flattens a loaded state row-major
+    (``torch.flatten`` in ``_flatten_tensor_optim_state``, ``value.flatten()`` in
+    ``_shard_orig_param_state``) into a flat parameter it laid out in memory order, so a
+    transposed weight's states come back scrambled; cfsdp's dicts to load are compared with
+    its optimizer's own state, and torch's scrambling is asserted.  Not NO_SHARD with use_orig_params=True, where torch trains
+    them wrong (worker_parity's ``strided_params``)."""
+    uop, strategy = uop_strategy
+    run(ctx, "strided", uop, strategy, "adam", torch_refuses=("osd_sharded", "osd_local", "sharded_osd"),
+        torch_loads_wrong=True)
+
+
+def run(ctx, kind, uop, strategy, optim, torch_refuses: tuple = (), torch_loads_wrong: bool = False):
+    """Every flavour saved and loaded by both, compared bitwise, and resumed from.  A flavour in
+    ``torch_refuses`` (torch's save raises on some ranks): cfsdp's is checked by resuming.
+    ``torch_loads_wrong``: cfsdp's dicts to load are compared with its optimizer's own state
+    instead of torch's (and torch's differing from torch's own state is asserted); torch does
+    not resume from cfsdp's dicts."""
+    """Every flavour saved and loaded by both, compared bitwise, and resumed from.  A flavour in
+    ``torch_refuses`` (torch's save raises on some ranks): cfsdp's is checked by resuming."""
     mm = wp.Mismatches(ctx)
     PG[0] = ctx.pg
     data, loss_fn = batches(kind, ctx.world_size)
@@ -329,15 +373,29 @@ def run(ctx, kind, uop, strategy, optim):
     no_offload = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False))
     torch_clean = clone_tree(osd_api(*no_offload)[0](TorchFSDP, models[TorchFSDP], opts[TorchFSDP]))
     saved = {}
+    t_own_osd = clone_tree(opts[TorchFSDP].state_dict())
+    torch_misloads = []
     for name, (save, load) in FLAVOURS.items():
-        out = {W: save(W, models[W], opts[W]) for W in WRAPPERS}
-        out[TorchFSDP] = clone_tree(out[TorchFSDP])
-        if uop and strategy != ShardingStrategy.NO_SHARD and name in FULL_OFFLOADED:
-            out[TorchFSDP] = torch_offload_bug(mm, name, out[TorchFSDP], torch_clean)
-        compare_osd(mm, f"{name} save", out[CFSDP], out[TorchFSDP])
-        loadable = {W: load(W, models[W], opts[W], out[W]) for W in WRAPPERS}
-        compare_loadable(mm, f"{name} to-load", loadable[CFSDP], loadable[TorchFSDP])
+        if name in torch_refuses:  # (not run: ranks whose chunks are row-major go on into
+            # collectives the others, which raised, never join)
+            out = {CFSDP: save(CFSDP, models[CFSDP], opts[CFSDP])}
+        else:
+            out = {W: save(W, models[W], opts[W]) for W in WRAPPERS}
+            out[TorchFSDP] = clone_tree(out[TorchFSDP])
+            if uop and strategy != ShardingStrategy.NO_SHARD and name in FULL_OFFLOADED:
+                out[TorchFSDP] = torch_offload_bug(mm, name, out[TorchFSDP], torch_clean)
+            compare_osd(mm, f"{name} save", out[CFSDP], out[TorchFSDP])
+        loadable = {W: load(W, models[W], opts[W], out[W]) for W in out}
+        if torch_loads_wrong:
+            compare_loadable(mm, f"{name} to-load (vs the optimizer's own)", loadable[CFSDP], ref_osd)
+            if TorchFSDP in out:
+                torch_misloads.append(not same_states(loadable[TorchFSDP], t_own_osd))
+        else:
+            compare_loadable(mm, f"{name} to-load", loadable[CFSDP], loadable[TorchFSDP])
         saved[name] = out
+    if torch_loads_wrong:
+        mm.check(any(torch_misloads), f"torch now loads back its own dicts right ({torch_misloads}): "
+                                      "make it the oracle of loading here")
 
     # rekey the full dict (by name -> by id -> by name); torch's result is the oracle
     if uop:
@@ -374,8 +432,11 @@ def run(ctx, kind, uop, strategy, optim):
         resume(CFSDP, name, saved[name][CFSDP])
     # cross-loads: torch's dict into cfsdp, cfsdp's into torch
     for name in ("osd_full", "osd_sharded", "full_osd_all_ranks"):
+        if name in torch_refuses:
+            continue
         resume(CFSDP, name, saved[name][TorchFSDP])
-        resume(TorchFSDP, name, saved[name][CFSDP])
+        if not torch_loads_wrong:
+            resume(TorchFSDP, name, saved[name][CFSDP])
     # load_directly=True loads into the optimizer
     m = build(kind, CFSDP, ctx, uop, strategy)
     o = make_optim(optim, m)

@@ -88,6 +88,7 @@ def clip_grad_norm_(
     num_grads = 0
     for u in units:
         u.drop_grad_if_orig_grads_cleared()
+        u.writeback_orig_params(grads_only=True)  # torch clips the parameters' own gradients
         g = u.flat_param.grad
         if g is None:
             continue

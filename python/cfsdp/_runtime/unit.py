@@ -50,6 +50,10 @@ users see, as torch FSDP1 shows it:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,7 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
-from .._fqn import FLAT_PARAM, join_fqn
+from .._fqn import FLAT_PARAM, clean_tensor_name, join_fqn
 from . import comm
 from .base import (FromLocalView, PendingReduce, TrainingState, UnshardStates, accumulate_sharded,
                    all_none, alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
@@ -93,6 +97,81 @@ _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 # backward (measured: the collective order changed against torch's, one
 # reduce-scatter behind the next all-gather).  Made in this step's pre-forward, they
 # run right after the unit's own backward, as torch's FSDP1 views do.
+
+
+# [Note: strided parameters]
+# A parameter that is not row-major (``nn.Parameter(torch.randn(a, b).t())``, a
+# channels-last convolution weight) keeps its memory layout, as torch FSDP1's
+# ``FlatParamHandle`` does: its elements enter the flat buffer in *memory* order
+# (``as_strided((numel,), (1,))``) and every view of it (forward, summon, state dicts,
+# gradients, optimizer states) is ``as_strided(shape, stride)`` with its own stride.
+# So the module computes with the strides it was built with, the kernels pick the same
+# paths and round the same as torch's and as the unwrapped model's (a row-major copy
+# differs in the 7th digit), and the flat buffer, the shards and LOCAL state dicts are
+# torch's element for element.  ``ParamInfo.stride`` is that stride, or None for a
+# parameter viewed with ``.view(shape)``: a row-major one, and one whose elements do not
+# fill a dense block of memory (``randn(4, 8)[:, :4]``), which torch would read past
+# (its ``as_strided`` takes ``numel`` elements from the storage offset) and cfsdp lays
+# out row-major.  Anything that moves values between a parameter's shape and its flat
+# elements goes through ``ParamInfo.view`` / ``ParamInfo.flat``.
+
+
+def kept_stride(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The stride ``t``'s views keep in a flat buffer, or None: [Note: strided parameters].
+    torch's test (``_is_truly_contiguous``): row-major and a last stride of 1."""
+    if t.stride(-1) == 1 and t.is_contiguous():
+        return None
+    # dense and non-overlapping: the strides, smallest first, are the running products
+    # of the sizes (a size-1 dimension's stride does not matter)
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    step = 1
+    for st, n in dims:
+        if st != step:
+            return None
+        step *= n
+    return tuple(t.stride())
+
+
+# [Note: writeback of original parameters]
+# With use_orig_params=True the optimizer and the user hold the original parameters, whose
+# ``.data`` between steps are views of the shard (1-D slices; full shapes with NO_SHARD) and
+# whose ``.grad`` are views of the flat gradient.  A user may point them elsewhere:
+# ``p.data = t``, ``p.grad = g``, ``p.grad = None`` for some parameters only, or register a
+# new parameter object (``module.weight = nn.Parameter(...)``).  torch's FSDP1 carries each
+# over into the flat parameter before its next unshard (``FlatParamHandle.
+# _writeback_orig_params``, from ``pre_unshard``: pre-forward, pre-backward, prefetch,
+# summon_full_params, FULL and SHARDED state dicts), and so does
+# :meth:`Unit.writeback_orig_params`, in torch's order and with torch's rules, for every
+# parameter this rank holds elements of (the others are ignored, as torch):
+#
+# * a new registered object is adopted as the parameter (its gradient is not carried over);
+# * a parameter whose data no longer shares the shard's storage is copied into its place:
+#   it must have the shape it has between steps (torch's RuntimeError "Cannot writeback
+#   when the parameter shape changes" otherwise, naming the FQN); a NO_SHARD parameter may
+#   have another shape of as many elements, as torch's ``view(-1)`` allows;
+# * a gradient set to None while the flat gradient exists zeroes its part of it (the
+#   parameter's next gradient starts from zero, and it shows None until the next
+#   backward); a gradient that does not share the flat gradient's storage is copied into
+#   its part (creating a zero flat gradient if there is none);
+# * a tied occurrence that no longer holds the same object as its first one is torch's
+#   NotImplementedError.
+#
+# Then the parameters' data and gradients are views again (torch re-points them at its next
+# reshard; cfsdp at once).  A unit that is unsharded at the time (SHARD_GRAD_OP between
+# forward and backward, the root) writes nothing back, as torch's.  The check costs three
+# C-level passes per unshard (registered objects, data addresses, gradient objects against
+# what the unit last set: ``_idle_ptrs``, ``_shown_grads``); the per-parameter Python runs
+# only when one of them differs.  torch's ``FSDP_SKIP_WRITEBACK_CHECK=1`` turns it off.
+
+_SKIP_WRITEBACK_ENV = "FSDP_SKIP_WRITEBACK_CHECK"  # torch's switch (_flat_param.py)
+_log = logging.getLogger(__name__)
+
+
+class WritebackError(RuntimeError, ValueError):
+    """A write to an original parameter (or its gradient) after wrapping that cannot be
+    carried over into the flat parameter ([Note: writeback of original parameters]).
+    torch's FSDP1 raises ``RuntimeError`` there, so this is one (and a ``ValueError``:
+    bad user input)."""
 
 
 def scalar_param_message(torch_name: str, fqn: str) -> str:
@@ -141,11 +220,36 @@ class ParamInfo:
     # a tensor-parallel parameter's DTensorSpec (TP mesh, placements, global shape and
     # stride); None for a plain one.  ``shape`` / ``numel`` are then the local tensor's.
     tp_spec: Any = None
+    # [Note: strided parameters]: the stride its views keep (its flat elements are in
+    # memory order); None for a parameter laid out and viewed row-major
+    stride: Optional[tuple[int, ...]] = None
+
+    def view(self, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` (this parameter's ``numel`` elements of a flat buffer) with the
+        parameter's shape, and its stride ([Note: strided parameters])."""
+        if self.stride is None:
+            return piece.view(self.shape)
+        return piece.as_strided(self.shape, self.stride)
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a tensor of the parameter's shape: the parameter itself, a state of it)
+        as its ``numel`` flat elements in the layout's order ([Note: strided
+        parameters]); a view of ``t`` where it can be."""
+        if self.stride is None:
+            return t.reshape(-1)
+        if t.stride() != self.stride:
+            t = torch.empty_strided(self.shape, self.stride, dtype=t.dtype, device=t.device).copy_(t)
+        return t.as_strided((self.numel,), (1,))
 
     @property
     def global_shape(self) -> torch.Size:
         """The shape the module and state dicts see (the DTensor's, for a TP parameter)."""
         return self.shape if self.tp_spec is None else self.tp_spec.shape
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch FSDP1's test of whether ``a`` still lives in ``b``'s memory."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def tp_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
@@ -185,6 +289,13 @@ class Unit(UnshardStates):
         dp_size = self.world_size * (replicate_group.size() if replicate_group is not None else 1)
         self.use_orig_params = use_orig_params
         self.device = device
+        self._where = name_for_errors
+        # [Note: writeback of original parameters]; torch reads its switch at construction
+        self._skip_writeback = use_orig_params and os.environ.get(_SKIP_WRITEBACK_ENV, "") == "1"
+        if self._skip_writeback:
+            _log.warning("Since %s=1, FSDP will not check for parameter or gradient writeback. "
+                         "Changing parameter or gradient storages may lead to silent correctness "
+                         "errors.", _SKIP_WRITEBACK_ENV)
         self.state = TrainingState.IDLE
         self.pre_divide, self.post_divide = divide_factors(dp_size)
         self.replicate_op = dist.ReduceOp.SUM  # HSDP's reduction across replicas
@@ -205,6 +316,7 @@ class Unit(UnshardStates):
         mp = mixed_precision
         mp_param = getattr(mp, "param_dtype", None)
         mp_reduce = getattr(mp, "reduce_dtype", None)
+        self._mp_param_given, self._mp_reduce_given = mp_param is not None, mp_reduce is not None
         self.param_dtype = mp_param or dtype
         self.reduce_dtype = mp_param if (mp_param and not mp_reduce) else (mp_reduce or dtype)
         self.keep_low_precision_grads = bool(getattr(mp, "keep_low_precision_grads", False))
@@ -223,7 +335,7 @@ class Unit(UnshardStates):
         _core.shard_fill(
             self.shard,
             self._lay_rank * lay.shard_numel,
-            [i.param.detach().contiguous() for i in self.infos],
+            [i.flat(i.param.detach()) for i in self.infos],
             lay.offsets,
         )
         self._fill_alignment_padding()
@@ -233,21 +345,9 @@ class Unit(UnshardStates):
             self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
         self.flat_param._cfsdp_flattened = True  # type: ignore[attr-defined]
-        # The forward buffer (param_dtype): the all-gather output, or for
-        # NO_SHARD with mixed precision the low-precision copy of the shard.
-        fwd_numel = lay.padded_numel if sharded else (lay.flat_numel if self.uses_mp else 0)
-        self.unsharded = torch.empty(fwd_numel, dtype=self.param_dtype, device=device)
-        # Full-precision gather for summon/state dicts under mixed precision.
-        self.unsharded_full = (
-            torch.empty(lay.padded_numel, dtype=dtype, device=device)
-            if (sharded and self.uses_mp)
-            else None
-        )
-        if self.unsharded_full is not None:
-            self.unsharded_full.untyped_storage().resize_(0)
-        # The buffer the parameters currently live in (None while sharded).
-        self._init_unshard_states(None if (sharded or self.uses_mp) else self.shard)
+        self._make_buffers()
         self.saved_grad: Optional[torch.Tensor] = None
+        self._applied: Optional[nn.Parameter] = None  # see _take_applied
         # True while flat_param.grad is an unsharded gradient accumulated
         # under no_sync() (not yet reduced).
         self.grad_unsharded = False
@@ -273,8 +373,23 @@ class Unit(UnshardStates):
         self._occ_attrs = tuple(i.module.__dict__ for i in every)
         self._occ_keys = tuple(i.name for i in every)
         self._orig_t = tuple(i.param for i in self.infos)
+        # [Note: writeback of original parameters]: each occurrence's registered parameters
+        # and the object it should hold; what the unit last set as data and gradients
+        self._occ_params_dicts = tuple(i.module._parameters for i in every)
+        self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
+        self._idle_ptrs: tuple = ()
+        self._shown_grads: tuple = (None,) * len(self.infos)
         # a 1-D parameter's piece of the split already has its shape
-        self._shapes = tuple(None if len(i.shape) == 1 else i.shape for i in self.infos)
+        # (a strided parameter's too: _restride makes its view, [Note: strided parameters])
+        self._shapes = tuple(None if len(i.shape) == 1 or i.stride is not None else i.shape
+                             for i in self.infos)
+        # occurrences of strided parameters: (parameter index, its occurrence indices)
+        strided: dict[int, list[int]] = {}
+        for k, i in enumerate(self._occ_index):
+            if self.infos[i].stride is not None:
+                strided.setdefault(i, []).append(k)
+        self._strided_occ = tuple((i, tuple(ks)) for i, ks in strided.items())
+        self._strided_params = tuple((i, (i,)) for i in strided)
         self._param_index = tuple(range(len(self.infos)))
         self._grad_split: Optional[tuple] = None  # see _orig_grad_views
         self._rg_mask: Optional[bytes] = None
@@ -311,7 +426,8 @@ class Unit(UnshardStates):
                     continue
                 local = p._local_tensor if isinstance(p, DTensor) else p
                 info = ParamInfo(mod, name, join_fqn(mod_name, name), local.shape, local.numel(), p,
-                                 tp_spec=p._spec if isinstance(p, DTensor) else None)
+                                 tp_spec=p._spec if isinstance(p, DTensor) else None,
+                                 stride=kept_stride(local))
                 if p in first:
                     info.primary = first[p]
                     shared.append(info)
@@ -414,7 +530,7 @@ class Unit(UnshardStates):
 
     def _views_of(self, buf: torch.Tensor) -> list[torch.Tensor]:
         return [
-            buf[off : off + i.numel].view(i.shape)
+            i.view(buf[off : off + i.numel])
             for off, i in zip(self.layout.offsets, self.infos)
         ]
 
@@ -444,17 +560,38 @@ class Unit(UnshardStates):
             out.append(self.shard[sl.shard_offset : sl.shard_offset + sl.numel])
         return out
 
-    def _install_initial_views(self) -> None:
+    def _make_buffers(self) -> None:
+        """The forward buffer (param_dtype): the all-gather output, or for NO_SHARD with
+        mixed precision the low-precision copy of the shard; the full-precision gather for
+        summon and state dicts under mixed precision; the buffer the parameters live in
+        (None while sharded).  Storage freed until the first unshard."""
+        lay, sharded = self.layout, self.sharded
+        fwd_numel = lay.padded_numel if sharded else (lay.flat_numel if self.uses_mp else 0)
+        self.unsharded = torch.empty(fwd_numel, dtype=self.param_dtype, device=self.device)
+        self.unsharded_full = (
+            torch.empty(lay.padded_numel, dtype=self.dtype, device=self.device)
+            if (sharded and self.uses_mp)
+            else None
+        )
+        if self.unsharded_full is not None:
+            self.unsharded_full.untyped_storage().resize_(0)
+        self._init_unshard_states(None if (sharded or self.uses_mp) else self.shard)
+
+    def _make_idle_views(self) -> list:
+        """What a sharded unit's modules hold with use_orig_params=False: views with full
+        shapes of the forward buffer, whose storage is freed until the first unshard (as
+        torch leaves its module attributes); with NO_SHARD, views of the shard."""
         if self.sharded or self.uses_mp:
-            # views with full shapes, whose storage is then freed until the
-            # first unshard (as torch leaves its module attributes)
             alloc_storage(self.unsharded)
             views = self._views_of(self.unsharded)
             free_storage(self.unsharded)
         else:
             views = self._views_of(self.shard)
-        views = self._as_seen(views)
-        self._idle_views = views  # what a sharded unit's modules hold (use_orig_params=False)
+        self._idle_views = self._as_seen(views)
+        return self._idle_views
+
+    def _install_initial_views(self) -> None:
+        views = self._make_idle_views()
         if self.use_orig_params:
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
@@ -475,12 +612,16 @@ class Unit(UnshardStates):
         if self.use_orig_params:
             for s in self.shared:
                 s.param._cfsdp_flattened = True  # type: ignore[attr-defined]
+            self._note_data()
 
     # ------------------------------------------------------- unshard/reshard
     def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
         """Make the full parameters available: issue the all-gather (sharded)
         or the low-precision copy (NO_SHARD with mixed precision).  A no-op if
-        already unsharded or in flight; ``full_precision`` is for summon."""
+        already unsharded or in flight; ``full_precision`` is for summon.  Writes to the
+        original parameters are carried over first ([Note: writeback of original
+        parameters]), as torch's ``pre_unshard``."""
+        self.writeback_orig_params()
         super().unshard(async_op, full_precision=full_precision)
 
     def _start_unshard(self, full_precision: bool = False):
@@ -511,7 +652,13 @@ class Unit(UnshardStates):
     def reshard(self) -> None:
         """Free the unsharded buffer and point every parameter back at the shard."""
         self.wait_unshard()
-        if self._buf is None or (not self.sharded and not self.uses_mp):
+        if not self.sharded and not self.uses_mp:
+            # NO_SHARD: the parameters stay where they are, but the modules show the
+            # registered original parameters again, not the forward's views (as torch)
+            if self.use_orig_params:
+                _core.dict_pop(self._occ_attrs, self._occ_keys)
+            return
+        if self._buf is None:
             return
         self.flat_param.data = self.shard
         if self._buf is not self.shard:
@@ -519,6 +666,107 @@ class Unit(UnshardStates):
         self._buf = None
         if self.use_orig_params:
             _core.dict_pop(self._occ_attrs, self._occ_keys)
+
+    # ----------------------------------- nn.Module._apply: model.to(dtype), .double(), .half()
+    @contextlib.contextmanager
+    def flat_param_registered(self):
+        """Around ``nn.Module._apply`` of the unit's modules (``model.to(dtype)``,
+        ``.double()``, ``.half()``): the flat parameter is what it converts, as torch
+        FSDP1's ``_apply`` arranges (``_deregister_orig_params_ctx``).  The unit is
+        resharded first (the shard is what is converted); with use_orig_params=True the
+        original parameters are taken off their modules and the flat parameter registered
+        for the call, then each is put back in its place.  :meth:`adopt_flat_data` takes
+        the result over.  With use_orig_params=True, writes to the original parameters are carried over first, and
+        gradients the user cleared (``zero_grad``) stay cleared: the flat gradient goes
+        through the conversion too, and would otherwise show again."""
+        self.reshard()
+        self._applied = None
+        if not self.use_orig_params:
+            try:
+                yield
+            finally:
+                self._take_applied()
+            return
+        self.drop_grad_if_orig_grads_cleared()
+        self.writeback_orig_params()
+        hidden: dict[int, tuple[dict, dict, list]] = {}  # id -> (_parameters, ours, order)
+        for info in (*self.infos, *self.shared):
+            d = info.module._parameters
+            entry = hidden.setdefault(id(d), (d, {}, list(d)))
+            entry[1][info.name] = self.infos[info.primary].param if info.primary >= 0 else info.param
+            d.pop(info.name, None)
+        self.module._parameters[FLAT_PARAM] = self.flat_param
+        try:
+            yield
+        finally:
+            self._take_applied()
+            self.module._parameters.pop(FLAT_PARAM, None)
+            for d, ours, order in hidden.values():
+                rest = dict(d)
+                d.clear()
+                for k in order:
+                    if k in ours:
+                        d[k] = ours[k]
+                    elif k in rest:
+                        d[k] = rest.pop(k)
+                d.update(rest)
+
+    def _take_applied(self) -> None:
+        """``_apply`` may register a new parameter in the flat parameter's place (a move
+        to another kind of tensor, or ``torch.__future__``'s overwrite-on-conversion): the
+        unit keeps its own object (the optimizer holds it) and :meth:`adopt_flat_data`
+        looks at the new one's data."""
+        got = self.module._parameters.get(FLAT_PARAM)
+        if got is not None and got is not self.flat_param:
+            self._applied = got
+            self.module._parameters[FLAT_PARAM] = self.flat_param
+
+    def adopt_flat_data(self) -> None:
+        """After ``nn.Module._apply`` (inside :meth:`flat_param_registered`): when it gave
+        the flat parameter new data (a new dtype), that becomes the shard and the unit
+        follows, with torch FSDP1's rules (its ``init_flat_param_attributes``): the
+        mixed-precision dtypes the user gave stay, the others follow the new dtype; the
+        buffers, the modules' views and the original parameters' data and gradients are
+        made anew.  The layout (alignment included) stays, as torch's."""
+        applied, self._applied = self._applied, None
+        new = (applied if applied is not None else self.flat_param).data
+        old = self.shard
+        if new.dtype == old.dtype and new.device == old.device and new.data_ptr() == old.data_ptr():
+            return
+        if new.device != old.device or not (new.is_floating_point() or new.is_complex()):
+            self.flat_param.data = old
+            what = (f"moves it to {new.device}" if new.device != old.device
+                    else f"casts it to {new.dtype}")
+            err = NotImplementedError if new.device != old.device else TypeError
+            raise err(
+                f"cfsdp: nn.Module._apply (to / cuda / type ...) {what}, but {self._where}'s "
+                f"parameters (e.g. '{clean_tensor_name(self.infos[0].fqn)}') are sharded "
+                f"{old.dtype} on {old.device}: cast to a floating-point dtype, or move the "
+                "module before wrapping it.")
+        if new.shape != old.shape:
+            raise AssertionError(f"cfsdp unit: _apply changed the shard's shape {old.shape} to {new.shape}")
+        if applied is not None:
+            self.flat_param.data = new
+            self.flat_param.grad = applied.grad
+        self.shard = new
+        self.dtype = new.dtype
+        if not self._mp_param_given:
+            self.param_dtype = new.dtype
+            if not self._mp_reduce_given:
+                self.reduce_dtype = new.dtype
+        self.uses_mp = self.param_dtype != self.dtype
+        self._make_buffers()
+        views = self._make_idle_views()
+        if self.use_orig_params:
+            for info, v in zip(self.infos, self.shard_views()):
+                info.param.data = v
+            self._note_data()
+            if self.grad_unsharded:
+                self.publish_unsharded_grad()
+            else:
+                self.orig_grads_as_shard_views()
+        else:
+            _core.dict_set(self._occ_attrs, self._occ_keys, tuple(views[i] for i in self._occ_index))
 
     def reshard_after_forward(self, for_backward: bool) -> None:
         """Post-forward reshard (the wrapper face frees everything)."""
@@ -546,6 +794,8 @@ class Unit(UnshardStates):
         views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._split_index,
                                   self._shapes, self._rg_mask if self.use_orig_params else None,
                                   self._occ_index)
+        if self._strided_occ:
+            views = self._restride(views, self._strided_occ)
         if self._tp_occ:  # [Note: tensor-parallel wrapper units]
             views = list(views)
             specs = self._tp_view_specs
@@ -615,6 +865,7 @@ class Unit(UnshardStates):
                 for info in [*self.infos, *self.shared]:
                     info.module._parameters[info.name] = info.param
                 self._shown_tp = {}
+            self._note_data()
         else:
             for info, v in zip(self.infos, views):
                 del info.module._parameters[info.name]
@@ -629,7 +880,10 @@ class Unit(UnshardStates):
         the shards into a new tensor (or into the front of ``scratch``, a 1-D buffer
         of this dtype and device that is large enough); the unit itself stays as it
         is.  A FULL state dict keeps it: its entries are views of it, so a unit
-        costs one copy, not two.  Collective over the unit's group."""
+        costs one copy, not two.  Collective over the unit's group.  Writes to the original
+        parameters are carried over first, as torch's state dicts unshard ([Note: writeback
+        of original parameters])."""
+        self.writeback_orig_params()
         n = self.layout.padded_numel if self.sharded else self.layout.flat_numel
         out = torch.empty(n, dtype=self.dtype, device=self.device) if scratch is None else scratch[:n]
         if not self.sharded:
@@ -663,7 +917,7 @@ class Unit(UnshardStates):
         parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
         for i, (off, info) in enumerate(zip(self.layout.offsets, self.infos)):
             g = (None if full is None or not info.param.requires_grad
-                 else full[off : off + info.numel].view(info.shape))
+                 else info.view(full[off : off + info.numel]))
             shown = self._shown_tp.get(i)
             if shown is not None:  # a TP parameter shown as a DTensor: a DTensor gradient
                 shown.grad = None if g is None else tp_dtensor(g, info.tp_spec)
@@ -691,19 +945,18 @@ class Unit(UnshardStates):
         g = self.flat_param.grad
         if g is None:
             _core.attr_set(self._orig_t, "grad", None)
-            return
-        if g.dtype == self.dtype:  # one C pass (see [Note: bulk binding])
+        elif g.dtype == self.dtype:  # one C pass (see [Note: bulk binding])
             _core.attr_set(self._orig_t, "grad", self._orig_grad_views(g))
-            return
-        if not self.sharded:  # keep_low_precision_grads: set_grad's dtype side-step
+        elif not self.sharded:  # keep_low_precision_grads: set_grad's dtype side-step
             for info, v in zip(self.infos, self._grad_views(g)):
                 set_grad(info.param, v if info.param.requires_grad else None)
-            return
-        for info, sl in zip(self.infos, self.layout.slices[self.rank]):
-            if g is None or sl.numel == 0 or not info.param.requires_grad:
-                info.param.grad = None
-            else:
-                set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+        else:
+            for info, sl in zip(self.infos, self.layout.slices[self.rank]):
+                if sl.numel == 0 or not info.param.requires_grad:
+                    info.param.grad = None
+                else:
+                    set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+        self._note_grads()
 
     def _orig_grad_views(self, g: torch.Tensor) -> tuple:
         """Each original parameter's gradient as a view of the flat gradient ``g``
@@ -732,8 +985,26 @@ class Unit(UnshardStates):
             index, shapes = views_or_none(index, shapes, mask, len(sizes))
             cached = self._grad_split = (mask, sizes, index, shapes)
         _, sizes, index, shapes = cached
-        return _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
-                                 self._param_index)
+        views = _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
+                                  self._param_index)
+        if self._strided_params and not self.sharded:
+            views = self._restride(views, self._strided_params)
+        return views
+
+    def _restride(self, views: tuple, occurrences: tuple) -> tuple:
+        """``views`` with each strided parameter's 1-D piece made its ``as_strided`` view
+        ([Note: strided parameters]): ``occurrences`` pairs a parameter's index with the
+        positions of its pieces in ``views`` (tied ones share one view object, as
+        ``shape_views`` gives them); None stays None."""
+        views = list(views)
+        for i, ks in occurrences:
+            v = views[ks[0]]
+            if v is None:
+                continue
+            v = self.infos[i].view(v)
+            for k in ks:
+                views[k] = v
+        return tuple(views)
 
     # --------------------------------------------------------------- grads
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
@@ -839,7 +1110,7 @@ class Unit(UnshardStates):
         if g is None:
             return [None] * len(self.infos)
         return [
-            g[off : off + i.numel].view(i.shape) for off, i in zip(self.layout.offsets, self.infos)
+            i.view(g[off : off + i.numel]) for off, i in zip(self.layout.offsets, self.infos)
         ]
 
     def publish_unsharded_grad(self) -> None:
@@ -850,6 +1121,7 @@ class Unit(UnshardStates):
             return
         for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):
             set_grad(info.param, v if info.param.requires_grad else None)
+        self._note_grads()
 
     def before_forward(self) -> None:
         """Per-step bookkeeping of the original parameters (use_orig_params)."""
@@ -865,3 +1137,142 @@ class Unit(UnshardStates):
             if all_none(_core.attr_get(self._orig_t, "grad")):
                 self.flat_param.grad = None
                 self.grad_unsharded = False
+                self._note_grads()
+
+    # --------------------------------------------- writes to the original parameters
+    def _note_data(self) -> None:
+        """Record where the original parameters' data are, as the unit set them
+        ([Note: writeback of original parameters])."""
+        self._idle_ptrs = tuple(map(torch.Tensor.data_ptr, self._orig_t))
+
+    def _note_grads(self) -> None:
+        """Record the gradient objects the unit set on the original parameters."""
+        self._shown_grads = _core.attr_get(self._orig_t, "grad")
+
+    def writeback_orig_params(self, grads_only: bool = False) -> bool:
+        """Carry writes to the original parameters (``p.data = t``, ``p.grad = g``,
+        ``p.grad = None``, a new registered parameter) over into the flat parameter and its
+        gradient, as torch FSDP1's ``_writeback_orig_params``: [Note: writeback of original
+        parameters].  ``grads_only``: the gradients alone (clip_grad_norm_).  Returns whether
+        a parameter was written back.  A no-op without use_orig_params, while the unit is
+        unsharded or its all-gather is in flight."""
+        if not self.use_orig_params or self._skip_writeback:
+            return False
+        if self._unshard_work is not None or (self.sharded and self._buf is not None):
+            return False
+        if (all(map(operator.is_, map(dict.get, self._occ_params_dicts, self._occ_keys), self._occ_params))
+                and all(map(operator.is_, _core.attr_get(self._orig_t, "grad"), self._shown_grads))
+                and (grads_only or tuple(map(torch.Tensor.data_ptr, self._orig_t)) == self._idle_ptrs)):
+            return False
+        return self._writeback(grads_only)
+
+    def _writeback(self, grads_only: bool) -> bool:
+        """The per-parameter pass of :meth:`writeback_orig_params`, in torch's order."""
+        fgrad = self.flat_param.grad
+        full_grad = self.sharded and self.grad_unsharded  # no_sync's unsharded gradient
+        wrote = adopted = False
+        grad_none = [False] * len(self.infos)
+        for i, (info, sl) in enumerate(zip(self.infos, self.layout.slices[self._lay_rank])):
+            if sl.numel == 0 and not full_grad:
+                continue  # no element on this rank: nothing to write (torch skips it too)
+            param = info.param
+            if not grads_only and sl.numel > 0:
+                current = info.module._parameters.get(info.name)
+                if current is None:
+                    continue  # deregistered: nothing to write back, as torch
+                new = current is not param
+                if new:  # a new parameter object: it becomes the parameter
+                    param = info.param = current
+                    param._cfsdp_flattened = True  # type: ignore[attr-defined]
+                    adopted = True
+                if new or not _same_storage(param, self.shard):
+                    self._write_param(info, sl, param)
+                    wrote = True
+            g = param.grad
+            if g is None:
+                if fgrad is not None:
+                    self._grad_slot(i, sl, fgrad, full_grad).zero_()
+                    grad_none[i] = True
+            elif fgrad is None or not _same_storage(g, fgrad):
+                if fgrad is None:
+                    fgrad = self.flat_param.grad = torch.zeros_like(self.shard)
+                self._write_grad(i, sl, g, fgrad, full_grad)
+        if adopted:
+            self._orig_t = tuple(i.param for i in self.infos)
+            self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
+            self._rg_mask = None
+            self.refresh_requires_grad()
+        if not grads_only:
+            for info in self.infos:  # torch registers its own objects again (_use_sharded_views):
+                # an adopted one, else the old one (where this rank holds no element of it)
+                if info.module._parameters.get(info.name) is not info.param:
+                    info.module._parameters[info.name] = info.param
+            for s in self.shared:
+                if s.module._parameters.get(s.name) is not self.infos[s.primary].param:
+                    raise NotImplementedError(
+                        "Changing shared parameters is not supported yet (cfsdp: "
+                        f"{self._where}'s '{clean_tensor_name(s.fqn)}' is tied to "
+                        f"'{clean_tensor_name(self.infos[s.primary].fqn)}' and no longer holds the "
+                        "same parameter; assign the same object to both, or change the values "
+                        "in place.)")
+            for info, v in zip(self.infos, self.shard_views()):  # views of the shard again
+                info.param.data = v
+            self._note_data()
+        if full_grad or (not self.sharded and self.grad_unsharded):
+            self.publish_unsharded_grad()
+        else:
+            self.orig_grads_as_shard_views()
+        if any(grad_none):  # None until the next backward gives them a gradient, as torch
+            for info, none in zip(self.infos, grad_none):
+                if none:
+                    info.param.grad = None
+            self._note_grads()
+        return wrote
+
+    def _shape_error(self, info: ParamInfo, what: str, want: torch.Size, got: torch.Size,
+                     given: torch.Size, sl) -> WritebackError:
+        held = (f"this rank's 1-D shard of its elements ({sl.numel})" if self.sharded
+                else f"its full shape {tuple(info.shape)}")
+        return WritebackError(
+            f"Cannot writeback when the {what} shape changes\nExpects {want} but got {got} "
+            f"(cfsdp: {self._where}'s parameter '{clean_tensor_name(info.fqn)}' was given a "
+            f"{what} of shape {tuple(given)} after wrapping; with use_orig_params=True it is "
+            f"{held} between steps: assign a tensor of that shape, change the values in place, "
+            "or write full values inside summon_full_params.)")
+
+    def _write_param(self, info: ParamInfo, sl, src: torch.Tensor) -> None:
+        """Copy a parameter's new data ``src`` into its place in the shard."""
+        src = src.detach()
+        if self.sharded:
+            want, flat = torch.Size([sl.numel]), src
+        elif info.stride is None:  # NO_SHARD: any shape of as many elements (torch's view(-1))
+            want, flat = torch.Size([info.numel]), src.reshape(-1)
+        else:  # a strided parameter's elements in memory order: its own shape only
+            if src.shape != info.shape:
+                raise self._shape_error(info, "parameter", info.shape, src.shape, src.shape, sl)
+            want, flat = torch.Size([info.numel]), info.flat(src)
+        if flat.shape != want:
+            raise self._shape_error(info, "parameter", want, flat.shape, src.shape, sl)
+        self.shard[sl.shard_offset : sl.shard_offset + sl.numel].copy_(flat)
+
+    def _grad_slot(self, i: int, sl, fgrad: torch.Tensor, full_grad: bool) -> torch.Tensor:
+        """Parameter ``i``'s part of the flat gradient: its shard slice, or its whole
+        range of no_sync's unsharded gradient."""
+        if full_grad:
+            off = self.layout.offsets[i]
+            return fgrad[off : off + self.infos[i].numel]
+        return fgrad[sl.shard_offset : sl.shard_offset + sl.numel]
+
+    def _write_grad(self, i: int, sl, g: torch.Tensor, fgrad: torch.Tensor, full_grad: bool) -> None:
+        """Copy a parameter's new gradient ``g`` into its part of the flat gradient."""
+        info = self.infos[i]
+        g = g.detach()
+        if self.sharded and not full_grad:
+            want, flat = torch.Size([sl.numel]), g
+        elif info.stride is not None and g.shape == info.shape:
+            want, flat = torch.Size([info.numel]), info.flat(g)
+        else:
+            want, flat = torch.Size([info.numel]), g.reshape(-1)
+        if flat.shape != want:
+            raise self._shape_error(info, "gradient", want, flat.shape, g.shape, sl)
+        self._grad_slot(i, sl, fgrad, full_grad).copy_(flat)
