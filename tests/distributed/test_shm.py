@@ -4,7 +4,9 @@ worker_shm.py for what is compared and the tolerances.
 One torchrun launch per world size (2, 3, 4) runs every subtest, with 4 KiB slot halves so
 that most sizes run in many pieces.  A separate launch per world size (2 and 3) kills a
 peer between two collectives: the survivors must fail within the process-group timeout
-naming it, and /dev/shm must hold nothing of the run afterwards.
+naming it, and /dev/shm must hold nothing of the run afterwards.  One launch per world
+size (2 and 3) runs worker_shm_setup.py: two groups set up from two threads at once, and
+set-ups that time out naming what the absent rank did not do.
 ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
 """
 
@@ -32,6 +34,14 @@ def cfsdp_segments_of(pids):
 def test_shm_collectives_vs_gloo(world_size):
     res = run_worker("worker_shm.py", world_size, args=subtest_filter(),
                      timeout=LAUNCH_TIMEOUT_S, env=SLOT_ENV)
+    assert "subtests:" in res.output
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_set_up_threads_and_timeouts(world_size):
+    res = run_worker("worker_shm_setup.py", world_size, args=subtest_filter(),
+                     timeout=LAUNCH_TIMEOUT_S, env=SHM_ON)
     assert "subtests:" in res.output
 
 
