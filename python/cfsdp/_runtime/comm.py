@@ -114,6 +114,10 @@ call takes the process group, one-rank groups included: the mode then counts cfs
 collectives under torch's own ops (``c10d._allgather_base_``, ``_reduce_scatter_base_``,
 ``allreduce_``), exactly as it counts torch's FSDP's.
 
+Exit.  An ``atexit`` handler, before Python finalizes, closes every view and lane (their
+threads joined), then lets gloo's worker threads finish with Python (shutdown.py, [Note:
+exit and gloo workers]): a job exits 0 on every rank.
+
 Twin.  Under ``CFSDP_IMPL=python`` (the pure-Python twins) every call takes
 the process group: the process group is the shared-memory transport's twin,
 and tests/distributed/test_shm.py compares the two on the same data (one host),
@@ -140,7 +144,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from . import two_level
+from . import shutdown, two_level
 
 SHM_ENV = "CFSDP_SHM"
 SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
@@ -538,8 +542,12 @@ def release(group: Optional[dist.ProcessGroup] = None) -> None:
 
 @atexit.register
 def _close_all() -> None:
+    """At exit, before Python finalizes: every shared-memory view and lane closed (their
+    threads joined), then gloo's worker threads given the GIL until they are done with
+    Python ([Note: exit and gloo workers] in shutdown.py)."""
     for st in list(_all_shm):
         st.close()
+    shutdown.quiesce_gloo_workers()
 
 
 def _is_sum_or_avg(op) -> Optional[bool]:
