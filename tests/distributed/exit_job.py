@@ -71,7 +71,8 @@ class StarvedUntilFreed:
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
 
 
 def build(face: str):

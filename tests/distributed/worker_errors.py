@@ -256,7 +256,8 @@ def optimizer_built_before_wrapping(ctx, inner_wrapped_first):
     except RuntimeError as e:
         msg = str(e)
         if f"'{first}'" not in msg:
-            f.items.append(f"cfsdp: RuntimeError does not name the first stale FQN {first!r}: {msg!r}")
+            f.items.append(f"cfsdp: RuntimeError does not name the first stale FQN {first!r}: "
+                           f"{msg!r}")
         if not re.search(r"after\b.*wrap", msg, flags=re.IGNORECASE | re.DOTALL):
             f.items.append(f"cfsdp: RuntimeError does not say to build the optimizer after wrapping: {msg!r}")
     except BaseException as e:  # noqa: BLE001

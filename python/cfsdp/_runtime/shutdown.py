@@ -5,26 +5,27 @@ torch's gloo worker threads done with Python before the interpreter finalizes.
 A gloo process group runs its collectives on worker threads of its own (named
 ``pt_gloo_runloop``), and a worker drops its reference to a collective's work object right
 after finishing it.  In torch 2.13 that work can hold Python objects: the thread-local state
-it captured at issue (a collective issued inside ``backward()``, as DDP's gradient
-all-reduces and cfsdp's reduce-scatters are, captures the ``contextvars`` context that
-``torch.autograd`` stashes there for the whole backward), or a tensor whose Python object
-outlived its last Python reference.  Releasing it takes the GIL.  Once Python has begun to
-finalize (after every ``atexit`` handler), a thread that takes the GIL is ended by
-``pthread_exit``, whose unwinding through torch's ``noexcept`` destructors calls
-``std::terminate``: the rank dies with "terminate called without an active exception"
-(SIGABRT) after training correctly, and torchrun reports the job failed.  It happens when a
-worker is still owing that release at finalization, which needs the process group to be alive
-then (``destroy_process_group`` only unregisters a group: the ``DistributedDataParallel``,
-optimizer or model that still holds it keeps its threads) and the worker to have been
-descheduled since its last collective finished (a loaded machine: 3 of 40 runs of a 2-rank
-job of torch's DDP with cfsdp's ZeRO on 2 busy cores, 1 of 30 with torch's ZeRO).  gloo has no call that waits for its workers (its ``shutdown`` and
-``abort`` do nothing), so at exit, before finalization, :func:`quiesce_gloo_workers` yields
-the GIL until every gloo worker thread of the process has stayed asleep without running for
-two consecutive windows of ``QUIET_WINDOW_S``: a worker owing a release wakes for the GIL as
-soon as it is free and runs, so it is seen as busy until it is done.  Bounded by
-``QUIET_MAX_S``; a worker blocked in an unfinished collective (a peer that left) sleeps
-without running and does not hold the exit up.  Linux (``/proc/self/task``); elsewhere it
-does nothing.  A process without gloo groups pays nothing; one with them about two windows.
+it captured at issue (a collective issued inside ``backward()``, as DDP's gradient all-reduces
+and cfsdp's reduce-scatters are, captures the ``contextvars`` context that ``torch.autograd``
+stashes there for the whole backward), or a tensor whose Python object outlived its last
+Python reference.  Releasing it takes the GIL.  Once Python has begun to finalize (after every
+``atexit`` handler), a thread that takes the GIL is ended by ``pthread_exit``, whose unwinding
+through torch's ``noexcept`` destructors calls ``std::terminate``: the rank dies with
+"terminate called without an active exception" (SIGABRT) after training correctly, and
+torchrun reports the job failed.  It happens when a worker is still owing that release at
+finalization, which needs the process group to be alive then (``destroy_process_group`` only
+unregisters a group: the ``DistributedDataParallel``, optimizer or model that still holds it
+keeps its threads) and the worker to have been descheduled since its last collective finished
+(a loaded machine: 3 of 40 runs of a 2-rank job of torch's DDP with cfsdp's ZeRO on 2 busy
+cores, 1 of 30 with torch's ZeRO).  gloo has no call that waits for its workers (its
+``shutdown`` and ``abort`` do nothing), so at exit, before finalization,
+:func:`quiesce_gloo_workers` yields the GIL until every gloo worker thread of the process has
+stayed asleep without running for two consecutive windows of ``QUIET_WINDOW_S``: a worker
+owing a release wakes for the GIL as soon as it is free and runs, so it is seen as busy until
+it is done.  Bounded by ``QUIET_MAX_S``; a worker blocked in an unfinished collective (a peer
+that left) sleeps without running and does not hold the exit up.  Linux (``/proc/self/task``);
+elsewhere it does nothing.  A process without gloo groups pays nothing; one with them about
+two windows.
 """
 
 from __future__ import annotations
