@@ -164,18 +164,14 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     code = run(args.steps, args.tol)
     # Tear down only on success (an exception exits and torchrun stops the other
-    # ranks), and only once every rank got here.  Even then torch 2.13's gloo
-    # intermittently aborts a rank during interpreter shutdown ("terminate
-    # called without an active exception": a gloo thread still joinable when
-    # C++ statics are destroyed), with torch's FSDP1 alone too; so the process
-    # leaves with os._exit once its output is flushed, as tests/distributed does.
+    # ranks), and only once every rank got here.  The interpreter's exit is then
+    # clean: cfsdp's atexit handler lets gloo's worker threads finish with Python
+    # before it finalizes (torch 2.13 alone can abort a rank there: [Note: exit and
+    # gloo workers] in python/cfsdp/_runtime/shutdown.py).
     dist.barrier()
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    sys.exit(main())

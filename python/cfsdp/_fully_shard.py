@@ -37,6 +37,7 @@ from torch.distributed._composable.contract import _get_registry
 
 from ._compile import dynamo_disable
 from ._docs import adopt_class_docs, adopt_function_doc
+from ._fqn import full_name
 from ._runtime.chunk_group import chunk_units
 from ._runtime.chunk_unit import ChunkUnit, local_data
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
@@ -611,8 +612,8 @@ def fully_shard(
             raise ValueError(
                 "fully_shard doesn't support scalar parameters. "
                 f"Change {occ[0][1]} to a 1D tensor with numel equal to 1. (cfsdp: the parameter "
-                f"is '{fqn_of.get(p, occ[0][1])}'; e.g. nn.Parameter(torch.tensor([v])), or pass "
-                "it in ignored_params.)"
+                f"is '{full_name(*occ[0], known=fqn_of.get(p, occ[0][1]))}'; e.g. "
+                "nn.Parameter(torch.tensor([v])), or pass it in ignored_params.)"
             )
     placements: dict[nn.Parameter, Any] = {}
     if shard_placement_fn is not None:  # as torch, every result is resolved first
@@ -648,8 +649,8 @@ def fully_shard(
         mp_policy.reduce_dtype, shard_dims=shard_dims))
     if unit is not None:
         unit.post_forward_group = post_forward_group
-        for _, _, fqn, p, _ in entries:  # an optimizer still holding them fails at step()
-            mark_replaced(p, fqn, FULLY_SHARD)
+        for module, name, fqn, p, _ in entries:  # an optimizer holding them fails at step()
+            mark_replaced(p, fqn, FULLY_SHARD, module, name)
     for b in (b for m in managed for b in m._buffers.values() if b is not None):
         if b.device != device and b.device.type != "meta":
             b.data = b.to(device)

@@ -43,7 +43,7 @@ from ._runtime.base import TrainingState, wrappers_in
 from ._runtime.unit import Unit, flatten_error, scalar_param_message
 from ._compile import dynamo_disable, dynamo_skip_frame
 from ._docs import adopt_class_docs
-from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, join_fqn
+from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, full_name, join_fqn
 from . import _optim_state_dict as _osd
 from . import _state_dict as _sd
 from .api import (
@@ -517,7 +517,7 @@ def _check_not_scalar(module: nn.Module, managed: list[nn.Parameter]) -> None:
             name = next(n for n, q in module.named_parameters() if q is p)
             root = _AUTO_WRAP_ROOT.get() or module
             fqn = next((n for n, q in root.named_parameters() if q is p), name)
-            raise ValueError(scalar_param_message(name, clean_tensor_name(fqn)))
+            raise ValueError(scalar_param_message(name, full_name(root, fqn, known=fqn)))
 
 
 def _annotate_modules_for_dynamo(

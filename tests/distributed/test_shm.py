@@ -9,6 +9,8 @@ every survivor within seconds (designed for ~0.2 s; asserted < DETECT_S on this 
 machine) naming the dead rank and the host; /dev/shm holds nothing of the run afterwards.
 Another launch per case kills a rank inside the set-up window (worker_shm_setup_kill.py):
 the survivors remove the segment.
+One launch per world size (2 and 3) runs worker_shm_setup.py: two groups set up from two
+threads at once, and set-ups that time out naming what the absent rank did not do.
 ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
 """
 
@@ -39,6 +41,14 @@ def cfsdp_segments_of(pids):
 def test_shm_collectives_vs_gloo(world_size):
     res = run_worker("worker_shm.py", world_size, args=subtest_filter(),
                      timeout=LAUNCH_TIMEOUT_S, env=SLOT_ENV)
+    assert "subtests:" in res.output
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_set_up_threads_and_timeouts(world_size):
+    res = run_worker("worker_shm_setup.py", world_size, args=subtest_filter(),
+                     timeout=LAUNCH_TIMEOUT_S, env=SHM_ON)
     assert "subtests:" in res.output
 
 

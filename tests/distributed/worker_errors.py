@@ -233,25 +233,31 @@ def tensor_parallel_parameters(ctx, face: str):
     f.raise_if_any()
 
 
-@h.subtest
-def optimizer_built_before_wrapping(ctx):
+@h.subtest(grid={"inner_wrapped_first": [False, True]})
+def optimizer_built_before_wrapping(ctx, inner_wrapped_first):
     """use_orig_params=False replaces the parameters: an optimizer over the old ones is stale.
 
-    The step must fail loudly (RuntimeError naming the stale parameter's FQN and saying to
-    build the optimizer after wrapping), never silently update parameters FSDP no longer uses.
+    The step must fail loudly (RuntimeError naming the stale parameter's FQN in the model
+    and saying to build the optimizer after wrapping), never silently update parameters FSDP
+    no longer uses.  ``inner_wrapped_first``: the unit holding the first parameter is
+    wrapped on its own before the root (it names it 'lin.weight'; the model, and the error,
+    'encoder.inner_unit.lin.weight').
     """
     f = Failures(ctx)
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    fqns = [n for n, _ in m.named_parameters()]
+    first = next(n for n, _ in m.named_parameters())
+    if inner_wrapped_first:
+        m.encoder.inner_unit = CFSDP(m.encoder.inner_unit, use_orig_params=False, **kw(ctx))
     model = CFSDP(m, use_orig_params=False, **kw(ctx))
     model(torch.randn(2, 4)).sum().backward()
     try:
         opt.step()
     except RuntimeError as e:
         msg = str(e)
-        if not any(n in msg for n in fqns):
-            f.items.append(f"cfsdp: RuntimeError names none of the stale FQNs {fqns}: {msg!r}")
+        if f"'{first}'" not in msg:
+            f.items.append(f"cfsdp: RuntimeError does not name the first stale FQN {first!r}: "
+                           f"{msg!r}")
         if not re.search(r"after\b.*wrap", msg, flags=re.IGNORECASE | re.DOTALL):
             f.items.append(f"cfsdp: RuntimeError does not say to build the optimizer after wrapping: {msg!r}")
     except BaseException as e:  # noqa: BLE001
@@ -514,6 +520,11 @@ SAME_AS_TORCH: dict[str, tuple[Callable[[Any, type], Any], tuple[str, ...]]] = {
     "scalar_parameter": (
         lambda ctx, F: F(with_param("encoder.inner_unit", "gain", nn.Parameter(torch.tensor(2.0)))(),
                          **kw(ctx)), ("encoder.inner_unit.gain",)),
+    # a unit wrapped on its own knows nothing above it: the FQN is still the model's
+    "scalar_parameter_in_a_unit_wrapped_alone": (
+        lambda ctx, F: (lambda m: F(m.encoder.inner_unit, **kw(ctx)))(
+            with_param("encoder.inner_unit", "gain", nn.Parameter(torch.tensor(2.0)))()),
+        ("'encoder.inner_unit.gain'",)),
     "scalar_parameter_auto_wrapped_unit": (
         lambda ctx, F: F(with_param("encoder", "inner_unit", Gained())(),
                          auto_wrap_policy=ModuleWrapPolicy({Gained}), **kw(ctx)), ("encoder.inner_unit.gain",)),

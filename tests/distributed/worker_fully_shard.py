@@ -1554,6 +1554,11 @@ BAD_INPUT: dict[str, tuple[Callable, tuple]] = {
     "scalar_parameter": (
         lambda impl, ctx, mesh: impl.fully_shard(ScalarParam(), mesh=mesh),
         ("same", ["gain"], ["sub.gain"])),
+    # a layer sharded on its own knows nothing above it: the FQN is still the model's
+    "scalar_parameter_in_a_layer_sharded_alone": (
+        lambda impl, ctx, mesh: (lambda m: impl.fully_shard(m[1], mesh=mesh))(
+            nn.Sequential(nn.Linear(3, 3), ScalarParam())),
+        ("same", ["gain"], ["'1.sub.gain'"])),
     "mesh_2d_without_names": (
         lambda impl, ctx, mesh: impl.fully_shard(
             nn.Linear(5, 3), mesh=DeviceMesh("cpu", torch.arange(WORLD).view(WORLD // 2, 2)))
@@ -1669,17 +1674,21 @@ def optimizer_built_before_fully_shard(ctx):
     train nothing (torch's FSDP2 lets it, silently).  cfsdp's step raises naming the FQN."""
     if SELFTEST:
         return
-    model = build("mlp")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard(CFSDP, model, mesh_1d(ctx), {}, {})
     x, y = batches("mlp", 1, ctx.world_size)[0][0][ctx.rank]
-    loss_fn("mlp", model(x), y).backward()
-    err = _raised(opt.step)
-    names = [n for n, _ in build("mlp").named_parameters()]
-    if (not isinstance(err, RuntimeError) or not any(f"'{n}'" in str(err) for n in names)
-            or "after fully_shard" not in str(err)):
-        raise AssertionError(f"expected a RuntimeError naming a parameter and saying to build "
-                             f"the optimizer after fully_shard, got {err!r}")
+    # the optimizer's first parameter in the root's unit, then in a block's (a unit sharded
+    # before the root: it knows it as 'lin.weight'); the error names it as the model does
+    for first in ("in_proj.weight", "blocks.1.lin.weight"):
+        model = build("mlp")
+        params = dict(model.named_parameters())
+        opt = torch.optim.SGD([params[first]] + [p for n, p in params.items() if n != first],
+                              lr=0.1)
+        shard(CFSDP, model, mesh_1d(ctx), {}, {})
+        loss_fn("mlp", model(x), y).backward()
+        err = _raised(opt.step)
+        if (not isinstance(err, RuntimeError) or f"'{first}'" not in str(err)
+                or "after fully_shard" not in str(err)):
+            raise AssertionError(f"expected a RuntimeError naming {first!r} and saying to build "
+                                 f"the optimizer after fully_shard, got {err!r}")
     # the supported order steps
     model = build("mlp")
     shard(CFSDP, model, mesh_1d(ctx), {}, {})

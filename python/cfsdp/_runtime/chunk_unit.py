@@ -483,7 +483,7 @@ class ChunkUnit(UnshardStates):
             if cur is None:
                 continue
             if q.sharded is not None and cur is not q.sharded:
-                mark_replaced(q.sharded, q.fqn, ADOPTED)
+                mark_replaced(q.sharded, q.fqn, ADOPTED, q.module, q.name)
             # the object stays the user's; its local tensor is the shard's rows again
             cur._local_tensor = self._shard_local(q)
             cur._spec = _spec(q.mesh, q.placements, q.global_shape, q.global_stride, self.dtype)

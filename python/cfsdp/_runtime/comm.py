@@ -93,14 +93,17 @@ the attacker keeps the store.  The message names the file's path, owner (uid and
 name) and mode, and what to do.  ZeRO's shared bucket applies the same check to its file
 (``optim/_zero_buckets.py``).
 
-Nothing in a set-up waits for a timeout but a rank that died or stalled before its
-first collective on the group (a ``RuntimeError`` naming the missing keys after the
-group's timeout).  A set-up that raises so (a rank killed between b and c: the *set-up
+The set-ups of different groups are independent, also in threads of one process (a side
+thread's group set up while the main thread sets up another): the waits poll the store and
+never hold its connection (``_Setup``).  Nothing in a set-up waits for a timeout but a
+rank that died or stalled before or during its first collective on the group: after the
+group's timeout a ``RuntimeError`` names each absent rank (group and global rank) and the
+step it did not do ("did not publish its host key", "did not publish the name of segment
+'all', which it creates", "did not say whether it attached segment 'all'
+(/cfsdp-...)").  A set-up that raises so (a rank killed between b and c: the *set-up
 window*, while the segment has a name) first closes this rank's view and unlinks the
 planned name, whoever created it, so the survivors leave nothing in ``/dev/shm`` even when
-the creator is the rank that died (a process killed by a signal runs no clean-up: a
-survivor that torchrun kills in the same instant cannot remove it either, which is why
-the window is kept as short as the attaching itself).
+the creator is the rank that died (see "Dead peers" for a survivor that is killed too).
 
 Group rank 0 logs the transport a group takes at INFO
 (``logging.getLogger("cfsdp")``); :func:`describe` returns it in words, and
@@ -157,6 +160,10 @@ call takes the process group, one-rank groups included: the mode then counts cfs
 collectives under torch's own ops (``c10d._allgather_base_``, ``_reduce_scatter_base_``,
 ``allreduce_``), exactly as it counts torch's FSDP's.
 
+Exit.  An ``atexit`` handler, before Python finalizes, closes every view and lane (their
+threads joined), then lets gloo's worker threads finish with Python (shutdown.py, [Note:
+exit and gloo workers]): a job exits 0 on every rank.
+
 Twin.  Under ``CFSDP_IMPL=python`` (the pure-Python twins) every call takes
 the process group: the process group is the shared-memory transport's twin,
 and tests/distributed/test_shm.py compares the two on the same data (one host),
@@ -176,15 +183,15 @@ import os
 import re
 import secrets
 import socket
+import time
 import weakref
-from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import _core
-from . import two_level
+from . import shutdown, two_level
 
 SHM_ENV = "CFSDP_SHM"
 SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
@@ -199,6 +206,7 @@ _log = logging.getLogger(__name__)
 _NOT_ATTEMPTED = "not attempted"
 _REFUSED = "refused:"  # an attach status: a name or file that is not this job's ("Trust")
 _SEGMENT_NAME = re.compile(r"/cfsdp-[0-9]+-[0-9a-f]{16}")  # what _open_segment creates
+_POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.05  # a set-up's polls of the store: see _Setup
 _SAME_EVERYWHERE = "set it the same on every rank"
 
 
@@ -326,7 +334,12 @@ def _shm_mode() -> str:
 class _Setup:
     """One set-up of one group: its store keys (fresh per set-up), the group's ranks and
     their bounded waits on each other (the only waits of a set-up: each is for a rank
-    that has not yet reached its own set-up, so only a dead or stalled rank times out)."""
+    that has not yet reached its own set-up, so only a dead or stalled rank times out).
+
+    The waits poll the store (``check``, a few milliseconds apart) and never block in
+    ``store.wait``: a blocking wait holds the store client's one connection for as long as
+    it waits, so the set-ups of two groups in two threads of a process (a side thread with
+    its own group) would each stop the other's ``set`` until the timeout."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -335,6 +348,7 @@ class _Setup:
         self.rank = group.rank()
         self.ranks = dist.get_process_group_ranks(group)
         self.timeout = group_timeout(group)
+        self.segment_of: dict = {}  # group rank -> its segment's label, once planned
         # each rank counts its set-ups of this group in the store itself (not in the
         # process): ranks that are threads of one process (torch's threaded test groups)
         # count their own, and a new store (a new world) starts every count afresh
@@ -342,24 +356,48 @@ class _Setup:
         n = store.add(f"{_STORE_PREFIX}/{self.label}/setups/{self.rank}", 1)
         self.store = dist.PrefixStore(f"{_STORE_PREFIX}/{self.label}/{n}/", store)
 
+    def who(self, r: int) -> str:
+        return f"group rank {r} (global rank {self.ranks[r]})"
+
+    def segment(self, r: int) -> str:
+        """Group rank ``r``'s segment in words: its label and, once published, its name."""
+        seg = self.segment_of.get(r, "?")
+        key = f"name/{seg}"
+        name = self.store.get(key).decode() if seg != "?" and self.store.check([key]) else ""
+        return f"{seg!r}" + (f" ({name})" if name and not name.startswith("error:") else "")
+
     def publish(self, key: str, value: str) -> None:
         self.store.set(key, value)
 
-    def gather(self, key: str, ranks: Sequence[int]) -> list:
-        """Every value of ``key/<r>`` for group ranks ``ranks`` (waiting for them)."""
-        keys = [f"{key}/{r}" for r in ranks]
-        self.wait(keys, f"{key} of group ranks {list(ranks)}")
-        return [self.store.get(k).decode() for k in keys]
+    def gather(self, key: str, ranks: Sequence[int], did: Callable[[int], str]) -> list:
+        """Every value of ``key/<r>`` for group ranks ``ranks`` (waiting for them);
+        ``did(r)`` says what rank r does by publishing it, for the timeout's message."""
+        says = {f"{key}/{r}": f"{self.who(r)} did not {did(r)}" for r in ranks}
+        self.wait(says)
+        return [self.store.get(k).decode() for k in says]
 
-    def wait(self, keys: list, what: str) -> None:
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception as e:  # noqa: BLE001 - a store timeout, whatever its type
-            missing = [k for k in keys if not self.store.check([k])]
-            raise RuntimeError(
-                f"cfsdp: set-up of group {self.label!r} (rank {self.rank} of {self.world}): "
-                f"no {what} after {self.timeout:g} s; missing {missing} (a rank died or "
-                f"stalled before its first collective on this group): {e}") from e
+    def wait(self, says: dict) -> None:
+        """Wait for every key of ``says`` (key -> what its absence means: "group rank 1
+        (global rank 1) did not publish its host key"); after the group's timeout a
+        ``RuntimeError`` naming each absent key's meaning."""
+        deadline = time.monotonic() + self.timeout
+        left, pause = list(says), _POLL_FIRST_S
+        while left:
+            if self.store.check([left[-1]]):
+                left.pop()
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                missing = [says[k] for k in reversed(left) if not self.store.check([k])]
+                if not missing:  # the last ones came in meanwhile
+                    return
+                raise RuntimeError(
+                    f"cfsdp: set-up of group {self.label!r} (group rank {self.rank} of "
+                    f"{self.world}) timed out after {self.timeout:g} s: "
+                    + "; ".join(missing) + " (a rank that died or stalled, or that has not "
+                    "issued its first collective on this group: every rank must issue it)")
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, _POLL_MAX_S)
 
 
 def _plan(infos: list) -> tuple:
@@ -412,7 +450,8 @@ def _segment_name(su: _Setup, seg: str, creator: int) -> str:
     """The name of segment ``seg`` that group rank ``creator`` published (waiting for it),
     or its ``"error:..."``.  Anything else than a name of the creator's form
     (``_SEGMENT_NAME``) was not written by cfsdp: ``PermissionError`` (see "Trust")."""
-    su.wait([f"name/{seg}"], f"segment name of {seg!r} from group rank {creator}")
+    su.wait({f"name/{seg}": f"{su.who(creator)} did not publish the name of segment "
+                            f"{seg!r}, which it creates"})
     name = su.store.get(f"name/{seg}").decode(errors="replace")
     if name.startswith("error:") or _SEGMENT_NAME.fullmatch(name):
         return name
@@ -492,7 +531,8 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
         slot = str(e)
     su.publish(f"host/{su.rank}", json.dumps([_host_id(), socket.gethostname(), _shm_mode(),
                                               slot]))
-    infos = [json.loads(v) for v in su.gather("host", range(su.world))]
+    infos = [json.loads(v) for v in su.gather("host", range(su.world),
+                                              lambda r: "publish its host key")]
     kind, how = _plan([i[:3] for i in infos])
     slots = {i[3] for i in infos}
     if kind != "pg":
@@ -516,6 +556,8 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
         hosts = how
         h = su.rank // len(hosts[0])
         members, seg = hosts[h], f"host{h}"
+    su.segment_of = {r: "all" if kind == "one" else f"host{i}"
+                     for i, ms in enumerate(hosts) for r in ms}
     shm = None
     try:
         try:
@@ -524,7 +566,8 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
         except PermissionError as e:  # see "Trust": every rank raises it below
             shm, status = None, _REFUSED + str(e)
         su.publish(f"attach/{su.rank}", status)
-        results = su.gather("attach", range(su.world))
+        results = su.gather("attach", range(su.world),
+                            lambda r: f"say whether it attached segment {su.segment(r)}")
     except BaseException:
         _abandon(su, seg, shm)
         raise
@@ -609,8 +652,12 @@ def release(group: Optional[dist.ProcessGroup] = None) -> None:
 
 @atexit.register
 def _close_all() -> None:
+    """At exit, before Python finalizes: every shared-memory view and lane closed (their
+    threads joined), then gloo's worker threads given the GIL until they are done with
+    Python ([Note: exit and gloo workers] in shutdown.py)."""
     for st in list(_all_shm):
         st.close()
+    shutdown.quiesce_gloo_workers()
 
 
 def _is_sum_or_avg(op) -> Optional[bool]:

@@ -5,10 +5,12 @@ Both faces replace the ``nn.Parameter`` objects a user's model held: the wrapper
 ``fully_shard`` registers a sharded ``DTensor`` parameter instead of each original one (and
 adopts the parameter that ``load_state_dict(assign=True)`` or a user's ``setattr`` puts in
 its place).  An optimizer built from the old objects would step tensors nothing reads any
-more: it would train nothing, silently.  So every replaced parameter is marked with its FQN
-and how it was replaced (:func:`mark_replaced`), and one optimizer step pre-hook, installed
-with the first mark, raises a ``RuntimeError`` naming the first replaced parameter an
-optimizer holds and saying to build the optimizer afterwards.
+more: it would train nothing, silently.  So every replaced parameter is marked with its FQN,
+the module that held it and how it was replaced (:func:`mark_replaced`), and one optimizer
+step pre-hook, installed with the first mark, raises a ``RuntimeError`` naming the first
+replaced parameter an optimizer holds, by its FQN in the whole model (``l1.weight``, also
+when each layer was wrapped or sharded on its own: ``_fqn.full_name`` from the module that
+held it), and saying to build the optimizer afterwards.
 
 Cost: the hook runs for every optimizer of the process, but checks an optimizer's
 parameters only when something changed since it last passed: a mark was made (a global
@@ -27,7 +29,11 @@ import weakref
 from typing import Optional
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._fqn import full_name
 
 _FQN_ATTR = "_cfsdp_stale_fqn"
 _HOW_ATTR = "_cfsdp_replaced_by"
@@ -36,6 +42,9 @@ _UID_ATTR = "_cfsdp_orig_uid"
 _generation = 0
 _hook_installed = False
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+# replaced parameter -> (a weak reference to the module that held it, its name there); not an
+# attribute of the parameter, which must stay picklable
+_holders: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 _uids = itertools.count()
 
 # how -> (what replaced it, when to build the optimizer)
@@ -51,18 +60,30 @@ ADOPTED = ("fully_shard now uses the parameter that took its place in the module
            "after loading or replacing parameters, from the model's parameters()")
 
 
-def mark_replaced(param: torch.Tensor, fqn: str, how: tuple[str, str]) -> None:
-    """Record that a unit no longer uses ``param`` (named ``fqn``); see the module doc."""
+def mark_replaced(param: torch.Tensor, fqn: str, how: tuple[str, str], module: nn.Module,
+                  name: str) -> None:
+    """Record that a unit no longer uses ``param``, named ``fqn`` relative to the unit's
+    module and ``name`` in ``module``, which held it; see the module doc."""
     global _generation
     setattr(param, _FQN_ATTR, fqn)
+    _holders[param] = (weakref.ref(module), name)
     setattr(param, _HOW_ATTR, how)
     _generation += 1
     _install()
 
 
 def replaced_fqn(param: torch.Tensor) -> Optional[str]:
-    """The FQN ``param`` had when a unit replaced it, or None."""
+    """The FQN ``param`` had when a unit replaced it (relative to the unit's module), or
+    None."""
     return getattr(param, _FQN_ATTR, None)
+
+
+def _model_fqn(param: torch.Tensor, fqn: str) -> str:
+    """A replaced parameter's FQN in the whole model, as far as the module that held it is
+    still in it (``_fqn.full_name``: for the error only, it walks the heap)."""
+    ref, name = _holders.get(param, (lambda: None, ""))
+    module = ref()
+    return fqn if module is None else full_name(module, name, known=fqn)
 
 
 def orig_uid(param: torch.Tensor) -> int:
@@ -106,11 +127,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            fqn = getattr(p, _FQN_ATTR, None)
+            fqn = replaced_fqn(p)
             if fqn is not None:
                 what, when = getattr(p, _HOW_ATTR, WRAPPER)
                 raise RuntimeError(
-                    f"The optimizer holds parameter '{fqn}', which the model no longer uses: "
+                    f"The optimizer holds parameter '{_model_fqn(p, fqn)}', which the model "
+                    "no longer uses: "
                     f"{what}, so stepping it would train nothing. Build the optimizer {when}."
                 )
     _checked[optimizer] = key

@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
-from .._fqn import FLAT_PARAM, clean_tensor_name, join_fqn
+from .._fqn import FLAT_PARAM, clean_tensor_name, full_name, join_fqn
 from . import comm
 from .base import (FromLocalView, PendingReduce, TrainingState, UnshardStates, accumulate_sharded,
                    all_none, alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
@@ -448,7 +448,7 @@ class Unit(UnshardStates):
             if info.tp_spec is not None:
                 dt = info.param
                 swap[dt] = nn.Parameter(dt._local_tensor.detach(), requires_grad=dt.requires_grad)
-                mark_replaced(dt, info.fqn, how)
+                mark_replaced(dt, info.fqn, how, info.module, info.name)
         for info in [*self.infos, *self.shared]:
             local = swap.get(info.param)
             if local is not None:
@@ -462,7 +462,8 @@ class Unit(UnshardStates):
         parameter on the unit's device.  cfsdp also flattens complex parameters."""
         for i in self.infos:
             if i.param.dim() == 0:
-                raise ValueError(scalar_param_message(i.fqn, i.fqn))
+                raise ValueError(scalar_param_message(
+                    i.fqn, full_name(i.module, i.name, known=i.fqn)))
         err = flatten_error([i.param for i in self.infos], self.use_orig_params)
         if err is not None:
             msg, k = err
@@ -603,11 +604,11 @@ class Unit(UnshardStates):
                 # The original parameter is no longer trained: free it, and
                 # mark it so an optimizer built before wrapping is caught.
                 info.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
-                mark_replaced(info.param, info.fqn, WRAPPER)
+                mark_replaced(info.param, info.fqn, WRAPPER, info.module, info.name)
             for s in self.shared:
                 del s.module._parameters[s.name]
                 s.module.__dict__[s.name] = views[s.primary]
-                mark_replaced(s.param, s.fqn, WRAPPER)
+                mark_replaced(s.param, s.fqn, WRAPPER, s.module, s.name)
             self.module._parameters[FLAT_PARAM] = self.flat_param
         if self.use_orig_params:
             for s in self.shared:
