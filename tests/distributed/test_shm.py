@@ -84,13 +84,16 @@ def test_dead_peer_fails_every_survivor(world_size):
 @pytest.mark.parametrize("world_size,where,survivors", [
     (3, "creator_before_name", "stay"), (3, "creator_after_name", "stay"),
     (3, "before_attach", "stay"), (3, "after_attach", "stay"), (2, "after_attach", "stay"),
-    (2, "after_attach", "sigterm")])
+    (2, "after_attach", "sigterm"), (3, "creator_before_name", "sigterm"),
+    (3, "before_attach", "sigterm")])
 def test_kill_in_setup_window_leaves_nothing(world_size, where, survivors):
     """A rank SIGKILLed inside the set-up window (worker_shm_setup_kill.py, at a fixed
     point): the survivors' set-up fails after the (short) timeout, and nothing named after
     any rank of the run is left in /dev/shm, whichever rank created the segment.  With
-    ``sigterm`` torchrun's SIGTERM kills the survivors at once (no clean-up of theirs can
-    run): the name must be gone already, because the last rank to attach removed it."""
+    ``sigterm`` torchrun's SIGTERM ends the survivors at once, as it does without a test
+    around it: after the last rank attached, the name is gone already (that rank removed
+    it); before, the survivors' SIGTERM handler of the window removes it
+    (``comm._unlink_on_sigterm``), whether the creator is alive or the rank that died."""
     res = launch("worker_shm_setup_kill.py", world_size, timeout=120,
                  env={**SHM_ON, "CFSDP_TEST_PG_TIMEOUT_S": "10",
                       "CFSDP_TEST_SETUP_KILL": where, "CFSDP_TEST_SURVIVORS": survivors})

@@ -103,7 +103,11 @@ step it did not do ("did not publish its host key", "did not publish the name of
 (/cfsdp-...)").  A set-up that raises so (a rank killed between b and c: the *set-up
 window*, while the segment has a name) first closes this rank's view and unlinks the
 planned name, whoever created it, so the survivors leave nothing in ``/dev/shm`` even when
-the creator is the rank that died (see "Dead peers" for a survivor that is killed too).
+the creator is the rank that died; and a survivor that torchrun SIGTERMs in that window (it
+does so to every rank the moment one dies) unlinks it before it ends, when the set-up runs
+in the main thread over SIGTERM's default action or a Python handler (``_unlink_on_sigterm``;
+a SIGKILL leaves nothing to run: the last rank to attach unlinks the name at once, so the
+window is as short as the attaching).
 
 Group rank 0 logs the transport a group takes at INFO
 (``logging.getLogger("cfsdp")``); :func:`describe` returns it in words, and
@@ -176,13 +180,16 @@ from __future__ import annotations
 
 import array
 import atexit
+import contextlib
 import functools
 import json
 import logging
 import os
 import re
 import secrets
+import signal
 import socket
+import threading
 import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -501,6 +508,12 @@ def _abandon(su: _Setup, seg: str, shm: Optional[Any]) -> None:
     is left in ``/dev/shm`` (see Set-up).  Never raises: the caller re-raises the cause."""
     if shm is not None:
         shm.close()  # the creator's close unlinks the name
+    _unlink_planned(su, seg)
+
+
+def _unlink_planned(su: _Setup, seg: str) -> None:
+    """Unlink the name the creator of segment ``seg`` planned (``plan/<seg>``), if it is of
+    cfsdp's form and still there.  Never raises."""
     key = f"plan/{seg}"
     try:
         name = su.store.get(key).decode() if su.store.check([key]) else ""
@@ -517,6 +530,39 @@ def _abandon(su: _Setup, seg: str, shm: Optional[Any]) -> None:
     except OSError as e:
         _log.warning("cfsdp: group %r: set-up failed and %s could not be removed: %s",
                      su.label, _SHM_DIR + name, e)
+
+
+@contextlib.contextmanager
+def _unlink_on_sigterm(su: _Setup, seg: str):
+    """While the set-up window is open, a SIGTERM first unlinks the planned name, then does
+    what it would have done (torchrun SIGTERMs every other rank the moment one dies, and a
+    process ended by a signal's default action runs no clean-up: without this the survivors
+    of a kill in the window left the segment behind).  Only in the main thread (Python runs
+    signal handlers there, and the set-up's waits poll the store, so the handler runs within
+    one poll), and only over the default action or a Python handler, which is then called;
+    a SIGTERM ignored stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.getsignal(signal.SIGTERM)
+    if prev is signal.SIG_IGN or prev is None:  # None: a handler not set from Python
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        _unlink_planned(su, seg)
+        signal.signal(signal.SIGTERM, prev)
+        if callable(prev):
+            prev(signum, frame)
+        else:  # the default action: end by the signal, as without cfsdp
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, prev)
 
 
 def _setup(group: dist.ProcessGroup) -> _GroupState:
@@ -560,14 +606,15 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
                      for i, ms in enumerate(hosts) for r in ms}
     shm = None
     try:
-        try:
-            shm, err = _open_segment(su, members, seg, slot)
-            status = "ok" if err is None else "error:" + err
-        except PermissionError as e:  # see "Trust": every rank raises it below
-            shm, status = None, _REFUSED + str(e)
-        su.publish(f"attach/{su.rank}", status)
-        results = su.gather("attach", range(su.world),
-                            lambda r: f"say whether it attached segment {su.segment(r)}")
+        with _unlink_on_sigterm(su, seg):
+            try:
+                shm, err = _open_segment(su, members, seg, slot)
+                status = "ok" if err is None else "error:" + err
+            except PermissionError as e:  # see "Trust": every rank raises it below
+                shm, status = None, _REFUSED + str(e)
+            su.publish(f"attach/{su.rank}", status)
+            results = su.gather("attach", range(su.world),
+                                lambda r: f"say whether it attached segment {su.segment(r)}")
     except BaseException:
         _abandon(su, seg, shm)
         raise
