@@ -62,8 +62,8 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 import torch
-import torch._dynamo.compiled_autograd as _compiled_autograd
-import torch._dynamo.decorators as _dynamo_decorators
+
+from ._torch import dynamo as _torch_dynamo
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -80,7 +80,7 @@ def dynamo_skip_frame(fn: _F) -> _F:
     """Dynamo runs ``fn``'s own frame eagerly (a call from a traced frame is a graph break)
     and still compiles the frames ``fn`` calls.  ``fn`` is returned as is (no wrapper:
     nothing is added to an eager call); its code object is marked skipped once."""
-    skip = getattr(_dynamo_decorators, "skip", None)
+    skip = _torch_dynamo.skip
     if skip is None:  # not in this torch: the public equivalent, dearer per compiled call
         return torch.compiler.disable(  # type: ignore[return-value]
             fn, recursive=False, reason=REASON)
@@ -102,5 +102,5 @@ COMPILED_AUTOGRAD_MESSAGE = (
 
 def check_not_compiled_autograd() -> None:
     """Raise if a compiled-autograd graph is running (a backward hook was called from it)."""
-    if _compiled_autograd.in_compiled_autograd_region:
+    if _torch_dynamo.in_compiled_autograd_region():
         raise NotImplementedError(COMPILED_AUTOGRAD_MESSAGE)

@@ -102,10 +102,11 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.utils import _api_bc_check
 
+from .._torch.checkpoint import FileSystemWriterBase as _FileSystemWriter
+from .._torch.checkpoint import api_bc_check as _api_bc_check
 from . import _liveness
 from ._agree import agree
 
