@@ -38,9 +38,11 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 # (gitignored): torch==<version> pinned and the test tools in one pip command, then cfsdp
 # installed into it in editable mode (no dependencies: torch is already there).  The C
 # extension is built in place against CPython only, so the one build serves every torch;
-# each run rebuilds it if a C source changed (setup.py build_ext, a no-op otherwise).  Only
-# 2.13.0 has a CPU wheel here; the others are the registry's default (CUDA) builds, which run
-# on a CPU-only machine: ~3 GB of downloads for 2.11.0, 2.14.1 lies on this machine's disk.
+# each run rebuilds it if a C source changed (setup.py build_ext, a no-op otherwise).  The unit
+# tests run with fewer hypothesis examples there (profile `versions`: what differs is torch, not
+# the C core the full pass searched).  Only 2.13.0 has a CPU wheel here; the others are the
+# registry's default (CUDA) builds, which run on a CPU-only machine: ~3 GB of downloads for
+# 2.11.0, 2.14.1 lies on this machine's disk.  Another subset: TORCH_TESTS="tests/...".
 # `make demo TORCH=...` and `make bench TORCH=...` run on that venv the same way.
 TORCH ?=
 TORCH_TESTS ?= tests/unit tests/distributed/test_parity.py tests/distributed/test_fully_shard.py \
@@ -71,7 +73,8 @@ torch-venv:
 	CFSDP_WERROR=1 $(TVENV)/bin/python setup.py -q build_ext --inplace
 
 test-torch: torch-venv
-	$(TIMED) torch-$(TORCH) env CFSDP_IMPL=c CFSDP_TEST_WORLD_SIZES=2 $(TVENV)/bin/python -m pytest \
+	$(TIMED) torch-$(TORCH) env CFSDP_IMPL=c CFSDP_TEST_WORLD_SIZES=2 CFSDP_HYPOTHESIS_PROFILE=versions \
+		$(TVENV)/bin/python -m pytest \
 		-q -p no:cacheprovider --durations=5 $(TORCH_TESTS)
 
 build: $(STAMP)
