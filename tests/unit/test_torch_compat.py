@@ -124,12 +124,15 @@ class _ListWithForward(nn.ModuleList):
         return x
 
 
-def test_containers_as_this_torch():
+def test_containers_as_this_torch(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
     assert fsdp2.refuses_container(nn.ModuleList([nn.Linear(2, 2)]))
     assert fsdp2.refuses_container(nn.ModuleDict({"a": nn.Linear(2, 2)}))
     assert not fsdp2.refuses_container(nn.Linear(2, 2))
     assert fsdp2.refuses_container(_ListWithForward()) == (not HAVE["containers_with_forward"])
-    # torch's own check (no process group needed: it runs first)
+    # torch's own check, and cfsdp.fully_shard's (both run before anything needs a process
+    # group: a module they let through fails later, for want of torchrun's environment)
     from torch.distributed.fsdp._fully_shard._fsdp_init import _validate_module
 
     for m in (nn.ModuleList(), _ListWithForward(), nn.Linear(2, 2)):
@@ -139,6 +142,12 @@ def test_containers_as_this_torch():
         except ValueError:
             refused = True
         assert refused == fsdp2.refuses_container(m), m
+        try:
+            cfsdp.fully_shard(m)
+        except ValueError as e:
+            assert ("does not support containers" in str(e)) == refused, (m, e)
+        else:
+            raise AssertionError(f"cfsdp.fully_shard({m}) without a process group did not raise")
 
 
 class _DimOnly:
