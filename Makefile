@@ -80,7 +80,7 @@ test-torch: torch-venv
 build: $(STAMP)
 	CFSDP_WERROR=1 $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 
-# The whole suite: unit tests, the C core under ASan/UBSan, the distributed
+# The whole suite (torch 2.13.0, .venv): unit tests, the C core under ASan/UBSan, the distributed
 # tests with the C core (world sizes 2 and 4), then the unit tests and the
 # training-parity launches again on the pure-Python twins, at world size 2
 # only (the unit tests already compare every twin with C for every world
@@ -97,6 +97,8 @@ build: $(STAMP)
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
 	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
+# Last, test-torch on each of TORCH_OTHERS (2.11.0, 2.14.1: the unit tests and the parity
+# launches of both faces, ZeRO and state dicts at world size 2; see test-torch above).
 # Each pass runs through tools/timed, which prints "=== pass NAME: M:SS (exit RC)".
 TIMED := tools/timed
 test: build
