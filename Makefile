@@ -29,7 +29,28 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PYTHONPATH=$(SAN_LIB)$${PYTHONPATH:+:$$PYTHONPATH}
 
-.PHONY: venv build sanitize test test-unit test-dist demo bench
+.PHONY: venv build sanitize test test-unit test-dist demo bench test-torch torch-venv
+
+# Other torch versions (issue 23): cfsdp supports torch 2.11.x to 2.14.x and mirrors the
+# installed one.  `make test-torch TORCH=2.11.0` runs TORCH_TESTS (the unit tests and the
+# distributed parity launches of both faces, ZeRO and state dicts, at world size 2) against
+# that torch, in a virtual environment of its own, .venv-torch/<version>, made once and reused
+# (gitignored): torch==<version> pinned and the test tools in one pip command, then cfsdp
+# installed into it in editable mode (no dependencies: torch is already there).  The C
+# extension is built in place against CPython only, so the one build serves every torch;
+# each run rebuilds it if a C source changed (setup.py build_ext, a no-op otherwise).  The unit
+# tests run with fewer hypothesis examples there (profile `versions`: what differs is torch, not
+# the C core the full pass searched).  Only 2.13.0 has a CPU wheel here; the others are the
+# registry's default (CUDA) builds, which run on a CPU-only machine: ~3 GB of downloads for
+# 2.11.0, 2.14.1 lies on this machine's disk.  Another subset: TORCH_TESTS="tests/...".
+# `make demo TORCH=...` and `make bench TORCH=...` run on that venv the same way.
+TORCH ?=
+TORCH_TESTS ?= tests/unit tests/distributed/test_parity.py tests/distributed/test_fully_shard.py \
+	tests/distributed/test_zero.py tests/distributed/test_state_dict.py
+# the versions `make test` runs TORCH_TESTS against, besides the full suite on 2.13.0
+TORCH_OTHERS := 2.11.0 2.14.1
+TVENV = .venv-torch/$(TORCH)
+TDEPS := pytest pytest-timeout hypothesis numpy matplotlib 'setuptools>=70.1'
 
 $(STAMP): Makefile
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
@@ -38,10 +59,28 @@ $(STAMP): Makefile
 
 venv: $(STAMP)
 
+# .venv-torch/<version>/.cfsdp-deps: that torch, the test tools and cfsdp (editable)
+.venv-torch/%/.cfsdp-deps: Makefile
+	test -x .venv-torch/$*/bin/python || $(PYTHON3) -m venv .venv-torch/$*
+	.venv-torch/$*/bin/python -m pip install -q --disable-pip-version-check torch==$* $(TDEPS)
+	CFSDP_WERROR=1 .venv-torch/$*/bin/python -m pip install -q --disable-pip-version-check \
+		--no-build-isolation --no-deps -e .
+	touch $@
+
+torch-venv:
+	@test -n "$(TORCH)" || { echo "name a torch version: make $(MAKECMDGOALS) TORCH=2.11.0"; exit 2; }
+	$(MAKE) --no-print-directory $(TVENV)/.cfsdp-deps
+	CFSDP_WERROR=1 $(TVENV)/bin/python setup.py -q build_ext --inplace
+
+test-torch: torch-venv
+	$(TIMED) torch-$(TORCH) env CFSDP_IMPL=c CFSDP_TEST_WORLD_SIZES=2 CFSDP_HYPOTHESIS_PROFILE=versions \
+		$(TVENV)/bin/python -m pytest \
+		-q -p no:cacheprovider --durations=5 $(TORCH_TESTS)
+
 build: $(STAMP)
 	CFSDP_WERROR=1 $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 
-# The whole suite: unit tests, the C core under ASan/UBSan, the distributed
+# The whole suite (torch 2.13.0, .venv): unit tests, the C core under ASan/UBSan, the distributed
 # tests with the C core (world sizes 2 and 4), then the unit tests and the
 # training-parity launches again on the pure-Python twins, at world size 2
 # only (the unit tests already compare every twin with C for every world
@@ -58,6 +97,8 @@ build: $(STAMP)
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
 	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
+# Last, test-torch on each of TORCH_OTHERS (2.11.0, 2.14.1: the unit tests and the parity
+# launches of both faces, ZeRO and state dicts at world size 2; see test-torch above).
 # Each pass runs through tools/timed, which prints "=== pass NAME: M:SS (exit RC)".
 TIMED := tools/timed
 test: build
@@ -67,6 +108,7 @@ test: build
 	$(TIMED) distributed env CFSDP_IMPL=c $(PY) -m pytest -q --durations=12 tests/distributed
 	$(TIMED) twins env CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 \
 		-m "not no_core" tests/unit $(TWIN_DIST)
+	for v in $(TORCH_OTHERS); do $(MAKE) --no-print-directory test-torch TORCH=$$v || exit 1; done
 	@secs=$$(( $$(date +%s) - $$(cat .test-start) )); rm -f .test-start; \
 		printf '=== make test: %d:%02d in all\n' $$((secs / 60)) $$((secs % 60))
 
@@ -76,35 +118,42 @@ test-unit: build
 test-dist: build
 	$(PY) -m pytest -q tests/distributed
 
-# The main job: cfsdp against torch's FSDP on 2 CPU ranks.
-demo: build
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 demo/train_demo.py
+# The main job: cfsdp against torch's FSDP on 2 CPU ranks (TORCH=<version>: on that torch).
+ifeq ($(TORCH),)
+RUN_VENV := $(VENV)
+RUN_SETUP := build
+else
+RUN_VENV := $(TVENV)
+RUN_SETUP := torch-venv
+endif
+demo: $(RUN_SETUP)
+	$(RUN_VENV)/bin/torchrun --standalone --nproc_per_node 2 demo/train_demo.py
 
 # Every benchmark of benchmarks/RESULTS.md, in one go (about an hour on 2 cores):
 # step time and memory (fp32, bf16, 4 ranks, a size sweep and its plot), collectives,
 # optimizer step, wrap time, state dicts.
-TORCHRUN2 = $(VENV)/bin/torchrun --standalone --nproc_per_node 2
+TORCHRUN2 = $(RUN_VENV)/bin/torchrun --standalone --nproc_per_node 2
 BENCH_GPT2_BF16 = --set n_layer=2 --set d_model=256 --set n_head=4 --set vocab_size=2048
-bench: build
+bench: $(RUN_SETUP)
 	mkdir -p benchmarks/out
 	$(TORCHRUN2) benchmarks/bench_fsdp.py --model all --out benchmarks/out/bench.json
-	$(PY) benchmarks/plot.py benchmarks/out/bench.json --out benchmarks/results.png
+	$(RUN_VENV)/bin/python benchmarks/plot.py benchmarks/out/bench.json --out benchmarks/results.png
 	$(TORCHRUN2) benchmarks/bench_fsdp.py --model small --mp bf16 \
 		--out benchmarks/out/bench_bf16_small.json
 	$(TORCHRUN2) benchmarks/bench_fsdp.py --model gpt2 --mp bf16 $(BENCH_GPT2_BF16) \
 		--warmup 2 --iters 6 --out benchmarks/out/bench_bf16_gpt2s.json
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 4 benchmarks/bench_fsdp.py --model all \
+	$(RUN_VENV)/bin/torchrun --standalone --nproc_per_node 4 benchmarks/bench_fsdp.py --model all \
 		--set n_layer=4 --warmup 2 --iters 6 --out benchmarks/out/bench_ws4.json
 	for d in 128 256 384 512 768; do \
 		$(TORCHRUN2) benchmarks/bench_fsdp.py --model gpt2 --set d_model=$$d --set n_layer=4 \
 			--warmup 2 --iters 5 --out benchmarks/out/sweep_d$$d.json || exit 1; done
-	$(PY) benchmarks/plot.py benchmarks/out/sweep_d*.json --vs-size --out benchmarks/results_sweep.png
+	$(RUN_VENV)/bin/python benchmarks/plot.py benchmarks/out/sweep_d*.json --vs-size --out benchmarks/results_sweep.png
 	$(TORCHRUN2) benchmarks/bench_collectives.py --out benchmarks/out/collectives.json
 	$(TORCHRUN2) benchmarks/bench_optim.py --out benchmarks/out/optim.json
 	$(TORCHRUN2) benchmarks/bench_wrap.py --repeats 3 --out benchmarks/out/wrap.json
 	$(TORCHRUN2) benchmarks/bench_state_dict.py --repeats 7 --out benchmarks/out/state_dict.json
 	$(TORCHRUN2) benchmarks/bench_zero.py --out benchmarks/out/zero.json
-	$(PY) benchmarks/bench_hosts.py --out benchmarks/out/hosts.json  # root: emulated hosts
+	$(RUN_VENV)/bin/python benchmarks/bench_hosts.py --out benchmarks/out/hosts.json  # root: emulated hosts
 
 sanitize: $(STAMP)
 	rm -rf $(SAN_DIR)

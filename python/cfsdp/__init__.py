@@ -4,8 +4,8 @@ Switch a training script with one import::
 
     from cfsdp import FullyShardedDataParallel as FSDP
 
-Public names mirror ``torch.distributed.fsdp.__all__`` (torch 2.13); configs and
-enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
+Public names mirror ``torch.distributed.fsdp.__all__`` of the installed torch (2.11.x to
+2.14.x: ``cfsdp/_torch/``); configs and enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
 (default) or ``"python"`` (``CFSDP_IMPL=python``, the pure-Python twins).
 ``cfsdp.patch_torch()`` (or ``python -m cfsdp.run script.py``) points torch's own FSDP names at
 cfsdp's, for code you cannot edit.  ``cfsdp.ZeroRedundancyOptimizer`` (also
@@ -13,12 +13,13 @@ cfsdp's, for code you cannot edit.  ``cfsdp.ZeroRedundancyOptimizer`` (also
 ``patch_torch`` it is not in ``__all__``, which mirrors ``torch.distributed.fsdp``'s.
 """
 
+from . import _torch  # first: a torch outside the supported range is an ImportError naming it
 from ._core import backend
+from . import api as _api
 from .api import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
-    DataParallelMeshDims,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -85,3 +86,7 @@ __all__ = [
     "UnshardHandle",
     "share_comm_ctx",
 ]
+if "DataParallelMeshDims" in _api.__all__:  # torch 2.13+ (cfsdp/_torch/fsdp2.py)
+    DataParallelMeshDims = _api.DataParallelMeshDims
+else:
+    __all__.remove("DataParallelMeshDims")

@@ -9,7 +9,11 @@ What torch 2.13 does with its own FSDP, measured (``tests/distributed/test_compi
   called from a parent's ``for block in blocks``) makes dynamo skip the whole parent frame,
   which then runs eagerly while each child module's own ``forward`` frame is compiled.
   ``torch._dynamo.config.skip_fsdp_hooks`` no longer exists (setting it raises
-  ``AttributeError``): torch 2.13 cannot trace FSDP2's hooks into a graph.
+  ``AttributeError``): torch 2.13 cannot trace FSDP2's hooks into a graph.  torch 2.11 has
+  the switch (default True, the behaviour above, with the longer reason "skipping FSDP hooks
+  since torch._dynamo.config.skip_fsdp_hooks is set", which cfsdp gives there too); with
+  False it traces FSDP2's hooks into the graphs, which cfsdp cannot: it refuses False at
+  the first backward hook (``NotImplementedError`` naming the setting and the version).
 * FSDP1 (the wrapper): ``FullyShardedDataParallel.forward`` is traced until it reaches
   torch's own lazy-init and CUDA-stream code, where dynamo gives up on the frame; the
   frame runs eagerly and the wrapped module's ``forward`` is compiled as a frame of its
@@ -50,7 +54,9 @@ compiled region, or ``torch._dynamo.compiled_autograd._enable``): the backward h
 run eagerly in the middle of a compiled backward graph that captured its inputs before them.
 torch 2.13's FSDP2, and its FSDP1 with ``use_orig_params=False``, then train with wrong
 losses on CPU (from the second step; measured at 2 ranks), its FSDP1 with
-``use_orig_params=True`` fails inside dynamo.  cfsdp refuses it at the first backward hook,
+``use_orig_params=True`` fails inside dynamo, as does torch 2.11's FSDP2 ("queue_callback() is
+only supported when Compiled Autograd is enabled with fullgraph=True").  cfsdp refuses it at
+the first backward hook,
 :func:`check_not_compiled_autograd`, naming the setting
 (``tests/distributed/worker_compile.py`` ``compiled_autograd`` checks both sides).
 
@@ -62,12 +68,12 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 import torch
-import torch._dynamo.compiled_autograd as _compiled_autograd
-import torch._dynamo.decorators as _dynamo_decorators
+
+from ._torch import dynamo as _torch_dynamo
 
 _F = TypeVar("_F", bound=Callable)
 
-REASON = "skipping FSDP hooks"  # torch's FSDP2 reason: dynamo prints it at the graph break
+REASON = _torch_dynamo.HOOK_REASON  # torch's FSDP2 reason: dynamo prints it at the graph break
 
 
 def dynamo_disable(fn: _F) -> _F:
@@ -80,7 +86,7 @@ def dynamo_skip_frame(fn: _F) -> _F:
     """Dynamo runs ``fn``'s own frame eagerly (a call from a traced frame is a graph break)
     and still compiles the frames ``fn`` calls.  ``fn`` is returned as is (no wrapper:
     nothing is added to an eager call); its code object is marked skipped once."""
-    skip = getattr(_dynamo_decorators, "skip", None)
+    skip = _torch_dynamo.skip
     if skip is None:  # not in this torch: the public equivalent, dearer per compiled call
         return torch.compiler.disable(  # type: ignore[return-value]
             fn, recursive=False, reason=REASON)
@@ -90,17 +96,29 @@ def dynamo_skip_frame(fn: _F) -> _F:
 COMPILED_AUTOGRAD_MESSAGE = (
     "cfsdp: backward under compiled autograd (torch._dynamo.config.compiled_autograd=True, "
     "or torch._dynamo.compiled_autograd._enable) is not supported. cfsdp's backward hooks "
-    "run eagerly, as torch's FSDP hooks do (torch 2.13 has no "
+    "run eagerly, as torch's FSDP hooks do (torch 2.13+ has no "
     "torch._dynamo.config.skip_fsdp_hooks=False to trace them), and a compiled backward graph "
     "around them computes wrong gradients (torch 2.13's own FSDP2, and FSDP1 with "
-    "use_orig_params=False, train with wrong losses there). Set "
+    "use_orig_params=False, train with wrong losses there; torch 2.11's FSDP2 fails inside "
+    "dynamo). Set "
     "torch._dynamo.config.compiled_autograd=False (or leave the "
     "compiled_autograd._enable context) for backward; torch.compile of the model's forward "
     "works as with torch's FSDP."
 )
 
 
+SKIP_FSDP_HOOKS_MESSAGE = (
+    "cfsdp: torch._dynamo.config.skip_fsdp_hooks=False (torch {version}: trace FSDP2's hooks into "
+    "the compiled graphs) is not supported: cfsdp's hooks always run eagerly between the graphs, "
+    "as torch's FSDP hooks do with the default True (and as torch 2.13+, which removed the "
+    "switch, always does). Leave torch._dynamo.config.skip_fsdp_hooks=True."
+)
+
+
 def check_not_compiled_autograd() -> None:
-    """Raise if a compiled-autograd graph is running (a backward hook was called from it)."""
-    if _compiled_autograd.in_compiled_autograd_region:
+    """Raise if a compiled-autograd graph is running (a backward hook was called from it), or,
+    on a torch that has the switch (2.11), if ``skip_fsdp_hooks`` asks for traced hooks."""
+    if _torch_dynamo.in_compiled_autograd_region():
         raise NotImplementedError(COMPILED_AUTOGRAD_MESSAGE)
+    if _torch_dynamo.fsdp_hooks_traced():
+        raise NotImplementedError(SKIP_FSDP_HOOKS_MESSAGE.format(version=torch.__version__))

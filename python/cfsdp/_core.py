@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _ref
+from ._torch import core as _torch_core
 
 _IMPL_ENV = "CFSDP_IMPL"
 
@@ -121,8 +122,8 @@ def plan_layout(numels: Sequence[int], align_numel: int, world_size: int) -> Lay
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_has_storage = torch._C._has_storage
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_has_storage = _torch_core.has_storage
+_functorch_wrapped = _torch_core.is_functorch_wrapped
 
 
 def _storage_error(t: torch.Tensor, need: int, have: int) -> ValueError:

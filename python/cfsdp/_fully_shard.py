@@ -1,4 +1,4 @@
-"""The composable face: ``fully_shard`` with torch 2.13's FSDP2 API.
+"""The composable face: ``fully_shard`` with the installed torch's FSDP2 API.
 
 ``fully_shard(module)`` swaps ``module``'s class for ``FSDP<Cls>`` (a subclass of
 both :class:`FSDPModule` and the original class: ``isinstance`` checks and FQNs
@@ -27,17 +27,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 
 import torch.distributed.fsdp as _torch_fsdp
-from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
-from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
-from torch.distributed._composable.contract import RegistryItem as _RegistryItem
-from torch.distributed._composable.contract import _get_registry
 
 from ._compile import dynamo_disable
 from ._docs import adopt_class_docs, adopt_function_doc
 from ._fqn import full_name
+from ._torch import fsdp2 as _fsdp2
+from ._torch.fsdp2 import REGISTRY_KEY as _REGISTRY_KEY
+from ._torch.fsdp2 import STATE_KEY as _STATE_KEY
+from ._torch.fsdp2 import RegistryItem as _RegistryItem
+from ._torch.fsdp2 import ShardPlacementResult
+from ._torch.fsdp2 import get_registry as _get_registry
 from ._runtime.chunk_group import chunk_units
 from ._runtime.chunk_unit import ChunkUnit, local_data
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
@@ -459,19 +460,32 @@ class PlacementError(NotImplementedError, ValueError):
     error for results it cannot use has been a ``NotImplementedError``, so it is both."""
 
 
+class PlacementAttributeError(AttributeError, ValueError):
+    """torch 2.11: a ``shard_placement_fn`` result without ``.dim`` (``AttributeError``)."""
+
+
+class PlacementAssertionError(AssertionError, ValueError):
+    """torch 2.11: a ``shard_placement_fn`` result with ``.dim`` that is not a ``Shard``."""
+
+
+_PLACEMENT_ERRORS = {ValueError: PlacementError, AttributeError: PlacementAttributeError,
+                     AssertionError: PlacementAssertionError}
+
+
 class ShardDimError(NotImplementedError, AssertionError):
     """``Shard(dim)`` past the parameter's dimensions: torch raises ``AssertionError``;
     cfsdp's error for placements it cannot use has been a ``NotImplementedError``."""
 
 
 def _check_placement_result(pl: Any, fqn: str) -> None:
-    """torch resolves every parameter's ``shard_placement_fn`` result before any other
-    per-parameter check: a result of the wrong type is its ``ValueError``."""
-    if pl is not None and not isinstance(pl, (Shard, ShardPlacementResult)):
-        raise PlacementError(
-            f"Invalid shard_placement_fn result: {pl} (cfsdp: the result for '{fqn}'; return "
-            "None or a Shard(dim))"
-        )
+    """A result of a type torch rejects is torch's error (torch 2.13+ resolves every
+    parameter's result before any other per-parameter check: ``ValueError``; 2.11 one
+    parameter at a time: ``AttributeError`` or ``AssertionError``)."""
+    err = _fsdp2.placement_result_error(pl)
+    if err is not None:
+        torch_type, message = err
+        raise _PLACEMENT_ERRORS[torch_type](
+            f"{message} (cfsdp: the result for '{fqn}'; return None or a Shard(dim))")
 
 
 def _shard_dim(pl: Any, p: nn.Parameter, fqn: str, shard_size: int,
@@ -483,7 +497,7 @@ def _shard_dim(pl: Any, p: nn.Parameter, fqn: str, shard_size: int,
     per-parameter mesh, a ``Shard`` subclass) is returned as cfsdp's
     ``NotImplementedError``, for the caller to raise once no parameter has an error torch
     would raise first."""
-    if isinstance(pl, ShardPlacementResult):
+    if ShardPlacementResult is not None and isinstance(pl, ShardPlacementResult):
         dim = _shard_dim(pl.placement, p, fqn, shard_size, hsdp)  # torch checks it too
         return dim if isinstance(dim, NotImplementedError) else _nyi(
             f"shard_placement_fn returning a ShardPlacementResult (a per-parameter mesh) for "
@@ -491,6 +505,8 @@ def _shard_dim(pl: Any, p: nn.Parameter, fqn: str, shard_size: int,
     if pl is None:
         return 0
     dim = pl.dim + p.dim() if pl.dim < 0 else pl.dim
+    if not isinstance(pl, Shard):  # torch 2.11 takes Shard(dim + ndim) for such a result
+        pl = Shard(dim)
     if dim >= p.dim():
         raise ShardDimError(
             f"Shard dim {dim} is invalid for {p.dim()}D tensor: {p.shape} (cfsdp: the parameter "
@@ -524,19 +540,22 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
-    dp_mesh_dims: Any = None,
+    **kwargs: Any,
 ):
-    """Shard ``module``'s parameters across ``mesh`` (torch 2.13's ``fully_shard``).
+    """Shard ``module``'s parameters across ``mesh`` (the installed torch's ``fully_shard``:
+    ``kwargs`` are the arguments torch added after 2.11, those this torch has; see
+    ``cfsdp/_torch/fsdp2.py``).
 
     Apply it bottom-up (each block, then the root).  Returns ``module`` (its
     class is now ``FSDP<Cls>``)."""
+    newer = _fsdp2.newer_kwargs(kwargs)  # torch's TypeError for an argument this torch lacks
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard needs at least one module")
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+        if _fsdp2.refuses_container(m):  # torch 2.11: every ModuleList / ModuleDict
             raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
         wrapped = set(wrappers_in(m))
         for name, sub in m.named_modules():
@@ -553,7 +572,7 @@ def fully_shard(
                 "(cfsdp: apply it once per module; fully_shard([a, b]) groups several modules "
                 "in one unit)"
             )
-    if dp_mesh_dims is not None:
+    if newer.get("dp_mesh_dims") is not None:
         raise _nyi("dp_mesh_dims")
     mesh = mesh if mesh is not None else _default_mesh()
     if not isinstance(mesh, DeviceMesh):
@@ -616,8 +635,8 @@ def fully_shard(
                 "nn.Parameter(torch.tensor([v])), or pass it in ignored_params.)"
             )
     placements: dict[nn.Parameter, Any] = {}
-    if shard_placement_fn is not None:  # as torch, every result is resolved first
-        for p, occ in params:
+    if shard_placement_fn is not None and _fsdp2.RESOLVES_PLACEMENTS_FIRST:
+        for p, occ in params:  # as torch 2.13+, every result is resolved first
             placements[p] = shard_placement_fn(p)
             _check_placement_result(placements[p], fqn_of.get(p, occ[0][1]))
     shard_dims: dict[nn.Parameter, int] = {}
@@ -635,6 +654,9 @@ def fully_shard(
                 f"param.stride()={p.stride()} (cfsdp: the parameter is '{fqn}'; make it "
                 "contiguous before fully_shard, e.g. nn.Parameter(p.contiguous()).)"
             )
+        if shard_placement_fn is not None and not _fsdp2.RESOLVES_PLACEMENTS_FIRST:
+            placements[p] = shard_placement_fn(p)  # as torch 2.11, one parameter at a time
+            _check_placement_result(placements[p], fqn)
         dim = _shard_dim(placements.get(p), p, fqn, shard_size, replicate_group is not None)
         if isinstance(dim, NotImplementedError):
             not_implemented = not_implemented or dim
@@ -683,6 +705,9 @@ def _state_of(module: nn.Module) -> Optional[_FSState]:
 
 
 fully_shard.state = _state_of  # type: ignore[attr-defined]
+# the installed torch's signature and FSDPModule methods (cfsdp/_torch/fsdp2.py)
+fully_shard.__signature__ = _fsdp2.fully_shard_signature(fully_shard)  # type: ignore[attr-defined]
+_fsdp2.drop_newer_methods(FSDPModule)
 
 
 @dynamo_disable

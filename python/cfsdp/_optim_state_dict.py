@@ -56,6 +56,8 @@ from .api import OptimStateKeyType, StateDictType
 from ._runtime import comm
 from ._runtime.base import TrainingState, wrappers_in
 from ._runtime.unit import ParamInfo, Unit, tp_dtensor
+from ._torch.checkpoint import ShardedTensor, gather_state_dict
+from ._torch.fsdp1 import create_chunk_dtensor, create_chunk_sharded_tensor
 
 __all__ = [
     "optim_state_dict",
@@ -272,18 +274,16 @@ class _Out:
         return out if spec is None else tp_dtensor(out, spec)
 
     def _chunk(self, full: torch.Tensor, unit: Unit, spec: Any) -> Any:
-        from torch.distributed.fsdp import _shard_utils
-
         if self.view.root is not None:
             return root_mesh_value(self.view.root, full.detach(), spec, offload_to_cpu=self.offload)
         if self.view.mesh is not None:
-            return _shard_utils._create_chunk_dtensor(full, unit.rank, self.view.mesh)
+            return create_chunk_dtensor(full, unit.rank, self.view.mesh)
         dev = full.device
         per_node = 1 if dev.type == "cpu" else getattr(torch, dev.type).device_count()
         # row-major: a ShardedTensor takes no other local shards (torch's own sharded dicts
         # raise for a strided parameter's states; [Note: strided parameters])
-        return _shard_utils._create_chunk_sharded_tensor(full.contiguous(), unit.rank, unit.world_size,
-                                                         per_node, unit.group)
+        return create_chunk_sharded_tensor(full.contiguous(), unit.rank, unit.world_size,
+                                           per_node, unit.group)
 
     def plain(self, state: dict[str, Any]) -> dict[str, Any]:
         """An unmanaged parameter's state: its tensors copied (to CPU with offload; torch
@@ -526,15 +526,12 @@ def _with_params(orig: dict, rest: dict, params: list) -> dict:
 
 def _to_full(v: Any, fqn: str, name: str) -> Any:
     """A ShardedTensor / DTensor state back to its full value (collective)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(v, (ShardedTensor, DTensor)):
-        from torch.distributed._state_dict_utils import _gather_state_dict
-
         # over the tensor's own group (a hybrid unit's shard group, not the whole world)
         pg = v._process_group if isinstance(v, ShardedTensor) else None
-        return _gather_state_dict({name: v}, pg=pg)[name]
+        return gather_state_dict({name: v}, pg=pg)[name]
     return v
 
 

@@ -17,18 +17,19 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.sharded_tensor import (
-    Shard,
-    ShardedTensor,
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.distributed._shard.sharding_spec import ShardMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from ._fqn import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name, join_fqn
+from ._torch.checkpoint import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    init_from_local_shards_and_global_metadata,
+)
 from ._runtime.base import TrainingState
 from ._runtime.hooks import check_can_summon
 from .api import (
@@ -515,7 +516,7 @@ def _sharded_tensor(local: Optional[torch.Tensor], shards, full_shape, dtype, gr
     md = ShardedTensorMetadata(
         shards_metadata=list(metas.values()), size=torch.Size(full_shape), tensor_properties=props
     )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
+    return init_from_local_shards_and_global_metadata(
         local_shards, sharded_tensor_metadata=md, process_group=group
     )
 

@@ -25,16 +25,16 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 
-try:  # added to torch.distributed.fsdp after 2.9
-    from torch.distributed.fsdp import DataParallelMeshDims
-except ImportError:  # pragma: no cover - older torch
-    DataParallelMeshDims = None  # type: ignore[assignment,misc]
+from ._torch import fsdp2 as _fsdp2
+
+# torch 2.13+ only: on an older torch neither torch.distributed.fsdp nor cfsdp has the name
+if _fsdp2.DataParallelMeshDims is not None:
+    DataParallelMeshDims = _fsdp2.DataParallelMeshDims
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
-    "DataParallelMeshDims",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
@@ -50,4 +50,4 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
-]
+] + (["DataParallelMeshDims"] if _fsdp2.DataParallelMeshDims is not None else [])

@@ -23,10 +23,6 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
 from torch.distributed.fsdp import wrap as _torch_wrap
-from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
-from torch.distributed.fsdp._common_utils import TrainingState as _TorchTrainingState
-from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from ._runtime import clip as _clip
 from ._runtime.hooks import (
@@ -44,6 +40,9 @@ from ._runtime.unit import Unit, flatten_error, scalar_param_message
 from ._compile import dynamo_disable, dynamo_skip_frame
 from ._docs import adopt_class_docs
 from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, full_name, join_fqn
+from ._torch.fsdp1 import ActivationWrapper, init_intra_and_inter_node_groups, override_module_mixed_precision
+from ._torch.fsdp1 import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
+from ._torch.fsdp1 import TrainingState as _TorchTrainingState
 from . import _optim_state_dict as _osd
 from . import _state_dict as _sd
 from .api import (
@@ -165,11 +164,9 @@ def _node_groups(device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessG
     is 1 on CPU ranks: it then shards over one rank, switches to NO_SHARD and drops the
     cross-host all-reduce, so each rank trains alone (measured on torch 2.13).  cfsdp
     takes a CPU host's ranks as its node (``_local_world_size``)."""
-    from torch.distributed.fsdp._init_utils import _init_intra_and_inter_node_groups
-
     default = _default_group()
     per_node = torch.cuda.device_count() if device.type == "cuda" else _local_world_size(default)
-    return _init_intra_and_inter_node_groups(default, per_node)
+    return init_intra_and_inter_node_groups(default, per_node)
 
 
 def _resolve_groups(
@@ -748,7 +745,7 @@ class FullyShardedDataParallel(nn.Module):
             if mp is not None:
                 # as torch: modules of these classes (BatchNorm by default) become
                 # their own units without mixed precision, run in fp32
-                overridden = _override_module_mixed_precision(module, mp._module_classes_to_ignore)
+                overridden = override_module_mixed_precision(module, mp._module_classes_to_ignore)
                 if overridden:
                     warnings.warn(
                         "Both mixed precision and an auto_wrap_policy were given to "

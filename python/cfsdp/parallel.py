@@ -120,7 +120,7 @@ def _grad_alias(e: _Entry):
 
 
 def _grad_spec(spec, g: torch.Tensor):
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from ._torch.dtensor import DTensorSpec, TensorMeta
 
     return DTensorSpec(spec.mesh, spec.placements,
                        tensor_meta=TensorMeta(spec.shape, spec.stride, g.dtype))

@@ -45,7 +45,9 @@ Where torch cannot be the oracle:
   (dynamo's ``Unsupported`` on both sides is what is checked);
 * compiled autograd (a backward under ``torch._dynamo.compiled_autograd``): torch 2.13's
   FSDP2 and its FSDP1 with ``use_orig_params=False`` train with wrong losses from the
-  second step, its FSDP1 with ``use_orig_params=True`` fails inside dynamo; cfsdp refuses at
+  second step, its FSDP1 with ``use_orig_params=True`` fails inside dynamo (torch 2.11's
+  FSDP2 too: "queue_callback() is only supported when Compiled Autograd is enabled with
+  fullgraph=True"); cfsdp refuses at
   the first backward, naming the setting (checked against what torch does, so a torch that
   fixes it shows up; tests/unit/test_compile_hooks.py checks the same at one rank, and that
   ``torch._dynamo.config.skip_fsdp_hooks`` is gone).
@@ -84,6 +86,8 @@ import cfsdp  # noqa: E402
 STEPS = 3
 N_BLOCKS, WIDTH = 2, 16
 FACES = ("fully_shard", "wrapper_orig", "wrapper_flat")
+# torch 2.11 (read from torch): its FSDP2 fails inside dynamo under compiled autograd
+TORCH_2_11 = torch.__version__.startswith("2.11")
 CPU = torch.device("cpu")
 
 
@@ -348,15 +352,22 @@ def ca_losses(ctx, impl: str, face: str, compiled: bool, steps: int = 2) -> list
 @h.subtest(grid={"face": FACES})
 def compiled_autograd(ctx, face: str):
     """Compiled autograd: torch's FSDP goes wrong (losses from the second step, or dynamo's
-    error for FSDP1 with use_orig_params=True), cfsdp refuses with NotImplementedError
-    naming the setting (eager cfsdp gives eager torch's losses, checked by the others)."""
+    error for FSDP1 with use_orig_params=True, and for torch 2.11's FSDP2 dynamo's
+    AssertionError "queue_callback() is only supported when Compiled Autograd is enabled with
+    fullgraph=True"), cfsdp refuses with NotImplementedError naming the setting (eager cfsdp
+    gives eager torch's losses, checked by the others)."""
     mm = wp.Mismatches(ctx)
     eager = ca_losses(ctx, "torch", face, False)
+    fails_in_dynamo = face == "wrapper_orig" or (face == "fully_shard" and TORCH_2_11)
     try:
         ca: list | None = ca_losses(ctx, "torch", face, True)
     except torch._dynamo.exc.TorchDynamoException:
         ca = None
-    if face == "wrapper_orig":
+    except AssertionError as e:  # torch 2.11's FSDP2, raised by dynamo as it is
+        if not (face == "fully_shard" and TORCH_2_11 and "queue_callback" in str(e)):
+            raise
+        ca = None
+    if fails_in_dynamo:
         mm.check(ca is None, f"{face}: torch's FSDP1 trained under compiled autograd: {ca}")
     else:
         wrong = ca is not None and torch.equal(ca[0], eager[0]) and not torch.equal(ca[1], eager[1])

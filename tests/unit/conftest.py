@@ -1,10 +1,12 @@
 """Shared settings for the unit tests of the C core.
 
 Hypothesis profiles: ``cfsdp`` (default: moderate example counts, no
-deadline, so the unit suite stays well under a minute on 2 cores) and
+deadline, so the unit suite stays well under a minute on 2 cores),
 ``sanitize`` (fewer examples; ``make sanitize`` runs the suite under
-ASan/UBSan, which is several times slower).  Pick one with
-``CFSDP_HYPOTHESIS_PROFILE``.
+ASan/UBSan, which is several times slower) and ``versions`` (as few:
+``make test-torch`` repeats the suite on other torch versions, where what
+differs is torch, not the C core the full pass already searched).  Pick one
+with ``CFSDP_HYPOTHESIS_PROFILE``.
 """
 
 import functools
@@ -22,6 +24,12 @@ settings.register_profile(
 )
 settings.register_profile(
     "sanitize",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "versions",
     max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

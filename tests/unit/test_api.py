@@ -1,4 +1,4 @@
-"""The public API mirrors torch.distributed.fsdp (torch 2.13), no process group needed."""
+"""The public API mirrors torch.distributed.fsdp (the installed torch), no process group needed."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 import torch.distributed.checkpoint.filesystem as dcp_fs
+from cfsdp import _torch
 from cfsdp.checkpoint import _dcp_save, dcp_recover, dcp_save
 
 from test_checkpoint_leftovers import dead_pid, held, names, tag
@@ -75,7 +76,13 @@ def test_round_trip_replaces_and_records_the_path(tmp_path):
     md = dcp_save(B, checkpoint_id=str(target), no_dist=True)
     assert which(target) == "B" and names(tmp_path) == ["ck"]
     stored = FileSystemReader(target).read_metadata().storage_meta
-    assert stored.checkpoint_id == target and stored.save_id == md.storage_meta.save_id
+    assert stored.checkpoint_id == target
+    # dcp_save returns what dcp.save returns: torch 2.13+ the metadata it wrote, 2.11 the global
+    # plan's (its FileSystemWriter.finish fills a copy: no storage_meta, no storage_data)
+    theirs = dcp.save(A, checkpoint_id=tmp_path / "plain", no_dist=True)
+    assert (md.storage_meta is None) == (theirs.storage_meta is None) == (not _torch.at_least(2, 13))
+    if md.storage_meta is not None:
+        assert stored.save_id == md.storage_meta.save_id
 
 
 @pytest.mark.parametrize("opts", [{}, {"single_file_per_rank": False}, {"thread_count": 2}],

@@ -5,7 +5,7 @@ functions: a late import that dodges a cycle is still an edge) is read from the 
 resolved to a module of the package.  Then:
 
 * a module imports only modules of its own layer or of a lower one (faces -> state dicts ->
-  runtime -> bottom);
+  runtime -> bottom -> torch, where ``cfsdp._torch`` binds torch's private APIs);
 * the import graph has no cycle (within a layer too);
 * only ``cfsdp._core`` (the one door to the C core) imports ``cfsdp._C`` or the twins in
   ``cfsdp._ref`` (which import nothing of cfsdp but each other).
@@ -34,6 +34,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime", ["cfsdp._runtime", "cfsdp._runtime.*"]),
     ("bottom", ["cfsdp._fqn", "cfsdp._docs", "cfsdp._compile", "cfsdp.api", "cfsdp.wrap",
                 "cfsdp._core", "cfsdp._C", "cfsdp._ref", "cfsdp._ref.*"]),
+    # torch's private APIs, one module per concern, for every supported torch version
+    ("torch", ["cfsdp._torch", "cfsdp._torch.*"]),
 ]
 CORE_DOOR = "cfsdp._core"
 

@@ -46,9 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
+from .._torch.dtensor import DTensorSpec, redistribute_local_tensor
 from . import comm
 from .reduce import scale_cast_add
 

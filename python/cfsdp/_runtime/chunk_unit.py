@@ -43,14 +43,12 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
+from .._torch.dtensor import DTensorSpec, TensorMeta, make_contiguous_strides_for, redistribute_local_tensor
+from .._torch.dtensor import StridedShard as _StridedShard
 from . import comm
 from .reduce import divide_factors
 from .replaced import ADOPTED, mark_replaced, orig_uid

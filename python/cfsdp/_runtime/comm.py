@@ -198,6 +198,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
+from .._torch import core as _torch_core
 from . import shutdown, two_level
 
 SHM_ENV = "CFSDP_SHM"
@@ -722,7 +723,7 @@ def _shm_ok(t: torch.Tensor) -> bool:
 
 def _dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (e.g. ``CommDebugMode``) is on: see Visibility."""
-    return torch._C._len_torch_dispatch_stack() > 0
+    return _torch_core.dispatch_mode_active()
 
 
 def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -786,7 +787,7 @@ def _traced(name: str):
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if not torch.autograd._profiler_enabled():
+            if not _torch_core.profiler_enabled():
                 return fn(*args, **kwargs)
             with torch.profiler.record_function(label):
                 return fn(*args, **kwargs)

@@ -26,9 +26,9 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.autograd import Variable
 
 from .._compile import check_not_compiled_autograd, dynamo_disable
+from .._torch import core as _torch_core
 from .base import PendingReduce, TrainingState, UnitContract
 
 # [Note: recompute]
@@ -244,7 +244,7 @@ class UnitState:
             raise AssertionError("cfsdp: backward before lazy init")
         if not root.callback_queued:
             root.callback_queued = True
-            Variable._execution_engine.queue_callback(self._final_callback)
+            _torch_core.queue_callback(self._final_callback)
         self.training_state = TrainingState.BACKWARD_PRE
         u = self.unit
         if u is not None:

@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _core
 from .._fqn import FLAT_PARAM, clean_tensor_name, full_name, join_fqn
+from .._torch.dtensor import DTensorSpec, TensorMeta
 from . import comm
 from .base import (FromLocalView, PendingReduce, TrainingState, UnshardStates, accumulate_sharded,
                    all_none, alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)

@@ -94,6 +94,7 @@ import ctypes
 import dataclasses
 import errno
 import os
+import pickle
 import re
 import shutil
 import stat
@@ -102,10 +103,11 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.utils import _api_bc_check
 
+from .._torch.checkpoint import FileSystemWriterBase as _FileSystemWriter
+from .._torch.checkpoint import api_bc_check as _api_bc_check
 from . import _liveness
 from ._agree import agree
 
@@ -298,15 +300,24 @@ class _Publisher:
             self._release(unlink=True)
             raise
 
-    def check_complete(self, metadata: Metadata, use_collectives: bool) -> None:
-        """Every file rank 0's metadata names is in the partial directory at full length."""
+    def check_complete(self, use_collectives: bool) -> None:
+        """Every file the metadata rank 0 wrote names is in the partial directory at full
+        length.  The metadata is read from its file: what ``dcp.save`` returns has no
+        ``storage_data`` in torch 2.11 (its ``FileSystemWriter.finish`` fills a copy)."""
         present = {e.name: e.stat().st_size for e in os.scandir(self.partial)}
-        need = {".metadata" if use_collectives else "__0.metadata": 0}
-        for info in (metadata.storage_data or {}).values():
+        md_file = ".metadata" if use_collectives else "__0.metadata"
+        need = {md_file: 0}
+        try:
+            with open(os.path.join(self.partial, md_file), "rb") as f:
+                metadata = pickle.load(f)  # DCP's own format (FileSystemWriter.finish)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            metadata = None  # missing or short: reported below
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
             rel = getattr(info, "relative_path", None)
             if rel is not None:
                 need[rel] = max(need.get(rel, 0), info.offset + info.length)
-        missing = sorted(f for f, size in need.items() if present.get(f, -1) < size)
+        missing = sorted(f for f, size in need.items() if present.get(f, -1) < size
+                         or (f == md_file and metadata is None))
         if missing:
             raise RuntimeError(
                 f"dcp_save: the checkpoint written to {self.partial!r} lacks {missing[:5]} (or "
@@ -491,7 +502,7 @@ def dcp_save(
                                 use_collectives=use_collectives)
         if publisher is not None:
             try:
-                publisher.check_complete(metadata, use_collectives)
+                publisher.check_complete(use_collectives)
             except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
                 error = e
         agree(process_group, error, f"{what}: writing", no_dist=no_dist)

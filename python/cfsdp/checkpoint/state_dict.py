@@ -48,16 +48,17 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint import state_dict as _torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 # bound at import: under cfsdp.patch_torch() a lookup at call time would give cfsdp's class
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils import _pytree as pytree
 
 from .._fqn import clean_tensor_name
+from .._torch import checkpoint as _ckpt
+from .._torch.checkpoint import IncompatibleKeys as _IncompatibleKeys
+from .._torch.checkpoint import pytree
+from .._torch.dynamo import OptimizedModule
 from .._state_dict import optimizer_param_fqns
 from ..api import (
     FullOptimStateDictConfig,
@@ -118,7 +119,7 @@ class _Plan:
 
 
 @dataclasses.dataclass
-class _CfsdpInfo(_torch_dsd._StateDictInfo):
+class _CfsdpInfo(_ckpt.StateDictInfo):
     """torch's ``_StateDictInfo`` of a call on a cfsdp model: what torch's generic optimizer
     helpers read, plus the plan that tells torch's dispatched steps to come here."""
 
@@ -142,7 +143,7 @@ def _check_supported(model: nn.Module, options: StateDictOptions) -> None:
                 f"{name or 'the model'} is torch's FullyShardedDataParallel inside a model wrapped "
                 "with cfsdp: use one FSDP implementation for the whole model."
             )
-        if isinstance(m, (DDP, torch._dynamo.eval_frame.OptimizedModule)):
+        if isinstance(m, (DDP, OptimizedModule)):
             raise NotImplementedError(
                 f"cfsdp.checkpoint.state_dict: a {type(m).__name__} wrapper "
                 f"({name or 'the root'}) in a model wrapped with cfsdp is not supported; pass "
@@ -251,7 +252,7 @@ def _set_model(model: nn.Module, sd: dict[str, Any], plan: _Plan) -> _Incompatib
 def _get_optim(model: nn.Module, optims, plan: _Plan) -> dict[str, Any]:
     merged: dict[str, Any] = {_STATE: {}, _PG: []}
     for optim in optims:
-        _torch_dsd._init_optim_state(optim)  # state exists even before the first step
+        _ckpt.init_optim_state(optim)  # state exists even before the first step
         with plan.context(loading=False):
             osd = FSDP.optim_state_dict(model, optim)
         if not osd:  # rank0_only: nothing on this rank
@@ -261,7 +262,7 @@ def _get_optim(model: nn.Module, optims, plan: _Plan) -> dict[str, Any]:
     if not merged[_STATE] and not merged[_PG]:
         return {}
     if plan.options.flatten_optimizer_state_dict:
-        return _torch_dsd._flatten_optim_state_dict(merged)
+        return _ckpt.flatten_optim_state_dict(merged)
     return merged
 
 
@@ -270,13 +271,13 @@ def _set_optim(model: nn.Module, optims, osd: dict[str, Any], plan: _Plan) -> No
     if plan.options.broadcast_from_rank0:
         osd = _broadcast_from_rank0(osd, plan)
     for optim in optims:
-        _torch_dsd._init_optim_state(optim)
+        _ckpt.init_optim_state(optim)
         if not osd:
             mine: dict[str, Any] = {}
         elif _STATE in osd:  # FQN-keyed: this optimizer's parameters and groups
-            mine = _torch_dsd._split_optim_state_dict(model, optim, osd, plan.info)
+            mine = _ckpt.split_optim_state_dict(model, optim, osd, plan.info)
         else:
-            mine = _torch_dsd._unflatten_optim_state_dict(optim, osd, plan.info)
+            mine = _ckpt.unflatten_optim_state_dict(optim, osd, plan.info)
         with plan.context(loading=True):
             to_load = FSDP.optim_state_dict_to_load(model, optim, mine)
         optim.load_state_dict(to_load)
@@ -336,8 +337,8 @@ def get_model_state_dict(
 ) -> dict[str, Any]:
     """torch's ``get_model_state_dict``; for a cfsdp model see the module doc."""
     if not _cfsdp_wrappers(model):
-        return _torch_dsd.get_model_state_dict(model, submodules=submodules, options=options)
-    with _torch_dsd._gc_context():
+        return _ckpt.dsd.get_model_state_dict(model, submodules=submodules, options=options)
+    with _ckpt.gc_context():
         return _get_model(model, _plan(model, (), False, submodules, options))
 
 
@@ -350,11 +351,11 @@ def get_optimizer_state_dict(
 ) -> dict[str, Any]:
     """torch's ``get_optimizer_state_dict``; for a cfsdp model see the module doc."""
     if not _cfsdp_wrappers(model):
-        return _torch_dsd.get_optimizer_state_dict(
+        return _ckpt.dsd.get_optimizer_state_dict(
             model, optimizers, submodules=submodules, options=options
         )
     optims = _as_tuple(optimizers)
-    with _torch_dsd._gc_context():
+    with _ckpt.gc_context():
         return _get_optim(model, optims, _plan(model, optims, True, submodules, options))
 
 
@@ -367,9 +368,9 @@ def get_state_dict(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """torch's ``get_state_dict``: ``(model state dict, optimizer state dict)``."""
     if not _cfsdp_wrappers(model):
-        return _torch_dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+        return _ckpt.dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
     optims = _as_tuple(optimizers)
-    with _torch_dsd._gc_context():
+    with _ckpt.gc_context():
         plan = _plan(model, optims, False, submodules, options)
         return _get_model(model, plan), _get_optim(model, optims, plan)
 
@@ -382,8 +383,8 @@ def set_model_state_dict(
 ) -> _IncompatibleKeys:
     """torch's ``set_model_state_dict``; returns the missing and unexpected keys."""
     if not _cfsdp_wrappers(model):
-        return _torch_dsd.set_model_state_dict(model, model_state_dict, options=options)
-    with _torch_dsd._gc_context():
+        return _ckpt.dsd.set_model_state_dict(model, model_state_dict, options=options)
+    with _ckpt.gc_context():
         return _set_model(model, model_state_dict, _plan(model, (), False, None, options))
 
 
@@ -396,11 +397,11 @@ def set_optimizer_state_dict(
 ) -> None:
     """torch's ``set_optimizer_state_dict``."""
     if not _cfsdp_wrappers(model):
-        return _torch_dsd.set_optimizer_state_dict(
+        return _ckpt.dsd.set_optimizer_state_dict(
             model, optimizers, optim_state_dict, options=options
         )
     optims = _as_tuple(optimizers)
-    with _torch_dsd._gc_context():
+    with _ckpt.gc_context():
         _set_optim(model, optims, optim_state_dict, _plan(model, optims, True, None, options))
 
 
@@ -414,7 +415,7 @@ def set_state_dict(
 ) -> _IncompatibleKeys:
     """torch's ``set_state_dict``: the model first, then the optimizers."""
     if not _cfsdp_wrappers(model):
-        return _torch_dsd.set_state_dict(
+        return _ckpt.dsd.set_state_dict(
             model,
             optimizers,
             model_state_dict=model_state_dict,
@@ -423,7 +424,7 @@ def set_state_dict(
         )
     optims = _as_tuple(optimizers)
     plan = _plan(model, optims, False, None, options)
-    with _torch_dsd._gc_context():
+    with _ckpt.gc_context():
         keys = _set_model(model, model_state_dict, plan)
         _set_optim(model, optims, optim_state_dict, plan)
     return keys
@@ -442,13 +443,7 @@ def set_state_dict(
 # Any other model gets torch's own info and torch's own steps.  _verify_state_dict is torch's
 # (a _CfsdpInfo lists no torch FSDP modules, so its checks are the generic ones).
 
-_TORCH_STEPS = (
-    "_verify_options",
-    "_get_model_state_dict",
-    "_get_optim_state_dict",
-    "_load_model_state_dict",
-    "_load_optim_state_dict",
-)
+_TORCH_STEPS = tuple(_ckpt.DSD_STEPS)  # the steps and their parameters: cfsdp/_torch/checkpoint.py
 _TORCH_ORIGINALS: dict[str, Any] = {}
 
 
@@ -515,10 +510,10 @@ def _check_broadcast_shapes(model: nn.Module, state_dict: dict[str, Any]) -> Non
     the first entry of another shape (torch fails later, in a copy, naming nothing)."""
     msg: list[Optional[str]] = [None]
     if dist.get_rank() == 0:
-        for name, local in _torch_dsd._iterate_valid_model_state(model):
+        for name, local in _ckpt.iterate_valid_model_state(model):
             if not isinstance(local, torch.Tensor):
                 continue
-            for fqn in _torch_dsd._get_fqns(model, name):
+            for fqn in _ckpt.get_fqns(model, name):
                 v = state_dict.get(fqn)
                 if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(local.shape):
                     msg[0] = (
@@ -549,20 +544,20 @@ def install_torch_dispatch() -> None:
     that hold a cfsdp wrapper (see [Note: torch's helpers on cfsdp models]); idempotent.
     ``import cfsdp`` calls it."""
     for name in _TORCH_STEPS:
-        current = getattr(_torch_dsd, name)
+        current = getattr(_ckpt.dsd, name)
         if current is _DISPATCHERS[name]:
             continue
         _TORCH_ORIGINALS[name] = current
-        setattr(_torch_dsd, name, _DISPATCHERS[name])
+        setattr(_ckpt.dsd, name, _DISPATCHERS[name])
 
 
 def uninstall_torch_dispatch() -> None:
     """Give torch's helpers back their own steps (cfsdp models then get torch's plain
     ``model.state_dict()`` / ``optim.state_dict()`` behaviour: see the module doc)."""
     for name, fn in _TORCH_ORIGINALS.items():
-        if getattr(_torch_dsd, name) is _DISPATCHERS[name]:
-            setattr(_torch_dsd, name, fn)
+        if getattr(_ckpt.dsd, name) is _DISPATCHERS[name]:
+            setattr(_ckpt.dsd, name, fn)
 
 
 def torch_dispatch_installed() -> bool:
-    return all(getattr(_torch_dsd, n) is _DISPATCHERS[n] for n in _TORCH_STEPS)
+    return all(getattr(_ckpt.dsd, n) is _DISPATCHERS[n] for n in _TORCH_STEPS)

@@ -79,9 +79,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import _get_scalar_dtype
 
 from .. import _core
+from .._torch.core import scalar_dtype as _get_scalar_dtype
 
 __all__ = ["Adam", "AdamW", "SGD"]
 

@@ -142,6 +142,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _core
+from .._torch import core as _torch_core
 from .._runtime import comm
 
 _ALIGN_BYTES = 64
@@ -274,8 +275,7 @@ def _map_fd(fd: int, nbytes: int) -> Tensor:
     """The first ``nbytes`` of the open file ``fd``, mapped ``MAP_SHARED``, as a uint8
     tensor (the mapping keeps a duplicate of ``fd``; unmapped when the last view dies).
     Through the fd that was checked, never by name again."""
-    return torch.empty(0, dtype=torch.uint8).set_(
-        torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes))
+    return torch.empty(0, dtype=torch.uint8).set_(_torch_core.shared_fd_storage(fd, nbytes))
 
 
 def _map_shared(layout: RankMajor, rank: int, group: Any

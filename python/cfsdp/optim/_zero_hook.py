@@ -58,11 +58,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._runtime import comm
+from .._torch import core as _torch_core
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["reduce_scatter_hook"]
 
-_ENGINE = torch.autograd.Variable._execution_engine
+_ENGINE = _torch_core.ENGINE
 
 
 class _BucketPlan:

@@ -1,0 +1,45 @@
+"""Core torch internals: autograd's engine, tensor checks, dispatch modes, profiler, optimizers.
+
+* ``queue_callback(fn)``: run ``fn`` at the end of the current backward
+  (``Variable._execution_engine.queue_callback``, as torch's FSDP1/FSDP2 and DDP do).
+* ``has_storage(t)``, ``is_functorch_wrapped(t)``: whether a tensor's memory may be handed to C
+  (``cfsdp._core``).
+* ``dispatch_mode_active()``: a ``TorchDispatchMode`` (e.g. ``CommDebugMode``) is on the stack,
+  so collectives take the process group, where the mode sees them.
+* ``profiler_enabled()``: an autograd profiler is recording (collectives get named ranges).
+* ``scalar_dtype()``: the dtype torch's Adam/AdamW keep ``step`` in
+  (``torch.optim.optimizer._get_scalar_dtype``).
+* ``shared_fd_storage(fd, nbytes)``: a CPU storage mapping the first ``nbytes`` of the open
+  file ``fd`` ``MAP_SHARED`` (``UntypedStorage._new_shared_fd_cpu``: the mapping keeps a
+  duplicate of ``fd``), so a file checked through its descriptor is mapped through it too.
+
+The same in torch 2.11, 2.13 and 2.14.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
+
+ENGINE = torch.autograd.Variable._execution_engine
+has_storage: Callable[[torch.Tensor], bool] = torch._C._has_storage
+is_functorch_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
+profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    ENGINE.queue_callback(fn)
+
+
+def shared_fd_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
+    return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+
+
+def dispatch_mode_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+__all__ = ["ENGINE", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
+           "profiler_enabled", "queue_callback", "scalar_dtype", "shared_fd_storage"]

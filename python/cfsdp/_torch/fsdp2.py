@@ -1,0 +1,147 @@
+"""FSDP2's API as the installed torch has it, and torch's composable registry.
+
+cfsdp's ``fully_shard`` face mirrors the installed torch's, not the newest one's.  What the
+tested versions differ in, and what cfsdp does on each:
+
+=================================  =============  ==============================================
+                                   torch 2.11     torch 2.13, 2.14
+=================================  =============  ==============================================
+``DataParallelMeshDims``           absent         ``torch.distributed.fsdp.DataParallelMeshDims``
+(``torch.distributed.fsdp``)                      (in ``__all__``; cfsdp re-exports it)
+``fully_shard(dp_mesh_dims=)``     absent         accepted (cfsdp: ``NotImplementedError``)
+``ShardPlacementResult``           absent         a ``shard_placement_fn`` result naming a
+                                                  per-parameter mesh (cfsdp:
+                                                  ``NotImplementedError``)
+``FSDPModule.reset_iter_state``    absent         present
+``shard_placement_fn`` results     resolved per   all resolved before the per-parameter
+                                   parameter,     checks; a result that is neither ``None``,
+                                   after its      ``Shard`` nor ``ShardPlacementResult`` is
+                                   device and     ``ValueError("Invalid shard_placement_fn
+                                   contiguity     result: ...")``
+                                   checks; one
+                                   without
+                                   ``.dim`` is
+                                   ``Attribute-
+                                   Error``, one
+                                   with ``.dim
+                                   >= 0`` but no
+                                   ``Shard``
+                                   ``Assertion-
+                                   Error``
+``fully_shard(ModuleList or        refused, with  refused only when the container does not
+ModuleDict)``                      or without a   implement ``forward``
+                                   ``forward``
+=================================  =============  ==============================================
+
+``fully_shard`` passes its keyword arguments through :func:`newer_kwargs`: an argument the
+installed torch's ``fully_shard`` does not take is torch's ``TypeError`` ("fully_shard() got an
+unexpected keyword argument ..."), and ``inspect.signature(cfsdp.fully_shard)`` is the installed
+torch's (:func:`fully_shard_signature`).  ``FSDPModule`` drops the methods the installed torch's
+``FSDPModule`` does not have (:func:`drop_newer_methods`), so they are ``AttributeError`` as on
+that torch.  2.12 was not tested (no CPU or CUDA build of it was run here); the names follow what
+the installed torch defines, and the version checks put 2.12 with 2.13 where the tested versions
+differ.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch.distributed.fsdp as _fsdp
+import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
+from torch.distributed._composable.contract import _get_registry as get_registry
+from torch.distributed.fsdp._fully_shard import _fsdp_common
+from torch.distributed.tensor import Shard
+
+from . import VERSION_STRING, at_least
+
+# torch's classes, or None where the installed torch has none
+ShardPlacementResult: Optional[type] = getattr(_fsdp_common, "ShardPlacementResult", None)
+DataParallelMeshDims: Optional[type] = getattr(_fsdp, "DataParallelMeshDims", None)
+
+# fully_shard's keyword arguments added after the oldest supported torch: name -> (major, minor)
+_FULLY_SHARD_SINCE: dict[str, tuple[int, int]] = {"dp_mesh_dims": (2, 13)}
+# FSDPModule methods cfsdp implements that torch added after the oldest supported torch
+_FSDP_MODULE_SINCE: dict[str, tuple[int, int]] = {"reset_iter_state": (2, 13)}
+
+# whether fully_shard resolves every shard_placement_fn result before its per-parameter checks
+# (2.13+: ``resolve_shard_placement``, a wrong type is its ValueError) or one parameter at a
+# time inside them (2.11: ``FSDPParam._init_sharded_param``)
+RESOLVES_PLACEMENTS_FIRST: bool = at_least(2, 13)
+
+if at_least(2, 13) != (ShardPlacementResult is not None) or at_least(2, 13) != (
+        DataParallelMeshDims is not None):
+    raise ImportError(
+        f"cfsdp: torch {VERSION_STRING} does not have the FSDP2 names its version should have "
+        f"(ShardPlacementResult: {ShardPlacementResult}, DataParallelMeshDims: "
+        f"{DataParallelMeshDims}); cfsdp/_torch/fsdp2.py needs an update for this torch."
+    )
+
+
+def placement_result_types() -> tuple[type, ...]:
+    """What a ``shard_placement_fn`` may return besides ``None`` on the installed torch."""
+    return (Shard,) if ShardPlacementResult is None else (Shard, ShardPlacementResult)
+
+
+def placement_result_error(result: Any) -> Optional[tuple[type, str]]:
+    """torch's error (its type and message) for a ``shard_placement_fn`` result of a type it
+    rejects, or None when it takes the result (see the table above)."""
+    if result is None or isinstance(result, placement_result_types()):
+        return None
+    if RESOLVES_PLACEMENTS_FIRST:
+        return ValueError, f"Invalid shard_placement_fn result: {result}"
+    dim = getattr(result, "dim", None)
+    if dim is None:
+        return AttributeError, f"'{type(result).__name__}' object has no attribute 'dim'"
+    if isinstance(dim, int) and dim < 0:
+        return None  # torch 2.11 takes Shard(dim + ndim) in its place
+    return AssertionError, f"Expected Shard, got {type(result)}: {result}"
+
+
+def refuses_container(module: nn.Module) -> bool:
+    """Whether the installed torch's ``fully_shard`` refuses ``module`` as a container
+    (``ValueError``: "does not support containers that do not implement forward")."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return False
+    return not at_least(2, 13) or type(module).forward is nn.Module.forward
+
+
+def has_fully_shard_kwarg(name: str) -> bool:
+    since = _FULLY_SHARD_SINCE.get(name)
+    return since is None or at_least(*since)
+
+
+def newer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments newer than the oldest supported torch, with their
+    defaults filled in; an argument the installed torch's ``fully_shard`` does not take is
+    torch's ``TypeError``."""
+    for name in kwargs:
+        if name not in _FULLY_SHARD_SINCE or not has_fully_shard_kwarg(name):
+            raise TypeError(f"fully_shard() got an unexpected keyword argument '{name}'")
+    return {name: kwargs.get(name) for name in _FULLY_SHARD_SINCE if has_fully_shard_kwarg(name)}
+
+
+def fully_shard_signature(fn: Any) -> inspect.Signature:
+    """``fn``'s signature (cfsdp's ``fully_shard``, written with ``**kwargs`` for the newer
+    arguments) with the installed torch's newer keyword arguments in place of ``**kwargs``."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+               for name in _FULLY_SHARD_SINCE if has_fully_shard_kwarg(name)]
+    return sig.replace(parameters=params)
+
+
+def drop_newer_methods(cls: type) -> None:
+    """Remove from ``cls`` (cfsdp's ``FSDPModule``) the methods the installed torch's
+    ``FSDPModule`` does not have."""
+    for name, since in _FSDP_MODULE_SINCE.items():
+        if not at_least(*since) and name in vars(cls):
+            delattr(cls, name)
+
+
+__all__ = ["DataParallelMeshDims", "REGISTRY_KEY", "RESOLVES_PLACEMENTS_FIRST", "RegistryItem",
+           "STATE_KEY", "ShardPlacementResult", "drop_newer_methods", "fully_shard_signature",
+           "get_registry", "has_fully_shard_kwarg", "newer_kwargs", "placement_result_error",
+           "placement_result_types", "refuses_container"]
