@@ -793,18 +793,23 @@ class FullyShardedDataParallel(nn.Module):
             _AUTO_WRAP_ROOT.reset(root_token)
 
     def _sync_module_states(self, module, managed, ignored_mods) -> None:
-        """Broadcast rank 0's managed parameters and buffers (torch's semantics)."""
-        group = self._process_group
+        """Broadcast rank 0's managed parameters and buffers (torch's semantics): with a
+        hybrid strategy over the replicate group first (to each shard group's rank 0), then
+        over the shard group, as torch, so every replica starts from rank 0's values."""
+        groups = [self._process_group]
+        if self._replicate_group is not None and self._replicate_group.size() > 1:
+            groups.insert(0, self._replicate_group)
         with torch.no_grad():
-            for p in managed:  # a tensor-parallel parameter: its local tensor
-                local = p._local_tensor if isinstance(p, DTensor) else p
-                dist.broadcast(local.detach(), group=group, group_src=0)
-            for mod in module.modules():
-                if mod in ignored_mods:
-                    continue
-                for b in mod._buffers.values():
-                    if b is not None:
-                        dist.broadcast(b, group=group, group_src=0)
+            for group in groups:
+                for p in managed:  # a tensor-parallel parameter: its local tensor
+                    local = p._local_tensor if isinstance(p, DTensor) else p
+                    dist.broadcast(local.detach(), group=group, group_src=0)
+                for mod in module.modules():
+                    if mod in ignored_mods:
+                        continue
+                    for b in mod._buffers.values():
+                        if b is not None:
+                            dist.broadcast(b, group=group, group_src=0)
 
     # ------------------------------------------------------------ plumbing
     @property

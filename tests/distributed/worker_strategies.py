@@ -36,7 +36,10 @@ from worker_parity import (
     make_batches,
     make_optim,
     make_policy,
+    mse_loss,
     run_parity,
+    train_fsdp,
+    train_ref,
     wrap_odd,
     wrap_root,
 )
@@ -118,6 +121,41 @@ def hybrid_default_groups(ctx, strategy, local_world_size: int, use_orig_params:
             del os.environ["LOCAL_WORLD_SIZE"]
         else:
             os.environ["LOCAL_WORLD_SIZE"] = old
+
+
+@h.subtest(grid={"strategy": list(HYBRID), "how": ["tuple", "mesh"], "use_orig_params": [False, True]})
+def hybrid_sync_module_states(ctx, strategy, how: str, use_orig_params: bool):
+    """sync_module_states=True with a hybrid strategy makes every rank's parameters and
+    buffers rank 0's, across the replicate groups too (torch FSDP1 broadcasts over the
+    inter-node group, then the shard group; cfsdp broadcast over the shard group only, so
+    each replica kept its own initial values and the replicas trained apart).  Each rank
+    builds the model from its own seed.  torch FSDP1 rejects sync_module_states for CPU
+    modules ("requires them to be on GPU"), so the oracle is the model built with rank 0's
+    seed in this process (as worker_parity's sync_module_states), and two training steps
+    from it on the single process."""
+    if ctx.world_size < 4:
+        return
+    mm = Mismatches(ctx)
+    expected = build("odd", seed=100)  # what rank 0 builds below
+    expected.bn.running_mean.add_(0.25)
+    local = build("odd", seed=100 + ctx.rank)
+    local.bn.running_mean.add_(0.25 + ctx.rank)
+    model = wrap_odd(CFSDP, local, **groups_kw(ctx, strategy, how), sharding_strategy=strategy,
+                     use_orig_params=use_orig_params, device_id=CPU, sync_module_states=True)
+    sd, exp = model.state_dict(), expected.state_dict()
+    mm.check(list(sd) == list(exp), f"keys {list(sd)} != {list(exp)}")
+    for k, v in exp.items():
+        mm.tensors(f"state_dict[{k}] after sync_module_states", sd.get(k), v,
+                   a_name="cfsdp", b_name="rank0 model")
+    mm.raise_if_any()
+    batches = make_batches("odd", ctx.world_size, steps=2)
+    c_losses, _ = train_fsdp(model, make_optim("sgd", model.parameters()), batches, mse_loss,
+                             ctx.rank)
+    r_losses, _ = train_ref(expected, make_optim("sgd", expected.parameters()), batches, mse_loss)
+    for step in range(2):
+        mm.tensors(f"cfsdp-vs-ref loss at step {step}", c_losses[step], r_losses[step][ctx.rank],
+                   exact=False, b_name="ref")  # the single process sums in another order
+    mm.raise_if_any()
 
 
 @h.subtest
