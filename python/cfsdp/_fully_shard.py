@@ -671,8 +671,8 @@ def fully_shard(
         mp_policy.reduce_dtype, shard_dims=shard_dims))
     if unit is not None:
         unit.post_forward_group = post_forward_group
-        for module, name, fqn, p, _ in entries:  # an optimizer holding them fails at step()
-            mark_replaced(p, fqn, FULLY_SHARD, module, name)
+        for owner, name, fqn, p, _ in entries:  # an optimizer holding them fails at step()
+            mark_replaced(p, fqn, FULLY_SHARD, owner, name)
     for b in (b for m in managed for b in m._buffers.values() if b is not None):
         if b.device != device and b.device.type != "meta":
             b.data = b.to(device)

@@ -129,6 +129,17 @@ def _contract_members() -> list[str]:
     return sorted(set(names))
 
 
+def test_fully_shard_returns_what_it_was_given():
+    """fully_shard returns the module (or the list of modules) it was called with, as torch's
+    (a loop variable once shadowed the argument: the last parameter's owner came back)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    assert cfsdp.fully_shard(model[1]) is model[1]
+    assert cfsdp.fully_shard(model) is model
+    blocks = nn.ModuleList([nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 3))])
+    group = [blocks[0], blocks[1]]
+    assert cfsdp.fully_shard(group) is group
+
+
 @pytest.mark.parametrize("face", ["wrapper", "fully_shard"])
 def test_both_unit_kinds_meet_the_contract(face):
     """Every member of base.UnitContract (the calls the hooks and PendingReduce make, the
