@@ -33,6 +33,7 @@ import torch.distributed.fsdp as _torch_fsdp
 from ._compile import dynamo_disable
 from ._docs import adopt_class_docs, adopt_function_doc
 from ._fqn import full_name
+from ._internals import STATE, STATE_DEFAULT, no_torch_internal
 from ._torch import fsdp2 as _fsdp2
 from ._torch.fsdp2 import REGISTRY_KEY as _REGISTRY_KEY
 from ._torch.fsdp2 import STATE_KEY as _STATE_KEY
@@ -190,6 +191,28 @@ class _FSState:
                 "(inside forward/backward); call it between training steps."
             )
 
+    # ---------------------- torch's FSDPState names that mean something here (_internals.py)
+    # FSDPModule._set_unshard_async_op's value (torch's FSDPParamGroup.unshard_async_op)
+    unshard_async_op: bool = False
+
+    @property
+    def _is_root(self) -> Optional[bool]:
+        """torch's ``FSDPState._is_root``: None until lazy initialisation (the first forward,
+        or :meth:`_lazy_init`), then whether this call's state is the root."""
+        return self.ustate.is_root
+
+    def _lazy_init(self) -> None:
+        """torch's ``FSDPState._lazy_init()``: what the first forward through this call's
+        module does first (this state becomes the root of the ``fully_shard`` calls below
+        it); a no-op once initialised."""
+        self.lazy_init(self.modules[0])
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise no_torch_internal(type(self).__name__, name, "FSDPState",
+                                STATE.get(name, STATE_DEFAULT))
+
 
 def _state(module: nn.Module) -> _FSState:
     s = getattr(module, _STATE_ATTR, None)
@@ -218,6 +241,23 @@ class FSDPModule:
 
     def __deepcopy__(self, memo):
         raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+    def _get_fsdp_state(self) -> _FSState:
+        """torch's private accessor: the state of the ``fully_shard`` call this module was
+        given to, ``fully_shard.state(self)`` (cfsdp's state object: its ``_is_root`` and
+        ``_lazy_init()`` are torch's, any other torch ``FSDPState`` attribute is an
+        ``AttributeError`` saying what to use instead)."""
+        return _state(self)
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's private switch for every ``fully_shard`` module in this module's tree: with
+        True torch issues the pre-forward and pre-backward all-gathers as asynchronous ops
+        (on CPU its default, False, makes each prefetch wait for its all-gather).  cfsdp
+        always issues them asynchronously, in order, and waits when the unit runs, so the
+        value is recorded (``_get_fsdp_state().unshard_async_op``) and changes no number,
+        as on torch."""
+        for m in _fs_modules(self, True):
+            _state(m).unshard_async_op = async_op
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``module.to(...)``, ``.double()``, ``.half()``, ``to_empty``: as torch, reshard

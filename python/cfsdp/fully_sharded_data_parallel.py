@@ -40,6 +40,8 @@ from ._runtime.unit import Unit, flatten_error, scalar_param_message
 from ._compile import dynamo_disable, dynamo_skip_frame
 from ._docs import adopt_class_docs
 from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, full_name, join_fqn
+from ._internals import FSDP1 as _FSDP1_INTERNALS
+from ._internals import HANDLE, HANDLE_DEFAULT, no_torch_internal
 from ._torch.fsdp1 import ActivationWrapper, init_intra_and_inter_node_groups, override_module_mixed_precision
 from ._torch.fsdp1 import LOW_PRECISION_HOOKS as _LOW_PRECISION_HOOKS
 from ._torch.fsdp1 import TrainingState as _TorchTrainingState
@@ -533,6 +535,77 @@ def _annotate_modules_for_dynamo(
             sub._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]
 
 
+class FlatParamHandle:
+    """``wrapper._handle``: the members of torch FSDP1's ``FlatParamHandle`` that mean
+    something for a cfsdp unit (README.md, "torch's private FSDP names").  Any other is an
+    ``AttributeError`` naming it and what to use instead (``cfsdp/_internals.py``)."""
+
+    __slots__ = ("_wrapper",)
+
+    def __init__(self, wrapper: "FullyShardedDataParallel"):
+        self._wrapper = wrapper
+
+    @property
+    def _unit(self) -> Unit:
+        return self._wrapper._state.unit
+
+    @property
+    def flat_param(self) -> nn.Parameter:
+        """The wrapper's flat parameter (``wrapper._flat_param``): this rank's shard
+        between steps, its ``_fqns`` the original parameters' names, as torch's."""
+        return self._unit.flat_param
+
+    @property
+    def _offload_params(self) -> bool:
+        return bool(self._wrapper.cpu_offload.offload_params)
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        """The dtype of the unit's parameters (its shard)."""
+        return self._unit.dtype
+
+    @_orig_param_dtype.setter
+    def _orig_param_dtype(self, dtype: torch.dtype) -> None:
+        """accelerate's upcast of a low-precision model: it sets ``flat_param.data =
+        flat_param.data.to(torch.float32)``, then this to float32.  The unit takes the flat
+        parameter's new data over as its shard (what the optimizer steps), and keeps
+        computing and reducing in the dtypes it has (the mixed-precision ones given, else the
+        parameters' dtype before the upcast), as torch's FSDP1 does: its lazy initialisation
+        refreshes those only when the flat parameter's dtype differs from
+        ``_orig_param_dtype``, which accelerate has just made equal."""
+        w, u = self._wrapper, self._unit
+        if w._state.training_state is not TrainingState.IDLE:
+            raise CallStateError(
+                f"{_torch_state_message(w._state.training_state)} (cfsdp: _handle."
+                f"_orig_param_dtype set while {w._state.name}'s unit is inside forward/backward "
+                "or summon_full_params; set it between training steps.)")
+        u.adopt_flat_data(keep_dtypes=True)
+        if dtype != u.dtype:
+            raise ValueError(
+                f"cfsdp: _handle._orig_param_dtype = {dtype}, but {w._state.name}'s flat "
+                f"parameter holds {u.dtype}: set flat_param.data to a {dtype} tensor first "
+                "(as accelerate does), or convert the model with model.to(dtype).")
+
+    def reshard(self, free_unsharded_flat_param: bool) -> None:
+        """torch's ``FlatParamHandle.reshard``: the parameters point at this rank's shard
+        again (verl calls it on the root after a ``no_grad`` forward, where torch keeps the
+        root's full parameters; cfsdp already resharded it).  cfsdp always frees the
+        unsharded buffer (torch keeps its memory with ``False``; the numbers are the same)."""
+        w = self._wrapper
+        if w._state.training_state is not TrainingState.IDLE:
+            raise CallStateError(
+                f"{_torch_state_message(w._state.training_state)} (cfsdp: _handle.reshard() "
+                f"called while {w._state.name}'s unit is inside forward/backward or "
+                "summon_full_params; call it between training steps.)")
+        self._unit.reshard()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise no_torch_internal(type(self).__name__, name, "FlatParamHandle",
+                                HANDLE.get(name, HANDLE_DEFAULT))
+
+
 class FullyShardedDataParallel(nn.Module):
     """Drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel``.
 
@@ -719,6 +792,9 @@ class FullyShardedDataParallel(nn.Module):
             if managed
             else None
         )
+        if unit is not None:  # torch's FlatParameter._fqns, relative to ``module`` (accelerate reads it)
+            prefix = CHECKPOINT_WRAPPED_MODULE if flat_owner is not module else ""
+            unit.flat_param._fqns = tuple(join_fqn(prefix, i.fqn) for i in unit.infos)
         reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
 
@@ -825,15 +901,55 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            pass
+        try:
             return getattr(self._fsdp_wrapped_module, name)
+        except AttributeError:
+            answer = _FSDP1_INTERNALS.get(name)
+            if answer is None:
+                raise
+        raise no_torch_internal(type(self).__name__, name, "FullyShardedDataParallel", answer)
 
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
+    # ------------------ torch FSDP1's private names that mean something here (_internals.py)
     @property
     def _flat_param(self):
         u = self._state.unit
         return u.flat_param if u is not None else None
+
+    @property
+    def _has_params(self) -> bool:
+        """Whether this wrapper manages parameters (torch's: whether it has a ``_handle``)."""
+        return self._state.unit is not None
+
+    @property
+    def _is_root(self) -> Optional[bool]:
+        """torch's ``_is_root``: None until lazy initialisation (the first forward, a
+        ``summon_full_params`` or a state dict), then whether this wrapper is the root.  As
+        torch's it may be set: ``False`` on a wrapper that a ``summon_full_params`` on it
+        made a root before the model's first forward (verl does), ``None`` to initialise
+        again at the next forward through it."""
+        return self._state.is_root
+
+    @_is_root.setter
+    def _is_root(self, value: Optional[bool]) -> None:
+        if not (value is None or value is True or value is False):
+            raise TypeError(f"_is_root must be None, True or False, got {value!r}")
+        self._state.is_root = value
+
+    @property
+    def _handle(self) -> Optional["FlatParamHandle"]:
+        """torch's ``FlatParamHandle`` of this wrapper, or None when it manages no parameters:
+        cfsdp's :class:`FlatParamHandle`, the members of torch's that mean something for its
+        unit."""
+        if self._state.unit is None:
+            return None
+        handle = self.__dict__.get("_cfsdp_handle")
+        if handle is None:
+            handle = self.__dict__["_cfsdp_handle"] = FlatParamHandle(self)
+        return handle
 
     @property
     def process_group(self) -> dist.ProcessGroup:

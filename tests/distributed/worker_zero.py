@@ -46,13 +46,16 @@ warnings.filterwarnings("ignore", category=UserWarning)
 _ieee_sqrt.install()  # see the module docstring
 
 STEPS = 5
+LOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Net(nn.Module):
     """Parameters of many sizes, with ties (the partition's stable sort), optionally a
-    frozen layer, a float64 layer or a non-contiguous (transposed) weight."""
+    frozen layer, a float64 layer, bfloat16 and float16 layers (``low``) or a non-contiguous
+    (transposed) weight."""
 
-    def __init__(self, frozen: bool = False, fp64: bool = False, transposed: bool = False):
+    def __init__(self, frozen: bool = False, fp64: bool = False, transposed: bool = False,
+                 low: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Linear(6, 24)
@@ -68,11 +71,15 @@ class Net(nn.Module):
             self.side.double()
         if transposed:
             self.mid.weight = nn.Parameter(self.mid.weight.detach().t().contiguous().t())
+        # a residual branch per low-precision dtype, computed in it
+        self.low = nn.ModuleList([nn.Linear(24, 24).to(dt) for dt in LOW_DTYPES]) if low else None
 
     def forward(self, x):
         h = self.norm(F.gelu(self.mid(F.gelu(self.emb(x)))))
         if self.frozen is not None:
             h = h + self.frozen(h)
+        for lin in self.low or ():
+            h = h + lin(h.to(lin.weight.dtype)).float()
         s = self.side(h.double()).float() if self.fp64 else self.side(h)
         return self.head(torch.cat([h, s], dim=1))
 
@@ -108,8 +115,10 @@ class Trio:
     """plain, torch's ZeRO and cfsdp's ZeRO on three DDP copies of one model."""
 
     def __init__(self, pg, optim: str, bucket_view: bool, net: dict | None = None,
-                 torch_zero: bool = True, find_unused: bool = False, two: bool | None = None):
+                 torch_zero: bool = True, find_unused: bool = False, two: bool | None = None,
+                 extra: dict | None = None):
         cls, ours, kw, two_groups = OPTIMS[optim]
+        kw = dict(kw, **(extra or {}))
         two = two_groups if two is None else two
         self.pg, self.rank = pg, dist.get_rank(pg)
         self.names = ["plain", "torch", "cfsdp"] if torch_zero else ["plain", "cfsdp"]
@@ -327,16 +336,25 @@ def moved_parameters(ctx, bucket_view):
     t.check_state_dicts()
 
 
-@h.subtest
-def mixed_dtypes(ctx):
-    """A float64 layer among float32 ones (beyond torch: its ZeRO raises ValueError; one
-    cfsdp bucket per dtype), both bucket modes against plain DDP + AdamW."""
-    e = raises(TorchZeRO, Net(fp64=True).parameters(), torch.optim.AdamW,
+@h.subtest(grid={"optim": ["adamw", "cfsdp_adamw", "sgd", "cfsdp_sgd", "cfsdp_adam"]})
+def mixed_dtypes(ctx, optim):
+    """Layers of float64, bfloat16 and float16 among float32 ones (beyond torch: its ZeRO
+    raises ValueError; one cfsdp bucket per dtype), both bucket modes, torch's optimizers and
+    cfsdp.optim's (fused C for float32, torch's per-tensor math for the others) inside,
+    against plain DDP + the same optimizer over every parameter: losses, parameters of every
+    dtype and consolidated state dicts bit for bit."""
+    e = raises(TorchZeRO, Net(fp64=True, low=True).parameters(), torch.optim.AdamW,
                process_group=ctx.pg, lr=1e-2)
     assert isinstance(e, ValueError) and "same dense type" in str(e), e
+    # Adam's default eps (1e-8) is 0 in float16: every float16 parameter would become NaN
+    extra = {"eps": 1e-3} if "adam" in optim else {}
     for bucket_view in (False, True):
-        t = Trio(ctx.pg, "cfsdp_adamw", bucket_view, net=dict(fp64=True), torch_zero=False)
-        assert len(t.opts["cfsdp"]._syncs) == 2
+        t = Trio(ctx.pg, optim, bucket_view, net=dict(fp64=True, low=True), torch_zero=False,
+                 extra=extra)
+        dtypes = sorted(str(p.dtype) for p in t.models["cfsdp"].parameters())
+        assert set(dtypes) == {"torch.float32", "torch.float64", "torch.bfloat16",
+                                       "torch.float16"}, dtypes
+        assert len(t.opts["cfsdp"]._syncs) == 4
         t.train(STEPS)
         t.check_same(f"bucket_view={bucket_view}: ")
         t.check_state_dicts()

@@ -32,8 +32,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                "cfsdp.parallel.*", "cfsdp._patch", "cfsdp.run"]),
     ("state dicts", ["cfsdp._state_dict", "cfsdp._optim_state_dict"]),
     ("runtime", ["cfsdp._runtime", "cfsdp._runtime.*"]),
-    ("bottom", ["cfsdp._fqn", "cfsdp._docs", "cfsdp._compile", "cfsdp.api", "cfsdp.wrap",
-                "cfsdp._core", "cfsdp._C", "cfsdp._ref", "cfsdp._ref.*"]),
+    ("bottom", ["cfsdp._fqn", "cfsdp._docs", "cfsdp._compile", "cfsdp._internals", "cfsdp.api",
+                "cfsdp.wrap", "cfsdp._core", "cfsdp._C", "cfsdp._ref", "cfsdp._ref.*"]),
     # torch's private APIs, one module per concern, for every supported torch version
     ("torch", ["cfsdp._torch", "cfsdp._torch.*"]),
 ]

@@ -722,13 +722,16 @@ class Unit(UnshardStates):
             self._applied = got
             self.module._parameters[FLAT_PARAM] = self.flat_param
 
-    def adopt_flat_data(self) -> None:
+    def adopt_flat_data(self, keep_dtypes: bool = False) -> None:
         """After ``nn.Module._apply`` (inside :meth:`flat_param_registered`): when it gave
         the flat parameter new data (a new dtype), that becomes the shard and the unit
         follows, with torch FSDP1's rules (its ``init_flat_param_attributes``): the
         mixed-precision dtypes the user gave stay, the others follow the new dtype; the
         buffers, the modules' views and the original parameters' data and gradients are
-        made anew.  The layout (alignment included) stays, as torch's."""
+        made anew.  The layout (alignment included) stays, as torch's.  ``keep_dtypes``:
+        every compute and reduction dtype stays, given or not (the caller set torch's
+        ``_handle._orig_param_dtype`` to the new dtype itself, as accelerate does, so
+        torch's lazy initialisation sees no change of dtype and refreshes nothing)."""
         applied, self._applied = self._applied, None
         new = (applied if applied is not None else self.flat_param).data
         old = self.shard
@@ -751,7 +754,7 @@ class Unit(UnshardStates):
             self.flat_param.grad = applied.grad
         self.shard = new
         self.dtype = new.dtype
-        if not self._mp_param_given:
+        if not self._mp_param_given and not keep_dtypes:
             self.param_dtype = new.dtype
             if not self._mp_reduce_given:
                 self.reduce_dtype = new.dtype
