@@ -29,7 +29,7 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PYTHONPATH=$(SAN_LIB)$${PYTHONPATH:+:$$PYTHONPATH}
 
-.PHONY: venv build sanitize test test-unit test-dist demo bench test-torch torch-venv
+.PHONY: venv build sanitize test test-unit test-dist demo bench test-torch torch-venv torchtitan-check
 
 # Other torch versions (issue 23): cfsdp supports torch 2.11.x to 2.14.x and mirrors the
 # installed one.  `make test-torch TORCH=2.11.0` runs TORCH_TESTS (the unit tests and the
@@ -111,6 +111,11 @@ test: build
 	for v in $(TORCH_OTHERS); do $(MAKE) --no-print-directory test-torch TORCH=$$v || exit 1; done
 	@secs=$$(( $$(date +%s) - $$(cat .test-start) )); rm -f .test-start; \
 		printf '=== make test: %d:%02d in all\n' $$((secs / 60)) $$((secs % 60))
+
+# torchtitan 0.3.0's debugmodel recipe on torch's FSDP2 and under cfsdp.run (2 CPU ranks),
+# compared bit for bit; its own venv .venv-titan (~2.5 GB), so not part of make test
+torchtitan-check: build
+	tools/torchtitan_cpu/check.sh
 
 test-unit: build
 	$(PY) -m pytest -q tests/unit
