@@ -201,6 +201,7 @@ class SDState:
     validated: bool = False  # the outermost load already checked the whole state dict
     shown: bool = False  # full parameters are exposed (params_as_full)
     copy: Optional[torch.Tensor] = None  # the gathered copy they view (FULL/SHARDED saving)
+    kept: bool = False  # the unit was unsharded before saving: it stays so ([Note: kept unsharded units])
     scratch_token: Any = None  # this wrapper opened the SHARDED scratch pool
     scratch_buf: Optional[torch.Tensor] = None  # the pool buffer this wrapper holds
     skip_missing: set = field(default_factory=set)  # LOCAL + use_orig_params: not missing
@@ -291,6 +292,7 @@ def _expose_full_copy(w) -> None:
         return
     cfg = w._state_dict_config
     sharded = _type_of(w) == StateDictType.SHARDED_STATE_DICT
+    w._sd.kept = u.is_unsharded
     copy = u.gather_full_copy(_claim_scratch(w, u) if sharded else None)
     if getattr(cfg, "rank0_only", False) and u.rank != 0:
         return
@@ -307,10 +309,10 @@ def _hide_full(w, writeback: bool) -> None:
     try:
         if u is not None and w._sd.shown:
             u.params_as_sharded(writeback)
-        if u is not None:
+        if u is not None and not w._sd.kept:  # a kept unit keeps its buffer, as torch's
             u.reshard()
     finally:
-        w._sd.shown, w._sd.copy = False, None
+        w._sd.shown, w._sd.copy, w._sd.kept = False, None, False
         w._state.leave_summon()
 
 

@@ -797,6 +797,9 @@ class FullyShardedDataParallel(nn.Module):
             unit.flat_param._fqns = tuple(join_fqn(prefix, i.fqn) for i in unit.infos)
         reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
+        # [Note: kept unsharded units] in _runtime/unit.py
+        self._state.keeps_views_for_backward = strategy in (
+            ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
     def _init_state_dict_state(self, module: nn.Module) -> None:
         """Wrappers below this one are not outermost; the state-dict hooks of this one."""

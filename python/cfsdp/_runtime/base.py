@@ -9,7 +9,9 @@ in :class:`UnitContract`, and nothing else:
 
 ==========================  ======================================================
 pre-forward                 ``before_forward()``, ``unshard()``, ``use_forward_views()``
-post-forward                ``reshard_after_forward(for_backward)``
+post-forward                ``reshard_after_forward(for_backward)``, or
+                            ``end_forward_views()`` for a unit that stays unsharded
+                            (the wrapper face: ``UnitState.keeps_views_for_backward``)
 pre-backward                ``unshard()``, ``use_forward_views()``,
                             ``take_grad_for_backward()``
 gradient ready              ``post_backward_fn(unit, grad)`` (set by the hooks, called

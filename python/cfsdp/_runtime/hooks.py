@@ -143,6 +143,11 @@ class UnitState:
         self.backward_prefetch_states: Optional[list["UnitState"]] = None
         # False: backward needs no parameter values (e.g. an embedding), skip the unshard
         self.unshard_in_backward = True
+        # The wrapper face (torch's FSDP1): a unit that stays unsharded after forward shows
+        # its registered parameters again (``end_forward_views``), unless this is True and
+        # backward will follow (SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 keep the forward's views
+        # for backward, as torch's).  None: the views stay bound (the composable face).
+        self.keeps_views_for_backward: Optional[bool] = None
         if unit is not None:
             unit.post_backward_fn = self._post_backward
 
@@ -188,8 +193,12 @@ class UnitState:
         u = self.unit
         needs_grad = torch.is_grad_enabled()
         keep_for_backward = self.is_root and needs_grad and not self.root_reshards_after_forward
-        if u is not None and not keep_for_backward and self.reshard_after_forward:
-            u.reshard_after_forward(needs_grad)
+        if u is not None:
+            if not keep_for_backward and self.reshard_after_forward:
+                u.reshard_after_forward(needs_grad)
+            elif self.keeps_views_for_backward is not None and not (
+                    needs_grad and self.keeps_views_for_backward):
+                u.end_forward_views()  # kept unsharded: [Note: kept unsharded units]
         self.training_state = TrainingState.IDLE
         hooked = needs_grad and self._register_pre_backward(output)
         if self.is_root and not hooked and self.root is not None:

@@ -157,11 +157,35 @@ def kept_stride(t: torch.Tensor) -> Optional[tuple[int, ...]]:
 #   NotImplementedError.
 #
 # Then the parameters' data and gradients are views again (torch re-points them at its next
-# reshard; cfsdp at once).  A unit that is unsharded at the time (SHARD_GRAD_OP between
-# forward and backward, the root) writes nothing back, as torch's.  The check costs three
-# C-level passes per unshard (registered objects, data addresses, gradient objects against
-# what the unit last set: ``_idle_ptrs``, ``_shown_grads``); the per-parameter Python runs
-# only when one of them differs.  torch's ``FSDP_SKIP_WRITEBACK_CHECK=1`` turns it off.
+# reshard; cfsdp at once).  Nothing is written back while the modules show the forward's views
+# (SHARD_GRAD_OP between forward and backward: torch raises there if a view changed) or full
+# parameters (summon, state dicts); a unit kept unsharded writes back into the shard and keeps
+# computing with the buffer it holds ([Note: kept unsharded units]).  With no_sync's unsharded
+# gradient, a gradient set to None zeroes the parameter's whole range of it, and a new one is
+# copied there (torch writes ``[offset_in_shard, + numel_in_shard)`` of it, the wrong region).
+# The check costs three C-level passes per unshard (registered objects, data addresses,
+# gradient objects against what the unit last set: ``_idle_ptrs``, ``_shown_grads``); the
+# per-parameter Python runs only when one of them differs.  torch's
+# ``FSDP_SKIP_WRITEBACK_CHECK=1`` turns it off.
+#
+# [Note: kept unsharded units]
+# A wrapper unit stays unsharded (its all-gathered buffer kept, or NO_SHARD's parameters)
+# after a training forward when it is the root or does not reshard after forward
+# (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD), and after a no_sync() backward with those
+# strategies.  As torch FSDP1 (``_reshard`` without freeing, then ``_use_sharded_views``),
+# the modules then show the registered original parameters again (``end_forward_views``):
+# their data the shard's views (full shapes with NO_SHARD), their gradients no_sync's
+# unsharded gradient as full-shape views.  Only SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 keep the
+# forward's views until backward (torch's "skipped sharded views").  During forward the
+# views are registered too (``module._parameters``), as torch's: ``module.parameters()``
+# inside forward gives them, and gradients flow through them.  A write to a kept unit's
+# parameters is carried into the shard at its next unshard, as any other; the buffer it
+# holds is not gathered again, so the rest of the accumulation computes with the values it
+# holds, and the write shows from the next all-gather (after the synchronising backward), as
+# torch's.  Showing it earlier would take a collective on every forward: ranks cannot know
+# whether another rank wrote.  A state dict taken meanwhile copies the kept buffer (torch's
+# values) and keeps it; summon_full_params frees it on exit, so the next forward gathers
+# again (torch keeps it, with whatever summon's writeback=False left in it).
 
 _SKIP_WRITEBACK_ENV = "FSDP_SKIP_WRITEBACK_CHECK"  # torch's switch (_flat_param.py)
 _log = logging.getLogger(__name__)
@@ -379,6 +403,12 @@ class Unit(UnshardStates):
         self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
         self._idle_ptrs: tuple = ()
         self._shown_grads: tuple = (None,) * len(self.infos)
+        self._grads_hidden = False  # the writeback showed a gradient set to None as None
+        # the modules show the forward's views ([Note: kept unsharded units]) / full
+        # parameters (summon, state dicts); while neither, they show the registered
+        # parameters over the shard, and writes to them may be carried over
+        self._views_bound = False
+        self._shown_full = False
         # a 1-D parameter's piece of the split already has its shape
         # (a strided parameter's too: _restride makes its view, [Note: strided parameters])
         self._shapes = tuple(None if len(i.shape) == 1 or i.stride is not None else i.shape
@@ -656,8 +686,7 @@ class Unit(UnshardStates):
         if not self.sharded and not self.uses_mp:
             # NO_SHARD: the parameters stay where they are, but the modules show the
             # registered original parameters again, not the forward's views (as torch)
-            if self.use_orig_params:
-                _core.dict_pop(self._occ_attrs, self._occ_keys)
+            self._unbind_views()
             return
         if self._buf is None:
             return
@@ -665,8 +694,7 @@ class Unit(UnshardStates):
         if self._buf is not self.shard:
             free_storage(self._buf)
         self._buf = None
-        if self.use_orig_params:
-            _core.dict_pop(self._occ_attrs, self._occ_keys)
+        self._unbind_views()
 
     # ----------------------------------- nn.Module._apply: model.to(dtype), .double(), .half()
     @contextlib.contextmanager
@@ -773,8 +801,10 @@ class Unit(UnshardStates):
             _core.dict_set(self._occ_attrs, self._occ_keys, tuple(views[i] for i in self._occ_index))
 
     def reshard_after_forward(self, for_backward: bool) -> None:
-        """Post-forward reshard (the wrapper face frees everything)."""
+        """Post-forward reshard (the wrapper face frees everything); no_sync's unsharded
+        gradient shows again (:meth:`_show_unsharded_grad`)."""
         self.reshard()
+        self._show_unsharded_grad()
 
     def refresh_requires_grad(self) -> None:
         """With use_orig_params=True the flat parameter requires grad while any
@@ -813,10 +843,32 @@ class Unit(UnshardStates):
                 views[k] = FromLocalView.apply(v, vspec)
             views = tuple(views)
         _core.dict_set(self._occ_attrs, self._occ_keys, views)
+        if self.use_orig_params:  # registered too, as torch's: [Note: kept unsharded units]
+            _core.dict_set(self._occ_params_dicts, self._occ_keys, views)
+            self._views_bound = True
 
     def end_forward_views(self) -> None:
-        """A unit left unsharded after backward (no_sync with SHARD_GRAD_OP...): the views
-        stay bound, as torch's FSDP1 leaves its unsharded views in place."""
+        """A unit that stays unsharded after forward or backward: the modules show the
+        registered original parameters again, their data views of the shard, and no_sync's
+        unsharded gradient on each (torch's ``_use_unsharded_grad_views``); the unsharded
+        buffer stays as it is ([Note: kept unsharded units]).  With use_orig_params=False
+        the views stay, as torch's."""
+        self._unbind_views()
+        self._show_unsharded_grad()
+
+    def _unbind_views(self) -> None:
+        """Unbind the forward's views (use_orig_params=True): the registered parameters show."""
+        if self._views_bound:
+            _core.dict_pop(self._occ_attrs, self._occ_keys)
+            _core.dict_set(self._occ_params_dicts, self._occ_keys, self._occ_params)
+            self._views_bound = False
+
+    def _show_unsharded_grad(self) -> None:
+        """After a forward, a sharded unit holding no_sync's unsharded gradient shows it on
+        every original parameter again, those the writeback showed as None included, as
+        torch's post-forward reshard does."""
+        if self._grads_hidden and self.sharded and self.grad_unsharded:
+            self.publish_unsharded_grad()
 
     # ------------------------------------------------- summon / state dicts
     def params_as_full(self, buf: Optional[torch.Tensor] = None) -> None:
@@ -828,6 +880,8 @@ class Unit(UnshardStates):
         back before :meth:`params_as_sharded`."""
         views = self._full_views(buf)
         if self.use_orig_params:
+            self._unbind_views()
+            self._shown_full = True
             for i, (info, v) in enumerate(zip(self.infos, views)):
                 info.module.__dict__.pop(info.name, None)
                 if info.tp_spec is None:
@@ -870,6 +924,7 @@ class Unit(UnshardStates):
                     info.module._parameters[info.name] = info.param
                 self._shown_tp = {}
             self._note_data()
+            self._shown_full = False
         else:
             for info, v in zip(self.infos, views):
                 del info.module._parameters[info.name]
@@ -884,14 +939,18 @@ class Unit(UnshardStates):
         the shards into a new tensor (or into the front of ``scratch``, a 1-D buffer
         of this dtype and device that is large enough); the unit itself stays as it
         is.  A FULL state dict keeps it: its entries are views of it, so a unit
-        costs one copy, not two.  Collective over the unit's group.  Writes to the original
-        parameters are carried over first, as torch's state dicts unshard ([Note: writeback
-        of original parameters])."""
+        costs one copy, not two.  Collective over the unit's group, unless the unit is kept
+        unsharded in full precision: then a copy of that buffer, as torch's state dicts
+        reuse it ([Note: kept unsharded units]).  Writes to the original parameters are
+        carried over first, as torch's state dicts unshard ([Note: writeback of original
+        parameters])."""
         self.writeback_orig_params()
         n = self.layout.padded_numel if self.sharded else self.layout.flat_numel
         out = torch.empty(n, dtype=self.dtype, device=self.device) if scratch is None else scratch[:n]
         if not self.sharded:
             out.copy_(self.shard.detach())
+        elif self.holds_full_precision and self._unshard_work is None and self._buf is not self.shard:
+            out.copy_(self._buf.detach())  # kept unsharded: the values it computes with
         else:
             comm.all_gather(out, self.shard.detach(), self.group, async_op=False)
         return out
@@ -1150,19 +1209,22 @@ class Unit(UnshardStates):
         self._idle_ptrs = tuple(map(torch.Tensor.data_ptr, self._orig_t))
 
     def _note_grads(self) -> None:
-        """Record the gradient objects the unit set on the original parameters."""
+        """Record the gradient objects the unit set on the original parameters (all of
+        their part of the flat gradient: none hidden)."""
         self._shown_grads = _core.attr_get(self._orig_t, "grad")
+        self._grads_hidden = False
 
     def writeback_orig_params(self, grads_only: bool = False) -> bool:
         """Carry writes to the original parameters (``p.data = t``, ``p.grad = g``,
         ``p.grad = None``, a new registered parameter) over into the flat parameter and its
         gradient, as torch FSDP1's ``_writeback_orig_params``: [Note: writeback of original
         parameters].  ``grads_only``: the gradients alone (clip_grad_norm_).  Returns whether
-        a parameter was written back.  A no-op without use_orig_params, while the unit is
-        unsharded or its all-gather is in flight."""
+        a parameter was written back.  A no-op without use_orig_params, while the modules
+        show the forward's views or full parameters (summon, state dicts), or while its
+        all-gather is in flight."""
         if not self.use_orig_params or self._skip_writeback:
             return False
-        if self._unshard_work is not None or (self.sharded and self._buf is not None):
+        if self._unshard_work is not None or self._views_bound or self._shown_full:
             return False
         if (all(map(operator.is_, map(dict.get, self._occ_params_dicts, self._occ_keys), self._occ_params))
                 and all(map(operator.is_, _core.attr_get(self._orig_t, "grad"), self._shown_grads))
@@ -1231,6 +1293,7 @@ class Unit(UnshardStates):
                 if none:
                     info.param.grad = None
             self._note_grads()
+            self._grads_hidden = True
         return wrote
 
     def _shape_error(self, info: ParamInfo, what: str, want: torch.Size, got: torch.Size,
