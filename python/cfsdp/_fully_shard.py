@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import torch.distributed.fsdp as _torch_fsdp
 
@@ -41,7 +41,7 @@ from ._torch.fsdp2 import RegistryItem as _RegistryItem
 from ._torch.fsdp2 import ShardPlacementResult
 from ._torch.fsdp2 import get_registry as _get_registry
 from ._runtime.chunk_group import chunk_units
-from ._runtime.chunk_unit import ChunkUnit, local_data
+from ._runtime.chunk_unit import ChunkUnit, DPMesh, local_data
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
 from ._runtime.base import TrainingState, wrappers_in
@@ -531,17 +531,12 @@ def _check_placement_result(pl: Any, fqn: str) -> None:
 def _shard_dim(pl: Any, p: nn.Parameter, fqn: str, shard_size: int,
                hsdp: bool) -> Union[int, NotImplementedError]:
     """The dim ``p`` is sharded on by the ``shard_placement_fn`` result ``pl`` (None:
-    0; ``Shard(d)``, ``d < 0`` meaning ``d + ndim``), with torch's errors for the dims it
-    rejects (past the end; uneven on a dim other than 0; still negative after adding
-    ``ndim``), in torch's order.  A result torch accepts that cfsdp cannot use (a
-    per-parameter mesh, a ``Shard`` subclass) is returned as cfsdp's
-    ``NotImplementedError``, for the caller to raise once no parameter has an error torch
-    would raise first."""
-    if ShardPlacementResult is not None and isinstance(pl, ShardPlacementResult):
-        dim = _shard_dim(pl.placement, p, fqn, shard_size, hsdp)  # torch checks it too
-        return dim if isinstance(dim, NotImplementedError) else _nyi(
-            f"shard_placement_fn returning a ShardPlacementResult (a per-parameter mesh) for "
-            f"'{fqn}'")
+    0; ``Shard(d)``, ``d < 0`` meaning ``d + ndim``; a ``ShardPlacementResult`` comes
+    resolved, its placement here and its mesh's ``shard_size``), with torch's errors for the
+    dims it rejects (past the end; uneven on a dim other than 0; still negative after adding
+    ``ndim``), in torch's order.  A result torch accepts that cfsdp cannot use (a ``Shard``
+    subclass) is returned as cfsdp's ``NotImplementedError``, for the caller to raise once
+    no parameter has an error torch would raise first."""
     if pl is None:
         return 0
     dim = pl.dim + p.dim() if pl.dim < 0 else pl.dim
@@ -569,6 +564,147 @@ def _shard_dim(pl: Any, p: nn.Parameter, fqn: str, shard_size: int,
     if type(pl) is not Shard:
         return _nyi(f"shard_placement_fn returning {pl} for '{fqn}' (a Shard subclass)")
     return dim
+
+
+def _check_dp_mesh_dims(mesh: DeviceMesh, dims: Any) -> None:
+    """torch's checks of ``dp_mesh_dims`` against the mesh (``_validate_mesh``)."""
+    if dims.shard is None and dims.replicate is None:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh.mesh_dim_names is None:
+        raise ValueError(
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided (cfsdp: build the "
+            "SPMD mesh with names, e.g. init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')))")
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
+
+
+# one group of this rank alone per process: torch's DDP mode of dp_mesh_dims (no shard dim)
+# shards over one rank; cfsdp's unit does that over a group of one (no collective: comm.py)
+_SOLO: dict[str, dist.ProcessGroup] = {}
+
+
+def _solo_group() -> dist.ProcessGroup:
+    key = str(dist.get_rank())
+    g = _SOLO.get(key)
+    if g is None:
+        g = _SOLO[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return g
+
+
+def _dp_mesh(info: Any) -> DPMesh:
+    """cfsdp's view of one of torch's mesh infos (``fully_shard``'s mesh, or a
+    ``ShardPlacementResult``'s)."""
+    spmd = _fsdp2.spmd_of(info)
+    spmd_kw = {} if spmd is None else dict(spmd_mesh=spmd[0], shard_names=spmd[1],
+                                            replicate_names=spmd[2])
+    rep = info.replicate_process_group if isinstance(info, _fsdp2.DDPMeshInfo) else None
+    if isinstance(info, _fsdp2.FSDPMeshInfo):
+        return DPMesh(info.mesh, info.shard_process_group, rep, **spmd_kw)
+    if not isinstance(info, _fsdp2.DDPMeshInfo):
+        raise TypeError(f"expected one of torch's FSDP mesh infos, got {type(info).__name__}")
+    return DPMesh(info.mesh, _solo_group(), rep, **spmd_kw)
+
+
+def _post_forward(reshard_after_forward: Union[bool, int],
+                  dp: DPMesh) -> tuple[bool, Optional[dist.ProcessGroup]]:
+    """torch's ``_get_post_forward_mesh_info`` for a mesh: whether to reshard after forward,
+    and for an int ``k`` between 1 and the shard size the group of ``k`` consecutive ranks
+    of the (flattened) data-parallel mesh that backward gathers over (every rank creates
+    every such group)."""
+    shard_size = dp.group.size()
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(
+            "reshard_after_forward should be a bool or an int representing the "
+            f"group size to reshard to, not {reshard_after_forward}"
+        )
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    n = reshard_after_forward
+    if n < 1 or n > shard_size or shard_size % n != 0:
+        raise ValueError(
+            "If passing reshard_after_forward as an int, it should be a "
+            f"factor of {shard_size}, not {n}"
+        )
+    if n == 1:
+        return False, None
+    if n == shard_size:
+        return True, None
+    return True, DeviceMesh(dp.mesh.device_type, dp.mesh.mesh.view(-1, n)).get_group(1)
+
+
+class _ParamMeshes:
+    """Each parameter's mesh in one ``fully_shard`` call: ``fully_shard``'s, or the one a
+    ``ShardPlacementResult`` names (torch groups parameters by their process groups, one
+    mesh info object per pair)."""
+
+    def __init__(self, info: Any, dp: DPMesh):
+        self.default_info, self.default = info, dp
+        self._by_pg: dict[tuple, tuple[Any, DPMesh]] = {}
+        self._of: dict[nn.Parameter, DPMesh] = {}
+
+    def resolve(self, p: nn.Parameter, result: Any, fqn: str) -> Any:
+        """The placement of a ``shard_placement_fn`` result, noting the parameter's mesh
+        (torch's ``resolve_shard_placement`` and ``_init_param_group``'s grouping)."""
+        if ShardPlacementResult is None or not isinstance(result, ShardPlacementResult):
+            info, pl = self.default_info, result
+        else:
+            info, pl = result.mesh_info, result.placement
+            if not isinstance(info, _fsdp2.FSDPMeshInfo):
+                raise TypeError(
+                    f"ShardPlacementResult.mesh_info must be an FSDPMeshInfo (or HSDPMeshInfo), "
+                    f"got {type(info).__name__} (cfsdp: the result for '{fqn}')")
+        rep = info.replicate_process_group if isinstance(info, _fsdp2.HSDPMeshInfo) else None
+        key = (info.shard_process_group, rep)
+        have = self._by_pg.get(key)
+        if have is None:
+            have = self._by_pg[key] = (info, self.default if info is self.default_info
+                                       else _dp_mesh(info))
+        elif have[0] is not info:
+            raise ValueError(
+                "Params sharing the same process group must use the same FSDPMeshInfo object, "
+                f"but got different objects: {have[0]} vs {info} (cfsdp: the result for "
+                f"'{fqn}'; build one mesh info per mesh and return it for each of its "
+                "parameters)")
+        self._of[p] = have[1]
+        return pl
+
+    def of(self, p: nn.Parameter) -> DPMesh:
+        return self._of.get(p, self.default)
+
+    def others(self) -> list[DPMesh]:
+        """The meshes other than ``fully_shard``'s that some parameter is on."""
+        return [dp for _, dp in self._by_pg.values() if dp is not self.default]
+
+
+def _check_spmd_param(p: nn.Parameter, name: str, fqn: str, dp: DPMesh) -> None:
+    """With ``dp_mesh_dims``, torch's checks of a parameter (``_init_sharding_spec``): a
+    DTensor on the very mesh given to ``fully_shard``, ``Replicate()`` on every
+    data-parallel dim."""
+    if dp.spmd_mesh is None:
+        return
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+            f"mesh (e.g. via distribute_module). Got plain tensor for parameter '{name}'. "
+            f"(cfsdp: the parameter is '{fqn}'; distribute it on {dp.spmd_mesh} with "
+            "Replicate() on the data-parallel dims, or leave it out with ignored_params.)")
+    mesh = p.device_mesh
+    if mesh is not dp.spmd_mesh:
+        raise ValueError(
+            "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
+            f"different mesh objects (cfsdp: '{fqn}' is on {mesh}, fully_shard was given "
+            f"{dp.spmd_mesh}; distribute the parameters on the mesh object given to "
+            "fully_shard)")
+    for role, names in (("shard", dp.shard_names), ("replicate", dp.replicate_names)):
+        for n in names:
+            i = mesh.mesh_dim_names.index(n)
+            if not isinstance(p.placements[i], Replicate):
+                raise ValueError(
+                    f"Expected Replicate() on DP {role} dim '{n}' (index {i}) but got "
+                    f"{p.placements[i]} (cfsdp: the parameter is '{fqn}')")
 
 
 def fully_shard(
@@ -612,14 +748,15 @@ def fully_shard(
                 "(cfsdp: apply it once per module; fully_shard([a, b]) groups several modules "
                 "in one unit)"
             )
-    if newer.get("dp_mesh_dims") is not None:
-        raise _nyi("dp_mesh_dims")
+    dp_mesh_dims = newer.get("dp_mesh_dims")
     mesh = mesh if mesh is not None else _default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
+    if dp_mesh_dims is not None:
+        _check_dp_mesh_dims(mesh, dp_mesh_dims)
+    elif mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+    elif mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise MeshError(
             "Please init the 2D mesh for HSDP with mesh_dim_names specified (cfsdp: e.g. "
             "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard')))"
@@ -633,33 +770,22 @@ def fully_shard(
     )
     if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
         raise _nyi("CPUOffloadPolicy on a non-CPU device")
-    shard_group = mesh.get_group(mesh.ndim - 1)
-    replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
-    shard_size = shard_group.size()
+    # torch's mesh info (dp_mesh_dims: the data-parallel dims of the SPMD mesh, flattened)
+    info = _fsdp2.mesh_info(mesh, dp_mesh_dims)
+    default_dp = _dp_mesh(info)
+    sharded = isinstance(info, _fsdp2.FSDPMeshInfo)  # else torch's DDP mode (no shard dim)
+    raf_arg = reshard_after_forward
     post_forward_group = None
-    if reshard_after_forward is not None:
-        if not isinstance(reshard_after_forward, (bool, int)):
-            raise ValueError(
-                "reshard_after_forward should be a bool or an int representing the "
-                f"group size to reshard to, not {reshard_after_forward}"
-            )
-        if not isinstance(reshard_after_forward, bool):
-            n = reshard_after_forward
-            if n < 1 or n > shard_size or shard_size % n != 0:
-                raise ValueError(
-                    "If passing reshard_after_forward as an int, it should be a "
-                    f"factor of {shard_size}, not {n}"
-                )
-            if n == 1:
-                reshard_after_forward = False
-            elif n == shard_size:
-                reshard_after_forward = True
-            else:
-                # groups of n consecutive ranks of the (flattened) mesh, as torch's
-                # post-forward mesh; every rank creates every group
-                post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, n))
-                post_forward_group = post_forward_mesh.get_group(1)
-                reshard_after_forward = True
+    if not sharded:  # as torch: no post-forward mesh, so never resharded after forward
+        reshard_after_forward = False
+    else:
+        if default_dp.spmd_mesh is not None and not isinstance(reshard_after_forward, bool) \
+                and isinstance(reshard_after_forward, int):
+            raise NotImplementedError(
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
+        if reshard_after_forward is not None:
+            reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward,
+                                                                      default_dp)
     ignored = set(ignored_params or ())
     managed, params = _managed(modules, ignored)
     root_mod = modules[0]
@@ -674,11 +800,18 @@ def fully_shard(
                 f"is '{full_name(*occ[0], known=fqn_of.get(p, occ[0][1]))}'; e.g. "
                 "nn.Parameter(torch.tensor([v])), or pass it in ignored_params.)"
             )
+    if shard_placement_fn is not None and not sharded:
+        raise ValueError(
+            "Per-param mesh via shard_placement_fn is not supported with "
+            f"{type(info).__name__}; it requires FSDPMeshInfo (or subclass) (cfsdp: "
+            "dp_mesh_dims names no shard dim; name one, or pass no shard_placement_fn)")
     placements: dict[nn.Parameter, Any] = {}
+    meshes = _ParamMeshes(info, default_dp)  # each parameter's mesh (ShardPlacementResult)
     if shard_placement_fn is not None and _fsdp2.RESOLVES_PLACEMENTS_FIRST:
         for p, occ in params:  # as torch 2.13+, every result is resolved first
             placements[p] = shard_placement_fn(p)
             _check_placement_result(placements[p], fqn_of.get(p, occ[0][1]))
+            placements[p] = meshes.resolve(p, placements[p], fqn_of.get(p, occ[0][1]))
     shard_dims: dict[nn.Parameter, int] = {}
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
@@ -697,7 +830,9 @@ def fully_shard(
         if shard_placement_fn is not None and not _fsdp2.RESOLVES_PLACEMENTS_FIRST:
             placements[p] = shard_placement_fn(p)  # as torch 2.11, one parameter at a time
             _check_placement_result(placements[p], fqn)
-        dim = _shard_dim(placements.get(p), p, fqn, shard_size, replicate_group is not None)
+        dp = meshes.of(p)
+        _check_spmd_param(p, occ[0][1], fqn, dp)
+        dim = _shard_dim(placements.get(p), p, fqn, dp.group.size(), dp.replicate_group is not None)
         if isinstance(dim, NotImplementedError):
             not_implemented = not_implemented or dim
         elif dim:
@@ -705,12 +840,18 @@ def fully_shard(
         entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
     if not_implemented is not None:
         raise not_implemented
-    # one chunk unit, or one per dtype when the call's parameters have several
+    # the post-forward group of each other mesh, as torch makes it (an int checked against
+    # that mesh's shard size too)
+    post_forward = {id(default_dp): post_forward_group}
+    for dp in meshes.others():
+        post_forward[id(dp)] = _post_forward(True if raf_arg is None else raf_arg, dp)[1]
+    # one chunk unit, or one per (mesh, dtype) when the call's parameters have several
     unit = chunk_units(entries, lambda es: ChunkUnit(
-        es, mesh, shard_group, replicate_group, device, mp_policy.param_dtype,
-        mp_policy.reduce_dtype, shard_dims=shard_dims))
+        es, meshes.of(es[0][3]), device, mp_policy.param_dtype, mp_policy.reduce_dtype,
+        shard_dims=shard_dims), mesh_of=lambda p: id(meshes.of(p)))
     if unit is not None:
-        unit.post_forward_group = post_forward_group
+        for u in getattr(unit, "units", (unit,)):
+            u.post_forward_group = post_forward[id(u.dp)]
         for owner, name, fqn, p, _ in entries:  # an optimizer holding them fails at step()
             mark_replaced(p, fqn, FULLY_SHARD, owner, name)
     for b in (b for m in managed for b in m._buffers.values() if b is not None):

@@ -875,9 +875,9 @@ class FullyShardedDataParallel(nn.Module):
         """Broadcast rank 0's managed parameters and buffers (torch's semantics): with a
         hybrid strategy over the replicate group first (to each shard group's rank 0), then
         over the shard group, as torch, so every replica starts from rank 0's values."""
-        groups = [self._process_group]
+        groups = [self._process_group] if self._process_group.size() > 1 else []
         if self._replicate_group is not None and self._replicate_group.size() > 1:
-            groups.insert(0, self._replicate_group)
+            groups.insert(0, self._replicate_group)  # (a one-rank group: nothing to send)
         with torch.no_grad():
             for group in groups:
                 for p in managed:  # a tensor-parallel parameter: its local tensor

@@ -32,6 +32,15 @@ def test_tensor_parallel_wrapper(tmp_path, world_size):
                args=subtest_filter(world_size, at_4=at_4), env={"CFSDP_CKPT_DIR": str(tmp_path)})
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_spmd_meshes(tmp_path, world_size):
+    """fully_shard with dp_mesh_dims (a full SPMD mesh) and with per-parameter meshes
+    (ShardPlacementResult: a mixture of experts) against torch's FSDP2 (worker_spmd.py)."""
+    run_worker("worker_spmd.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
+               env={"CFSDP_CKPT_DIR": str(tmp_path)})
+
+
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)
 def test_checkpoint_across_meshes(tmp_path):
     """DCP save at (2, 2) on 4 ranks, load at (1, 2) and (2, 1) on 2 ranks."""

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.fsdp import fully_shard as composable_fully_shard
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.fsdp import (
     FSDPModule,
     FullOptimStateDictConfig,
@@ -36,6 +36,10 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp._fully_shard import FSDPModule as PrivateFSDPModule
 from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as FSDPFromSub
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
+import torch.distributed.fsdp as _fsdp_names
+
+DataParallelMeshDims = getattr(_fsdp_names, "DataParallelMeshDims", None)  # torch 2.13+
 
 CPU = torch.device("cpu")
 IN, WIDTH, HIDDEN, OUT, BATCH = 7, 9, 13, 3, 5
@@ -184,3 +188,113 @@ def fsdp2_extras(model: Net, x: torch.Tensor) -> dict:
     handle.wait()
     model.reshard()
     return {"score": score, "state_dict": model.state_dict()}
+
+
+# ------------------------------------------------------- torchtitan's full-DTensor path
+# torchtitan 0.3.0's parallelize_llama with a full-DTensor backend, reproduced (torchtitan
+# itself does not train on CPU: README, "torchtitan"): every parameter a DTensor on the whole
+# (data-parallel x tp) mesh, the inputs too, then its apply_fsdp_to_decoder: fully_shard with
+# dp_mesh_dims (from torch.distributed.fsdp, 2.13+) and a bf16 / fp32 policy on the token
+# embedding, [norm, lm_head] as one unit, each layer, the root; set_gradient_divide_factor(1.0)
+# on every FSDP module (the loss is divided by the global token count instead).
+TITAN_V, TITAN_D, TITAN_H, TITAN_T = 13, 8, 12, 6  # vocab, width, hidden, sequence
+TITAN_TP = {"w1": Shard(0), "w3": Shard(0), "w2": Shard(1), "lm_head": Shard(0)}
+
+
+class TitanBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ffn_norm = nn.RMSNorm(TITAN_D)
+        self.w1 = nn.Linear(TITAN_D, TITAN_H, bias=False)
+        self.w3 = nn.Linear(TITAN_D, TITAN_H, bias=False)
+        self.w2 = nn.Linear(TITAN_H, TITAN_D, bias=False)
+
+    def forward(self, x):
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TitanLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(TITAN_V, TITAN_D)
+        self.layers = nn.ModuleDict({str(i): TitanBlock() for i in range(2)})
+        self.norm = nn.RMSNorm(TITAN_D)
+        self.lm_head = nn.Linear(TITAN_D, TITAN_V, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def titan_build(mesh: DeviceMesh, seed: int = 0) -> TitanLike:
+    """TitanLike with every parameter a DTensor on ``mesh`` (tp placements on ``tp``)."""
+    torch.manual_seed(seed)
+    model = TitanLike()
+    for mn, m in model.named_modules():
+        for pn, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            tp = TITAN_TP.get(mn.rsplit(".", 1)[-1], Replicate())
+            pls = [tp if n == "tp" else Replicate() for n in mesh.mesh_dim_names]
+            m._parameters[pn] = nn.Parameter(distribute_tensor(p.detach(), mesh, pls))
+    return model
+
+
+def titan_shard(model: TitanLike, mesh: DeviceMesh, force_sum: bool) -> TitanLike:
+    """apply_fsdp_to_decoder's calls (reshard_after_forward policy "default", no pipeline);
+    ``force_sum``: torch's oracle on gloo, which has no PREMUL_SUM for the divide factor."""
+    names = mesh.mesh_dim_names
+    dims = DataParallelMeshDims(shard="dp_shard",
+                                replicate="dp_replicate" if "dp_replicate" in names else None)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False)
+    fsdp_config = {"mesh": mesh, "mp_policy": mp_policy, "dp_mesh_dims": dims}
+    fully_shard(model.tok_embeddings, **fsdp_config, reshard_after_forward=True)
+    fully_shard([model.norm, model.lm_head], **fsdp_config, reshard_after_forward=False)
+    for block in model.layers.values():
+        fully_shard(block, **fsdp_config, reshard_after_forward=True)
+    fully_shard(model, **fsdp_config)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            if force_sum:
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def titan_batches(mesh: DeviceMesh, steps: int, seed: int = 3) -> list:
+    """This rank's rows of each step's global batch (rows over the data-parallel dims)."""
+    dp = [i for i, n in enumerate(mesh.mesh_dim_names) if n != "tp"]
+    parts, me = 1, 0
+    for i in dp:
+        parts, me = parts * mesh.size(i), me * mesh.size(i) + mesh.get_local_rank(i)
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed * 100 + step)
+        tokens = torch.randint(0, TITAN_V, (4, TITAN_T + 1), generator=g)
+        out.append(tokens.chunk(parts)[me])
+    return out
+
+
+def titan_train(model: TitanLike, mesh: DeviceMesh, data) -> list:
+    """AdamW steps on inputs wrapped as DTensors (the batch Shard(0) on the data-parallel
+    dims), the loss summed over tokens and divided by the global token count."""
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    in_pl = [Replicate() if n == "tp" else Shard(0) for n in mesh.mesh_dim_names]
+    losses = []
+    for rows in data:
+        tokens = DTensor.from_local(rows[:, :-1], mesh, in_pl)
+        logits = model(tokens).redistribute(placements=in_pl).to_local()
+        total = 4 * TITAN_T
+        loss = F.cross_entropy(logits.float().reshape(-1, TITAN_V), rows[:, 1:].reshape(-1),
+                               reduction="sum") / total
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses

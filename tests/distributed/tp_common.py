@@ -103,3 +103,96 @@ def batches(steps: int, dp: int, seed: int = 5):
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, V), y.reshape(-1))
+
+
+# ------------------------------------------------------------------ the full SPMD mesh (dp_mesh_dims)
+# As torchtitan's default path builds a model: every parameter a DTensor on the whole mesh
+# (data-parallel dims and ``tp``), Replicate() on the data-parallel dims, the tensor-parallel
+# placement on ``tp``; the inputs DTensors too (the batch Shard(0) on the data-parallel dims,
+# the sequence Shard(1) on ``cp``), so forward and backward are DTensor ops on the whole mesh
+# and a weight's gradient arrives as a Partial sum on the batch-sharded dims.
+
+SPMD_TP = {"w1.weight": Shard(0), "w1.bias": Shard(0), "w2.weight": Shard(1),
+           "out.weight": Shard(0), "out.bias": Shard(0)}  # the rest: Replicate() on tp
+
+
+class SPMDModel(nn.Module):
+    """TPBlocks over a float input, a final norm and an output projection (no embedding:
+    the inputs are DTensors of activations)."""
+
+    def __init__(self, n_blocks: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(D)
+        self.out = nn.Linear(D, V)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.norm(x))
+
+
+def spmd_model(mesh, seed: int = 0) -> SPMDModel:
+    """An SPMDModel whose parameters are DTensors on ``mesh`` (Replicate() but on ``tp``)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(seed)
+    model = SPMDModel()
+    names = mesh.mesh_dim_names
+    for mn, m in model.named_modules():
+        for pn, p in list(m._parameters.items()):
+            key = f"{mn.split('.')[-1]}.{pn}" if mn else pn
+            pls = [SPMD_TP.get(key, Replicate()) if n == "tp" else Replicate() for n in names]
+            m._parameters[pn] = nn.Parameter(distribute_tensor(p.detach(), mesh, pls),
+                                             requires_grad=p.requires_grad)
+    return model
+
+
+def spmd_input(local: torch.Tensor, mesh):
+    """This rank's rows (and sequence part on ``cp``) as a DTensor on the whole mesh."""
+    from torch.distributed.tensor import DTensor
+
+    pls = [Replicate() if n == "tp" else Shard(1) if n == "cp" else Shard(0)
+           for n in mesh.mesh_dim_names]
+    return DTensor.from_local(local, mesh, pls)
+
+
+def spmd_rank(mesh) -> tuple[int, int]:
+    """``(batch part, sequence part)`` of this rank: its coordinates on the data-parallel
+    dims (row-major), and on ``cp``."""
+    names = mesh.mesh_dim_names
+    b = s = 0
+    for i, n in enumerate(names):
+        if n == "tp":
+            continue
+        if n == "cp":
+            s = s * mesh.size(i) + mesh.get_local_rank(i)
+        else:
+            b = b * mesh.size(i) + mesh.get_local_rank(i)
+    return b, s
+
+
+def spmd_parts(mesh) -> tuple[int, int]:
+    names = mesh.mesh_dim_names
+    b = s = 1
+    for i, n in enumerate(names):
+        if n == "cp":
+            s *= mesh.size(i)
+        elif n != "tp":
+            b *= mesh.size(i)
+    return b, s
+
+
+def spmd_batches(steps: int, mesh, seed: int = 5, micro: int = 1):
+    """``[step][micro] -> (x, y)``: this rank's part of each step's global batch of
+    activations (rows over the data-parallel dims, the sequence over ``cp``)."""
+    nb, ns = spmd_parts(mesh)
+    b, s = spmd_rank(mesh)
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed * 1000 + step)
+        x = torch.randn(ROWS * micro, T, D, generator=g)
+        y = torch.randint(0, V, (ROWS * micro, T), generator=g)
+        out.append([(xm.chunk(nb)[b].chunk(ns, dim=1)[s], ym.chunk(nb)[b].chunk(ns, dim=1)[s])
+                    for xm, ym in zip(x.chunk(micro), y.chunk(micro))])
+    return out

@@ -324,6 +324,39 @@ def ddp_tensor_parallel(ctx: h.Context) -> None:
     all_same(ctx, results)
 
 
+_TITAN_MESHES: dict = {}
+
+
+if patched.DataParallelMeshDims is not None:  # torch 2.13+ (2.11: no dp_mesh_dims at all)
+    @h.subtest(grid={"tp": [False, True]})
+    def torchtitan_path(ctx: h.Context, tp: bool) -> None:
+        """torchtitan 0.3.0's full-DTensor parallelize path (torch_names_trainer.titan_shard:
+        fully_shard with dp_mesh_dims on the whole mesh, its mixed precision, a two-module unit,
+        set_gradient_divide_factor(1.0)) trains through torch's names on cfsdp bit for bit as on
+        torch (losses, every parameter's placements and local shard).  Meshes: (dp_shard,) or
+        (dp_shard, tp) at 2 ranks; (dp_replicate, dp_shard) (HSDP) or (dp_shard, tp) at 4.  torch
+        needs force-sum on gloo (no PREMUL_SUM for the factor): the same sums, divided by 1."""
+        W = ctx.world_size
+        if tp:
+            shape, names = (W // 2, 2), ("dp_shard", "tp")
+        else:
+            shape, names = ((W,), ("dp_shard",)) if W == 2 else ((2, W // 2), ("dp_replicate", "dp_shard"))
+        mesh = _TITAN_MESHES.get(shape + names)  # one object: DTensor caches specs by value
+        if mesh is None:
+            mesh = _TITAN_MESHES[shape + names] = DeviceMesh("cpu", torch.arange(W).view(shape),
+                                                             mesh_dim_names=names)
+        data = patched.titan_batches(mesh, STEPS)
+        results = {}
+        for who, t in (("torch", torch_names), ("patched", patched)):
+            model = t.titan_shard(t.titan_build(mesh), mesh, force_sum=who == "torch")
+            expect_type(model, TORCH_OBJECTS["FSDPModule"] if who == "torch" else cfsdp.FSDPModule, who)
+            losses = t.titan_train(model, mesh, data)
+            results[who] = {"losses": losses,
+                            "params": {n: (tuple(p.placements), p.to_local())
+                                       for n, p in model.named_parameters()}}
+        all_same(ctx, results)
+
+
 @h.subtest
 def unpatch(ctx: h.Context) -> None:
     """unpatch_torch() gives torch's objects back to new lookups (idempotent), patch_torch()

@@ -113,6 +113,29 @@ def test_fsdp_module_methods_are_the_installed_torchs():
     assert hasattr(cfsdp.FSDPModule, "reset_iter_state") == HAVE["reset_iter_state"]
 
 
+def test_mesh_info_is_torchs():
+    """fsdp2.mesh_info is torch's _get_mesh_info (a one-rank gloo mesh here); with
+    dp_mesh_dims (2.13+) the mesh info names the SPMD mesh and its dims (spmd_of)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        info = fsdp2.mesh_info(mesh["dp"])
+        assert type(info) is fsdp2.FSDPMeshInfo and fsdp2.spmd_of(info) is None
+        assert type(fsdp2.mesh_info(mesh)) is fsdp2.HSDPMeshInfo
+        if HAVE["data_parallel_mesh_dims"]:
+            dims = fsdp2.DataParallelMeshDims(shard="dp")
+            info = fsdp2.mesh_info(mesh, dims)
+            assert type(info) is fsdp2.FSDPMeshInfo
+            assert fsdp2.spmd_of(info) == (mesh, ("dp",), ())
+            info = fsdp2.mesh_info(mesh, fsdp2.DataParallelMeshDims(replicate="dp"))
+            assert type(info) is fsdp2.DDPMeshInfo and fsdp2.spmd_of(info) == (mesh, (), ("dp",))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp2_facts():
     assert (fsdp2.ShardPlacementResult is not None) == HAVE["shard_placement_result"]
     assert fsdp2.RESOLVES_PLACEMENTS_FIRST == HAVE["placements_first"]
@@ -179,6 +202,9 @@ BINDINGS = [
     (fsdp2, "STATE_KEY", "torch.distributed._composable.contract", "STATE_KEY"),
     (fsdp2, "RegistryItem", "torch.distributed._composable.contract", "RegistryItem"),
     (fsdp2, "get_registry", "torch.distributed._composable.contract", "_get_registry"),
+    (fsdp2, "FSDPMeshInfo", "torch.distributed.fsdp._fully_shard._fsdp_common", "FSDPMeshInfo"),
+    (fsdp2, "HSDPMeshInfo", "torch.distributed.fsdp._fully_shard._fsdp_common", "HSDPMeshInfo"),
+    (fsdp2, "DDPMeshInfo", "torch.distributed.fsdp._fully_shard._fsdp_common", "DDPMeshInfo"),
     (dtensor, "DTensorSpec", "torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
     (dtensor, "TensorMeta", "torch.distributed.tensor._dtensor_spec", "TensorMeta"),
     (dtensor, "redistribute_local_tensor", "torch.distributed.tensor._redistribute",

@@ -1,4 +1,4 @@
-"""One ``fully_shard`` call over parameters of several dtypes: one ``ChunkUnit`` per dtype.
+"""One ``fully_shard`` call over parameters of several dtypes or meshes: one ``ChunkUnit`` each.
 
 torch's FSDP2 all-gathers a call's parameters of several dtypes in one collective (their
 bytes side by side) and reduce-scatters the gradients of one dtype.  cfsdp gives each dtype
@@ -6,7 +6,9 @@ of the call its own chunk unit (a shard, all-gather and reduce-scatter per dtype
 C pass as usual) and drives them together through :class:`ChunkUnitGroup`: every
 parameter's local shard, full value and gradient is the one torch computes (an all-gather
 is a byte copy either way).  Gradients of several dtypes in one call, which torch refuses
-("FSDP reduce-scatter expects uniform gradient dtype"), are reduced per dtype.
+("FSDP reduce-scatter expects uniform gradient dtype"), are reduced per dtype.  A call whose
+``shard_placement_fn`` puts parameters on other meshes (``ShardPlacementResult``: torch makes
+one parameter group per process group) has a chunk unit per (mesh, dtype) the same way.
 
 The group is what the call's hooks hold as their unit: the forward-path calls of
 ``base.UnitContract`` go to every member, in order (an unshard issues every member's
@@ -32,12 +34,12 @@ _SHARED_SETTINGS = frozenset((
 
 
 class ChunkUnitGroup:
-    """The chunk units (one per dtype, in the order the dtypes first appear) of one call."""
+    """The chunk units (one per (mesh, dtype), in the order they first appear) of one call."""
 
     def __init__(self, units: list[ChunkUnit]):
         object.__setattr__(self, "units", units)
         first = units[0]
-        for name in ("group", "rank", "world_size", "device", "mesh", "replicate_group"):
+        for name in ("dp", "group", "rank", "world_size", "device", "mesh", "replicate_group"):
             object.__setattr__(self, name, getattr(first, name))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -114,15 +116,17 @@ class ChunkUnitGroup:
             u.publish_unsharded_grad()
 
 
-def chunk_units(entries, make: Callable[[list], ChunkUnit]) -> Optional[Any]:
+def chunk_units(entries, make: Callable[[list], ChunkUnit],
+                mesh_of: Callable[[Any], Any] = lambda p: None) -> Optional[Any]:
     """The unit of a call: one ``ChunkUnit`` (``make(entries)``), or a group of one per
-    dtype when the call's parameters have several; None without parameters."""
+    (mesh, dtype) when the call's parameters have several (``mesh_of(param)``: a key of the
+    parameter's mesh); None without parameters."""
     if not entries:
         return None
-    by_dtype: dict[torch.dtype, list] = {}
+    by_key: dict[tuple, list] = {}
     for e in entries:
-        by_dtype.setdefault(e[3].dtype, []).append(e)
-    units = [make(es) for es in by_dtype.values()]
+        by_key.setdefault((mesh_of(e[3]), e[3].dtype), []).append(e)
+    units = [make(es) for es in by_key.values()]
     return units[0] if len(units) == 1 else ChunkUnitGroup(units)
 
 

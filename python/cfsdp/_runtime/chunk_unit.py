@@ -83,6 +83,26 @@ def _contiguous_stride(shape: tuple) -> tuple:
     return tuple(make_contiguous_strides_for(shape))
 
 
+@dataclass(frozen=True)
+class DPMesh:
+    """Where a unit's parameters are sharded and replicated: what cfsdp reads of torch's
+    FSDP2 mesh info (``FSDPMeshInfo`` / ``HSDPMeshInfo`` / ``DDPMeshInfo``).
+
+    ``mesh`` is the data-parallel mesh (1-D: shard; 2-D: (replicate, shard); ``dp_mesh_dims``
+    with several names per role: each role flattened into one dim), ``group`` the shard group
+    (``dp_mesh_dims`` without a shard dim, torch's DDP mode: a group of this rank alone) and
+    ``replicate_group`` the HSDP replicate group.  With ``dp_mesh_dims`` the parameters are
+    DTensors on ``spmd_mesh`` with ``Replicate()`` on the dims named in ``shard_names`` and
+    ``replicate_names`` ([Note: dp_mesh_dims])."""
+
+    mesh: Any
+    group: dist.ProcessGroup
+    replicate_group: Optional[dist.ProcessGroup] = None
+    spmd_mesh: Any = None
+    shard_names: tuple = ()
+    replicate_names: tuple = ()
+
+
 @dataclass
 class ChunkParam:
     """One managed parameter and where its pieces live."""
@@ -115,6 +135,18 @@ class ChunkParam:
     tp_spec: Any = None
     global_shape: Optional[torch.Size] = None
     global_stride: tuple = ()
+    # dp_mesh_dims: the indices of the data-parallel dims of tp_spec's (full SPMD) mesh, whose
+    # gradient placements are left to the reduction ([Note: dp_mesh_dims])
+    dp_dims: frozenset = frozenset()
+
+    def grad_placements(self, arrived: tuple) -> tuple:
+        """What a gradient that ``arrived`` with these placements is redistributed to: the
+        parameter's own (``tp_spec``), but on the data-parallel dims of ``dp_mesh_dims``
+        the ones it arrived with ([Note: dp_mesh_dims])."""
+        own = self.tp_spec.placements
+        if not self.dp_dims:
+            return own
+        return tuple(a if i in self.dp_dims else w for i, (a, w) in enumerate(zip(arrived, own)))
 
     @property
     def chunk_numel(self) -> int:
@@ -162,21 +194,22 @@ class ChunkUnit(UnshardStates):
     def __init__(
         self,
         entries: Sequence[tuple[nn.Module, str, str, nn.Parameter, tuple]],
-        mesh,
-        group: dist.ProcessGroup,
-        replicate_group: Optional[dist.ProcessGroup],
+        dp: DPMesh,
         device: torch.device,
         mp_param_dtype: Optional[torch.dtype],
         mp_reduce_dtype: Optional[torch.dtype],
         shard_dims: Optional[Mapping[nn.Parameter, int]] = None,
     ):
         """``shard_dims``: the dim (>= 0) of each parameter not sharded on dim 0, as
-        ``fully_shard`` validated them (``shard_placement_fn``)."""
-        self.mesh = mesh
-        self.group = group
+        ``fully_shard`` validated them (``shard_placement_fn``); ``dp``: the meshes and
+        groups, and with ``dp_mesh_dims`` the full SPMD mesh, validated by ``fully_shard``
+        too."""
+        self.dp = dp
+        self.mesh = mesh = dp.mesh
+        self.group = group = dp.group
         self.rank = group.rank()
         self.world_size = W = group.size()
-        self.replicate_group = replicate_group
+        self.replicate_group = replicate_group = dp.replicate_group
         self.device = device
         replicated = () if replicate_group is None else (Replicate(),)
         shard_dims = shard_dims or {}
@@ -200,7 +233,9 @@ class ChunkUnit(UnshardStates):
                            _contiguous_stride(tuple(data.shape)), aliases=aliases,
                            orig_uid=orig_uid(p), dim=dim, outer=math.prod(data.shape[:dim]),
                            mesh=mesh, placements=(*replicated, Shard(dim)))
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and dp.spmd_mesh is not None:
+                self._init_spmd(q, p)
+            elif isinstance(p, DTensor):
                 self._init_tp(q, p, fqn)
             else:
                 q.global_shape, q.global_stride = q.shape, q.stride
@@ -337,6 +372,62 @@ class ChunkUnit(UnshardStates):
         q.placements = ((Replicate(),) if self.replicate_group is not None else ()) + (
             dp_placement, *tp_spec.placements)
         q.tp_spec = tp_spec
+        q.global_shape = p.shape
+        q.global_stride = tuple(p.stride())
+        self._tp = True
+
+    # [Note: dp_mesh_dims]
+    # With ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...,
+    # replicate=...))`` the parameters are DTensors on the whole SPMD mesh (data-parallel and
+    # TP/CP dims), ``Replicate()`` on the data-parallel ones.  As a tensor-parallel parameter
+    # ([Note: tensor-parallel parameters]), the unit shards the local tensor, over the shard
+    # dims' group (several shard dims: their flattened mesh, torch's ``_flatten``), and
+    # forward sees a DTensor with the parameter's own spec.  What torch 2.13 does differently
+    # (``FSDPParam._init_sharding_spec_spmd``), cfsdp does the same way:
+    #   * the sharded parameter lives on the SPMD mesh itself, each shard dim's Replicate()
+    #     replaced by Shard(d) (d: the dim the unit shards) or, when mesh dims to its right
+    #     shard d too, _StridedShard(d, split_factor=their product); replicate dims stay
+    #     Replicate().  With several shard dims the mesh is the data-parallel mesh (HSDP:
+    #     (replicate, shard), placements (Replicate(), ...)) put where the first shard dim
+    #     was, beside the other non-data-parallel dims;
+    #   * a gradient keeps the placements it arrived with on the data-parallel dims (a
+    #     Partial sum over the batch-sharded dims is what the reduce-scatter sums; no extra
+    #     all-reduce), only the other dims being redistributed to the parameter's own.
+    def _init_spmd(self, q: ChunkParam, p: DTensor) -> None:
+        """A parameter on the full SPMD mesh (``dp_mesh_dims``: [Note: dp_mesh_dims]):
+        ``fully_shard`` checked its mesh and its ``Replicate()`` on the data-parallel dims."""
+        spec = p._spec
+        dp = self.dp
+        spmd = spec.mesh
+        names = spmd.mesh_dim_names
+        shard_idx = [names.index(n) for n in dp.shard_names]
+        rep_idx = [names.index(n) for n in dp.replicate_names]
+        pls = list(spec.placements)
+        for i in shard_idx:
+            split = 1
+            for j in range(i + 1, spmd.ndim):
+                pj = spec.placements[j]
+                if isinstance(pj, (Shard, _StridedShard)) and pj.dim == q.dim:
+                    split *= spmd.size(j)
+            pls[i] = _StridedShard(q.dim, split_factor=split) if split > 1 else Shard(q.dim)
+        if len(shard_idx) <= 1:
+            q.mesh, q.placements = spmd, tuple(pls)
+        else:  # the shard dims flattened: the data-parallel mesh where the first one was
+            meshes, out, skip = [], [], 0
+            hsdp = self.replicate_group is not None
+            for i, name in enumerate(names):
+                if skip:
+                    skip -= 1
+                elif name in dp.shard_names:
+                    meshes.append(self.mesh)
+                    out.extend(((Replicate(),) if hsdp else ()) + (pls[i],))
+                    skip = len(dp.shard_names) - 1
+                elif not (hsdp and name in dp.replicate_names):
+                    meshes.append(spmd[name])
+                    out.append(pls[i])
+            q.mesh, q.placements = DeviceMesh._concatenate(meshes), tuple(out)
+        q.tp_spec = spec
+        q.dp_dims = frozenset(shard_idx + rep_idx)
         q.global_shape = p.shape
         q.global_stride = tuple(p.stride())
         self._tp = True
@@ -813,15 +904,20 @@ class ChunkUnit(UnshardStates):
         accumulated gradient before reducing it."""
         for qi, spec in self._partial.items():
             q = self.params[qi]
+            want = q.grad_placements(spec.placements)  # [Note: dp_mesh_dims]
+            if want == spec.placements:
+                continue  # as it arrived on the data-parallel dims, its own elsewhere
             view = grad[q.nat_off : q.nat_off + q.numel].view(q.shape)
-            target = DTensorSpec(q.tp_spec.mesh, q.tp_spec.placements, tensor_meta=spec.tensor_meta)
+            target = DTensorSpec(q.tp_spec.mesh, want, tensor_meta=spec.tensor_meta)
             out = redistribute_local_tensor(view, spec, target)
             if out is not view:
                 view.copy_(out)
         self._partial.clear()
 
     def note_partial(self, qi: int, spec: Any) -> None:
-        """``_TPView``'s backward: parameter ``qi``'s local gradient is a partial sum."""
+        """``_TPView``'s backward: parameter ``qi``'s local gradient is a partial sum, or
+        has other placements than the parameter's on the data-parallel dims of
+        ``dp_mesh_dims`` (kept as they are: [Note: dp_mesh_dims])."""
         have = self._partial.get(qi)
         if have is not None and have.placements != spec.placements:
             raise AssertionError(
@@ -928,6 +1024,7 @@ class _TPView(torch.autograd.Function):
         q = unit.params[qi]
         ctx.unit_ref, ctx.qi = unit_ref, qi
         ctx.mesh, ctx.placements = q.tp_spec.mesh, q.tp_spec.placements
+        ctx.grad_placements = q.grad_placements
         ctx.set_materialize_grads(False)
         spec = _spec(q.tp_spec.mesh, q.tp_spec.placements, q.global_shape, q.global_stride,
                      local.dtype)
@@ -937,16 +1034,22 @@ class _TPView(torch.autograd.Function):
     def backward(ctx, grad: Optional[DTensor]):  # type: ignore[override]
         if grad is None:
             return None, None, None
-        want = ctx.placements
+        # the parameter's placements, but the gradient's own on dp_mesh_dims' data-parallel
+        # dims ([Note: dp_mesh_dims]); a placement other than the parameter's is noted
+        want = ctx.grad_placements(grad.placements)
+        unit = ctx.unit_ref()
         if grad.placements == want:
-            return grad._local_tensor, None, None
-        if all(g == w or (g.is_partial() and getattr(g, "reduce_op", "sum") == "sum"
-                          and w.is_replicate()) for g, w in zip(grad.placements, want)):
-            unit = ctx.unit_ref()
-            if unit is not None:
+            if want != ctx.placements and unit is not None:
                 unit.note_partial(ctx.qi, grad._spec)
-                return grad._local_tensor, None, None
+            return grad._local_tensor, None, None
+        if unit is not None and all(
+                g == w or (g.is_partial() and getattr(g, "reduce_op", "sum") == "sum"
+                           and w.is_replicate()) for g, w in zip(grad.placements, want)):
+            unit.note_partial(ctx.qi, grad._spec)
+            return grad._local_tensor, None, None
         target = DTensorSpec(ctx.mesh, want, tensor_meta=grad._spec.tensor_meta)
+        if want != ctx.placements and unit is not None:
+            unit.note_partial(ctx.qi, target)
         return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None, None
 
 

@@ -153,16 +153,20 @@ collective.  All-gather and broadcast are byte copies, identical on every transp
 
 One rank.  A group of one rank needs no transport: every function does its
 local equivalent at once (a copy, the chunk copy, the scale), in either
-implementation.  ``fully_shard`` on one process, or the shard dimension of an
-HSDP mesh with one rank per shard group, then pays no collective at all.
+implementation, whatever is watching (a ``TorchDispatchMode`` too: see Visibility).
+``fully_shard`` on a mesh of one rank, the wrapper on a one-rank process group, or
+the shard dimension of an HSDP mesh with one rank per shard group, then pay no
+collective at all, as torch's FSDP2 issues none there (its all-gather and
+reduce-scatter are skipped at world size 1).
 
 Visibility.  Every function runs inside a ``torch.profiler`` range named
 ``cfsdp::<function>`` (``cfsdp::all_gather``, ``cfsdp::reduce_scatter_pack``, ...) while
 the profiler is on, whichever transport it takes.  A ``TorchDispatchMode`` (torch's
 ``CommDebugMode``, ...) sees torch's collective ops only, so while one is active every
-call takes the process group, one-rank groups included: the mode then counts cfsdp's
+call on a group of two or more ranks takes the process group: the mode then counts cfsdp's
 collectives under torch's own ops (``c10d._allgather_base_``, ``_reduce_scatter_base_``,
-``allreduce_``), exactly as it counts torch's FSDP's.
+``allreduce_``), exactly as it counts torch's FSDP's.  A one-rank group issues nothing even
+then (One rank): the mode counts none, as it counts none of torch's FSDP2 on one rank.
 
 Exit.  An ``atexit`` handler, before Python finalizes, closes every view and lane (their
 threads joined), then lets gloo's worker threads finish with Python (shutdown.py, [Note:
@@ -774,9 +778,9 @@ def _shm_scale(world: int, avg: bool, scale: Optional[float]) -> float:
 
 
 def _solo(group: dist.ProcessGroup) -> bool:
-    """A group of one rank: its collectives are local (see "One rank"), unless a
-    dispatch mode wants to see them (see Visibility)."""
-    return group.size() == 1 and not _dispatch_mode_active()
+    """A group of one rank: its collectives are local (see "One rank"), also while a
+    dispatch mode watches (see Visibility)."""
+    return group.size() == 1
 
 
 def _traced(name: str):

@@ -8,10 +8,11 @@ tested versions differ in, and what cfsdp does on each:
 =================================  =============  ==============================================
 ``DataParallelMeshDims``           absent         ``torch.distributed.fsdp.DataParallelMeshDims``
 (``torch.distributed.fsdp``)                      (in ``__all__``; cfsdp re-exports it)
-``fully_shard(dp_mesh_dims=)``     absent         accepted (cfsdp: ``NotImplementedError``)
+``fully_shard(dp_mesh_dims=)``     absent         the data-parallel dims of a full SPMD mesh
+                                                  (its mesh info: torch's ``_get_mesh_info``,
+                                                  :func:`mesh_info`)
 ``ShardPlacementResult``           absent         a ``shard_placement_fn`` result naming a
-                                                  per-parameter mesh (cfsdp:
-                                                  ``NotImplementedError``)
+                                                  per-parameter mesh (a torch mesh info)
 ``FSDPModule.reset_iter_state``    absent         present
 ``shard_placement_fn`` results     resolved per   all resolved before the per-parameter
                                    parameter,     checks; a result that is neither ``None``,
@@ -52,7 +53,7 @@ import torch.distributed.fsdp as _fsdp
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed._composable.contract import _get_registry as get_registry
-from torch.distributed.fsdp._fully_shard import _fsdp_common
+from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_init
 from torch.distributed.tensor import Shard
 
 from . import VERSION_STRING, at_least
@@ -60,6 +61,12 @@ from . import VERSION_STRING, at_least
 # torch's classes, or None where the installed torch has none
 ShardPlacementResult: Optional[type] = getattr(_fsdp_common, "ShardPlacementResult", None)
 DataParallelMeshDims: Optional[type] = getattr(_fsdp, "DataParallelMeshDims", None)
+# torch's mesh infos (every tested version): what fully_shard derives from its mesh, and what a
+# ShardPlacementResult names for its parameter (2.13+: ``is_spmd_mesh``, ``spmd_mesh`` and
+# ``dp_mesh_dims`` for dp_mesh_dims)
+FSDPMeshInfo: type = _fsdp_common.FSDPMeshInfo
+HSDPMeshInfo: type = _fsdp_common.HSDPMeshInfo
+DDPMeshInfo: type = _fsdp_common.DDPMeshInfo
 
 # fully_shard's keyword arguments added after the oldest supported torch: name -> (major, minor)
 _FULLY_SHARD_SINCE: dict[str, tuple[int, int]] = {"dp_mesh_dims": (2, 13)}
@@ -78,6 +85,25 @@ if at_least(2, 13) != (ShardPlacementResult is not None) or at_least(2, 13) != (
         f"(ShardPlacementResult: {ShardPlacementResult}, DataParallelMeshDims: "
         f"{DataParallelMeshDims}); cfsdp/_torch/fsdp2.py needs an update for this torch."
     )
+
+
+def mesh_info(mesh: Any, dp_mesh_dims: Any = None) -> Any:
+    """torch's mesh info for ``fully_shard``'s ``mesh`` (``_get_mesh_info``): ``FSDPMeshInfo``
+    for a 1-D mesh, ``HSDPMeshInfo`` for a 2-D one; with ``dp_mesh_dims`` (2.13+), the
+    data-parallel sub-mesh of the full SPMD mesh, several named dims flattened into one as
+    torch flattens them (``DeviceMesh._flatten``), ``DDPMeshInfo`` without a shard dim."""
+    if dp_mesh_dims is None:
+        return _fsdp_init._get_mesh_info(mesh)
+    return _fsdp_init._get_mesh_info(mesh, dp_mesh_dims)
+
+
+def spmd_of(info: Any) -> Optional[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
+    """``(spmd_mesh, shard_names, replicate_names)`` of a mesh info made for ``dp_mesh_dims``
+    (2.13+), else None."""
+    if not getattr(info, "is_spmd_mesh", False):
+        return None
+    dims = info.dp_mesh_dims
+    return info.spmd_mesh, tuple(dims.shard_names), tuple(dims.replicate_names)
 
 
 def placement_result_types() -> tuple[type, ...]:
@@ -141,7 +167,8 @@ def drop_newer_methods(cls: type) -> None:
             delattr(cls, name)
 
 
-__all__ = ["DataParallelMeshDims", "REGISTRY_KEY", "RESOLVES_PLACEMENTS_FIRST", "RegistryItem",
-           "STATE_KEY", "ShardPlacementResult", "drop_newer_methods", "fully_shard_signature",
-           "get_registry", "has_fully_shard_kwarg", "newer_kwargs", "placement_result_error",
-           "placement_result_types", "refuses_container"]
+__all__ = ["DDPMeshInfo", "DataParallelMeshDims", "FSDPMeshInfo", "HSDPMeshInfo", "REGISTRY_KEY",
+           "RESOLVES_PLACEMENTS_FIRST", "RegistryItem", "STATE_KEY", "ShardPlacementResult",
+           "drop_newer_methods", "fully_shard_signature", "get_registry", "has_fully_shard_kwarg",
+           "mesh_info", "newer_kwargs", "placement_result_error", "placement_result_types",
+           "refuses_container", "spmd_of"]
