@@ -35,6 +35,7 @@ from ._docs import adopt_class_docs, adopt_function_doc
 from ._fqn import full_name
 from ._internals import STATE, STATE_DEFAULT, no_torch_internal
 from ._torch import fsdp2 as _fsdp2
+from ._torch import not_in_this_torch
 from ._torch.fsdp2 import REGISTRY_KEY as _REGISTRY_KEY
 from ._torch.fsdp2 import STATE_KEY as _STATE_KEY
 from ._torch.fsdp2 import RegistryItem as _RegistryItem
@@ -579,6 +580,12 @@ def _check_dp_mesh_dims(mesh: DeviceMesh, dims: Any) -> None:
         if name not in mesh.mesh_dim_names:
             raise ValueError(
                 f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
+    if len(dims.shard_names) > 1 and not _fsdp2.FLATTENS_SHARD_DIMS:
+        raise not_in_this_torch(
+            f"cfsdp's fully_shard with dp_mesh_dims naming several shard dims "
+            f"{tuple(dims.shard_names)} (this torch places their parameters on the unflattened "
+            "SPMD mesh, cfsdp as 2.13+ on one flattened dim; name one shard dim, or use torch "
+            "2.13+)", "2.13")
 
 
 # one group of this rank alone per process: torch's DDP mode of dp_mesh_dims (no shard dim)

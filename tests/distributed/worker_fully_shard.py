@@ -174,13 +174,13 @@ class Impl:
     register_fsdp_forward_method: Callable[[nn.Module, str], None]
 
 
-# torch 2.13+ features (read from the installed torch, not from cfsdp's mirror of it)
+# torch 2.12+ features (read from the installed torch, not from cfsdp's mirror of it)
 _TORCH_HAS_DP_MESH_DIMS = "dp_mesh_dims" in inspect.signature(torch_fsdp.fully_shard).parameters
 _TORCH_SHARD_PLACEMENT_RESULT = getattr(_fsdp_common, "ShardPlacementResult", None)
-# torch 2.13+ also shards non-float parameters and refuses weights tied across fully_shard
+# torch 2.12+ also shards non-float parameters and refuses weights tied across fully_shard
 # calls; 2.11 does neither (the subtests say what they compare with there)
-_TORCH_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
-_TORCH_SHARDS_INT_PARAMS = _TORCH_REFUSES_TIED_ACROSS_UNITS = _TORCH_2_13
+_TORCH_2_12 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 12)
+_TORCH_SHARDS_INT_PARAMS = _TORCH_REFUSES_TIED_ACROSS_UNITS = _TORCH_2_12
 TORCH = Impl("torch", torch_fsdp.fully_shard, torch_fsdp.FSDPModule, torch_fsdp.UnshardHandle,
              torch_fsdp.register_fsdp_forward_method)
 CFSDP = Impl("cfsdp", *((torch_fsdp.fully_shard, torch_fsdp.FSDPModule, torch_fsdp.UnshardHandle,
@@ -1593,7 +1593,7 @@ BAD_INPUT: dict[str, tuple[Callable, tuple]] = {
     "non_contiguous_parameter": (_non_contiguous, ("same", ["non-contiguous"], ["inner.weight"])),
     # torch 2.11 checks results one parameter at a time: 'str' object has no attribute 'dim'
     "shard_placement_fn_invalid_result": (_placement("rows"), (
-        "same", ["shard_placement_fn" if _TORCH_2_13 else "attribute 'dim'"], ["pre.weight"])),
+        "same", ["shard_placement_fn" if _TORCH_2_12 else "attribute 'dim'"], ["pre.weight"])),
     "shard_placement_fn_dim_past_the_end": (_placement(Shard(2)), ("same", ["Shard dim 2"], ["pre.weight"])),
     "shard_placement_fn_uneven_dim_1": (_placement(Shard(1)), ("same", ["uneven"], ["pre.weight"])),
     "shard_placement_fn_dim_not_normalized": (

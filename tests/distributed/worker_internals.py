@@ -354,7 +354,7 @@ def torch_internals_refused(ctx):
     ts, cs = models2["torch"]._get_fsdp_state(), models2["cfsdp"]._get_fsdp_state()
     for name in _internals.STATE:
         # torch 2.11's FSDPState has one _fsdp_param_group (the plural came with 2.13)
-        newer = name == "_fsdp_param_groups" and not at_least(2, 13)
+        newer = name == "_fsdp_param_groups" and not at_least(2, 12)
         assert hasattr(ts, name) != newer, f"torch's FSDPState: {name} {hasattr(ts, name)}"
         _refused(cs, name, "FSDPState")
     _refused(cs, "_modules", "FSDPState")

@@ -1,7 +1,7 @@
 """cfsdp/_torch (torch's private APIs, one module per concern) against the installed torch.
 
 ``make test`` runs this file on every tested torch (2.13.0 in the full suite, 2.11.0 and 2.14.1
-through ``make test-torch``).  ``VERSIONS`` is what each tested version has; a torch that is not
+through ``make test-torch``; 2.12.0 by hand, ``make test-torch TORCH=2.12.0``).  ``VERSIONS`` is what each tested version has; a torch that is not
 in it fails ``test_installed_torch_is_a_tested_one``, which is where a new release starts: add
 its row, then fix the modules of ``cfsdp/_torch`` the other tests point at.
 """
@@ -37,6 +37,7 @@ VERSIONS = {
                   reset_iter_state=True, placements_first=True, containers_with_forward=True),
 }
 VERSIONS[(2, 14)] = VERSIONS[(2, 13)]
+VERSIONS[(2, 12)] = dict(VERSIONS[(2, 13)], reset_iter_state=False)  # 2.13 added only that
 HAVE = VERSIONS.get(_torch.VERSION[:2])
 
 

@@ -4,7 +4,7 @@ cfsdp's ``fully_shard`` face mirrors the installed torch's, not the newest one's
 tested versions differ in, and what cfsdp does on each:
 
 =================================  =============  ==============================================
-                                   torch 2.11     torch 2.13, 2.14
+                                   torch 2.11     torch 2.12, 2.13, 2.14
 =================================  =============  ==============================================
 ``DataParallelMeshDims``           absent         ``torch.distributed.fsdp.DataParallelMeshDims``
 (``torch.distributed.fsdp``)                      (in ``__all__``; cfsdp re-exports it)
@@ -13,7 +13,10 @@ tested versions differ in, and what cfsdp does on each:
                                                   :func:`mesh_info`)
 ``ShardPlacementResult``           absent         a ``shard_placement_fn`` result naming a
                                                   per-parameter mesh (a torch mesh info)
-``FSDPModule.reset_iter_state``    absent         present
+``FSDPModule.reset_iter_state``    absent         present from 2.13 (2.12: absent)
+``dp_mesh_dims`` with several      absent         2.13+: flattened into one mesh dim; 2.12:
+shard dims                                        kept as the SPMD mesh's dims (cfsdp:
+                                                  ``NotImplementedError`` on 2.12)
 ``shard_placement_fn`` results     resolved per   all resolved before the per-parameter
                                    parameter,     checks; a result that is neither ``None``,
                                    after its      ``Shard`` nor ``ShardPlacementResult`` is
@@ -39,9 +42,9 @@ installed torch's ``fully_shard`` does not take is torch's ``TypeError`` ("fully
 unexpected keyword argument ..."), and ``inspect.signature(cfsdp.fully_shard)`` is the installed
 torch's (:func:`fully_shard_signature`).  ``FSDPModule`` drops the methods the installed torch's
 ``FSDPModule`` does not have (:func:`drop_newer_methods`), so they are ``AttributeError`` as on
-that torch.  2.12 was not tested (no CPU or CUDA build of it was run here); the names follow what
-the installed torch defines, and the version checks put 2.12 with 2.13 where the tested versions
-differ.
+that torch.  2.12 is tested like 2.11 and 2.14 (``make test-torch TORCH=2.12.0``); it has
+2.13's FSDP2 in every row but ``reset_iter_state``.  Where torch defines a name, cfsdp reads it
+from torch (``getattr``, ``hasattr``) rather than from the version number.
 """
 
 from __future__ import annotations
@@ -62,24 +65,29 @@ from . import VERSION_STRING, at_least
 ShardPlacementResult: Optional[type] = getattr(_fsdp_common, "ShardPlacementResult", None)
 DataParallelMeshDims: Optional[type] = getattr(_fsdp, "DataParallelMeshDims", None)
 # torch's mesh infos (every tested version): what fully_shard derives from its mesh, and what a
-# ShardPlacementResult names for its parameter (2.13+: ``is_spmd_mesh``, ``spmd_mesh`` and
+# ShardPlacementResult names for its parameter (2.12+: ``is_spmd_mesh``, ``spmd_mesh`` and
 # ``dp_mesh_dims`` for dp_mesh_dims)
 FSDPMeshInfo: type = _fsdp_common.FSDPMeshInfo
 HSDPMeshInfo: type = _fsdp_common.HSDPMeshInfo
 DDPMeshInfo: type = _fsdp_common.DDPMeshInfo
 
 # fully_shard's keyword arguments added after the oldest supported torch: name -> (major, minor)
-_FULLY_SHARD_SINCE: dict[str, tuple[int, int]] = {"dp_mesh_dims": (2, 13)}
+_FULLY_SHARD_SINCE: dict[str, tuple[int, int]] = {"dp_mesh_dims": (2, 12)}
 # FSDPModule methods cfsdp implements that torch added after the oldest supported torch
 _FSDP_MODULE_SINCE: dict[str, tuple[int, int]] = {"reset_iter_state": (2, 13)}
 
-# whether fully_shard resolves every shard_placement_fn result before its per-parameter checks
-# (2.13+: ``resolve_shard_placement``, a wrong type is its ValueError) or one parameter at a
-# time inside them (2.11: ``FSDPParam._init_sharded_param``)
-RESOLVES_PLACEMENTS_FIRST: bool = at_least(2, 13)
+# dp_mesh_dims naming several shard dims: 2.13+ flattens them into one dim of the sharded
+# parameters' mesh, as cfsdp does; 2.12 leaves its parameters on the SPMD mesh's own dims (other
+# placements), which cfsdp does not reproduce: fully_shard raises there (not_in_this_torch)
+FLATTENS_SHARD_DIMS: bool = at_least(2, 13)
 
-if at_least(2, 13) != (ShardPlacementResult is not None) or at_least(2, 13) != (
-        DataParallelMeshDims is not None):
+# whether fully_shard resolves every shard_placement_fn result before its per-parameter checks
+# (2.12+: ``resolve_shard_placement``, a wrong type is its ValueError) or one parameter at a
+# time inside them (2.11: ``FSDPParam._init_sharded_param``)
+RESOLVES_PLACEMENTS_FIRST: bool = hasattr(_fsdp_common, "resolve_shard_placement")
+
+if at_least(2, 12) != (ShardPlacementResult is not None) or at_least(2, 12) != (
+        DataParallelMeshDims is not None) or at_least(2, 12) != RESOLVES_PLACEMENTS_FIRST:
     raise ImportError(
         f"cfsdp: torch {VERSION_STRING} does not have the FSDP2 names its version should have "
         f"(ShardPlacementResult: {ShardPlacementResult}, DataParallelMeshDims: "
@@ -89,7 +97,7 @@ if at_least(2, 13) != (ShardPlacementResult is not None) or at_least(2, 13) != (
 
 def mesh_info(mesh: Any, dp_mesh_dims: Any = None) -> Any:
     """torch's mesh info for ``fully_shard``'s ``mesh`` (``_get_mesh_info``): ``FSDPMeshInfo``
-    for a 1-D mesh, ``HSDPMeshInfo`` for a 2-D one; with ``dp_mesh_dims`` (2.13+), the
+    for a 1-D mesh, ``HSDPMeshInfo`` for a 2-D one; with ``dp_mesh_dims`` (2.12+), the
     data-parallel sub-mesh of the full SPMD mesh, several named dims flattened into one as
     torch flattens them (``DeviceMesh._flatten``), ``DDPMeshInfo`` without a shard dim."""
     if dp_mesh_dims is None:
@@ -99,7 +107,7 @@ def mesh_info(mesh: Any, dp_mesh_dims: Any = None) -> Any:
 
 def spmd_of(info: Any) -> Optional[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
     """``(spmd_mesh, shard_names, replicate_names)`` of a mesh info made for ``dp_mesh_dims``
-    (2.13+), else None."""
+    (2.12+), else None."""
     if not getattr(info, "is_spmd_mesh", False):
         return None
     dims = info.dp_mesh_dims
@@ -131,7 +139,7 @@ def refuses_container(module: nn.Module) -> bool:
     (``ValueError``: "does not support containers that do not implement forward")."""
     if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         return False
-    return not at_least(2, 13) or type(module).forward is nn.Module.forward
+    return not at_least(2, 12) or type(module).forward is nn.Module.forward
 
 
 def has_fully_shard_kwarg(name: str) -> bool:
@@ -167,7 +175,7 @@ def drop_newer_methods(cls: type) -> None:
             delattr(cls, name)
 
 
-__all__ = ["DDPMeshInfo", "DataParallelMeshDims", "FSDPMeshInfo", "HSDPMeshInfo", "REGISTRY_KEY",
+__all__ = ["DDPMeshInfo", "DataParallelMeshDims", "FLATTENS_SHARD_DIMS", "FSDPMeshInfo", "HSDPMeshInfo", "REGISTRY_KEY",
            "RESOLVES_PLACEMENTS_FIRST", "RegistryItem", "STATE_KEY", "ShardPlacementResult",
            "drop_newer_methods", "fully_shard_signature", "get_registry", "has_fully_shard_kwarg",
            "mesh_info", "newer_kwargs", "placement_result_error", "placement_result_types",
