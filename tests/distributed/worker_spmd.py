@@ -106,6 +106,14 @@ def spmd_loss(model, x, y, mesh) -> torch.Tensor:
     return tc.loss_fn(out.redistribute(placements=want).to_local(), y)
 
 
+def _result(model, seen: list, snap: dict) -> tuple:
+    """What a run is compared by: the recorded losses (and no-sync gradients), each
+    parameter's placements, local shard and full value at the end with its local gradient of
+    the last step (``snap``), and the state dict."""
+    after = snapshot(model)
+    return (seen, {n: (*after[n][:3], snap[n][3]) for n in after}, describe_sd(model.state_dict()))
+
+
 def spmd_run(mesh, dims, steps: int = STEPS, micro: int = 1, fs_kw: dict | None = None,
              setup: Callable | None = None, optim: str = "adamw"):
     """Train torch and cfsdp; {impl: (losses and no-sync gradients, snapshot, state dict)}.
@@ -135,9 +143,7 @@ def spmd_run(mesh, dims, steps: int = STEPS, micro: int = 1, fs_kw: dict | None 
                 snap = snapshot(model)
             opt.step()
             opt.zero_grad()
-        after = snapshot(model)
-        out[impl] = (seen, {n: (*after[n][:3], snap[n][3]) for n in after},
-                     describe_sd(model.state_dict()))
+        out[impl] = _result(model, seen, snap)
     return out
 
 
@@ -443,9 +449,7 @@ def moe_parity(ctx, style: str, case: str):
                 snap = snapshot(model)
             opt.step()
             opt.zero_grad()
-        after = snapshot(model)
-        out[impl] = (seen, {n: (*after[n][:3], snap[n][3]) for n in after},
-                     describe_sd(model.state_dict()))
+        out[impl] = _result(model, seen, snap)
     if ctx.rank == 0 and case == "plain":
         ctx.log({n: v[0] for n, v in out["cfsdp"][1].items() if n.startswith("blocks.0")})
     spmd_check(ctx, out)

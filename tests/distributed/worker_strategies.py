@@ -312,6 +312,14 @@ def _written(model: nn.Module) -> list[tuple[nn.Module, str]]:
 ORIG_WRITES = ["data", "grad", "grad_none", "new_param", "summon", "state_dict", "clip"]
 
 
+def _orig_params_model(ctx, strategy) -> tuple[nn.Module, dict]:
+    """The transformer and the wrapper arguments (use_orig_params=True, a unit per module) of
+    the subtests on the original parameters."""
+    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=True, device_id=CPU,
+              sharding_strategy=strategy, auto_wrap_policy=make_policy("module"))
+    return build("transformer"), kw
+
+
 @h.subtest(grid={"strategy": GRID_STRATEGIES, "write": ORIG_WRITES})
 def orig_param_writes(ctx, strategy, write: str):
     """use_orig_params=True, writes to original parameters after wrapping (reached through module
@@ -341,9 +349,7 @@ def orig_param_writes(ctx, strategy, write: str):
     if strategy in HYBRID and ctx.world_size < 4:
         return
     mm = Mismatches(ctx)
-    base = build("transformer")
-    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=True, device_id=CPU,
-              sharding_strategy=strategy, auto_wrap_policy=make_policy("module"))
+    base, kw = _orig_params_model(ctx, strategy)
     batches = make_batches("transformer", ctx.world_size, steps=4)
     loss_fn = LOSSES["transformer"]
     record = []
@@ -476,9 +482,7 @@ def writes_inside_no_sync(ctx, strategy, write: str):
     if strategy in HYBRID and ctx.world_size < 4:
         return
     mm = Mismatches(ctx)
-    base = build("transformer")
-    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=True, device_id=CPU,
-              sharding_strategy=strategy, auto_wrap_policy=make_policy("module"))
+    base, kw = _orig_params_model(ctx, strategy)
     W, r, micro = ctx.world_size, ctx.rank, 3
     batches = make_batches("transformer", micro * W, steps=3)  # chunk micro*r+m: rank r's m-th
     loss_fn = LOSSES["transformer"]
@@ -556,9 +560,7 @@ def orig_param_attributes(ctx, strategy):
     if strategy in HYBRID and ctx.world_size < 4:
         return
     mm = Mismatches(ctx)
-    base = build("transformer")
-    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=True, device_id=CPU,
-              sharding_strategy=strategy, auto_wrap_policy=make_policy("module"))
+    base, kw = _orig_params_model(ctx, strategy)
     batches = make_batches("transformer", ctx.world_size, steps=3)
     loss_fn = LOSSES["transformer"]
     record = []
