@@ -1225,6 +1225,20 @@ def save_and_resume(ctx, kind: str, save: Callable, load: Callable,
     return saved
 
 
+@h.subtest(grid={"feature": ["prefetch_lists", "unshard_async"]})
+def gloo_one_in_flight(ctx, feature: str):
+    """On the process group (gloo), cfsdp's explicit prefetches and asynchronous unshards never
+    put two collectives of one group in flight together (torch 2.13's gloo corrupts its heap
+    when two finish at once: gloo_in_flight.py), and training is bitwise torch's."""
+    import gloo_in_flight
+
+    group = gloo_in_flight.process_group_only()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    with gloo_in_flight.watch(group) as overlaps:
+        run_scenario(ctx, FEATURES[feature](), mesh=mesh)
+    assert not overlaps, "two collectives in flight on one gloo group:\n" + "\n".join(overlaps[:2])
+
+
 @h.subtest(grid={"kind": ["mlp", "lm1"]})
 def state_dict_load(ctx, kind: str, unit_kw: dict | None = None):
     """``model.state_dict()`` / ``optimizer.state_dict()`` loaded with ``load_state_dict`` into a

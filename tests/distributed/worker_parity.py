@@ -620,6 +620,21 @@ def prefetch(ctx, backward_prefetch, forward_prefetch: bool):
                             "forward_prefetch": forward_prefetch, "limit_all_gathers": forward_prefetch})
 
 
+@h.subtest(grid={"backward_prefetch": [BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]})
+def gloo_one_in_flight(ctx, backward_prefetch):
+    """On the process group (gloo), cfsdp's prefetch all-gather and its asynchronous
+    reduce-scatter are never in flight together on one group (torch 2.13's gloo corrupts its
+    heap when two finish at once: gloo_in_flight.py), and training is bitwise torch's."""
+    import gloo_in_flight
+
+    group = gloo_in_flight.process_group_only()
+    with gloo_in_flight.watch(group) as overlaps:
+        run_parity(ctx, "transformer", False, "sgd", wrap_root, with_ref=False, steps=3,
+                   fsdp_kwargs={"auto_wrap_policy": make_policy("module"), "process_group": group,
+                                "backward_prefetch": backward_prefetch, "forward_prefetch": True})
+    assert not overlaps, "two collectives in flight on one gloo group:\n" + "\n".join(overlaps[:2])
+
+
 @h.subtest(grid={"use_orig_params": [False, True]})
 def cfsdp_defaults(ctx, use_orig_params: bool):
     """cfsdp with process_group=None (the default group) and device_id=None on a CPU module.

@@ -332,8 +332,13 @@ class MoE(nn.Module):
         h = self.norm(x)
         gates = torch.softmax(self.router(h), dim=-1)
         ep = self.ep_mesh
-        hg = all_gather_tensor_autograd(h, gather_dim=0, group=ep)
-        gg = all_gather_tensor_autograd(gates, gather_dim=0, group=ep)
+        # One all-gather for both: torch 2.13's gloo process group corrupts its heap when two
+        # collectives on one group finish at once on its two worker threads (a race on
+        # ProcessGroupGloo's pgStatus_ in runLoop, seen as "double-free" under ASan with torch
+        # alone), and two functional all-gathers here (and their two reduce-scatters in
+        # backward) are in flight together.
+        both = all_gather_tensor_autograd(torch.cat([h, gates], -1), gather_dim=0, group=ep)
+        hg, gg = both.split([h.shape[-1], gates.shape[-1]], dim=-1)
         w1, w2 = self.w1.to_local(), self.w2.to_local()  # this ep rank's experts
         first = ep.get_local_rank() * w1.shape[0]
         mid = torch.nn.functional.gelu(torch.einsum("nd,edh->neh", hg, w1))

@@ -4,7 +4,8 @@ Every rank issues a unit's collectives in the same order; each function
 returns a :class:`Pending` to wait on.  Gloo and NCCL both execute the
 collectives of one process group in issue order, so an asynchronous
 all-gather issued for prefetching is complete before a later collective's
-result is used.
+result is used.  On a gloo group (CPU tensors) cfsdp keeps at most one of its
+collectives in flight (see "One in flight on gloo").
 
 Transports
 ----------
@@ -141,6 +142,17 @@ group first drains the group's shared-memory queue (or lane), and a shared-memor
 op (one level or two) first waits for the group's last asynchronous process-group
 op, so the issue order holds across them.
 
+One in flight on gloo.  A process-group op on CPU tensors (gloo) first waits for the
+group's last asynchronous process-group op.  Gloo runs a group's collectives on two
+worker threads, and torch 2.13's ``ProcessGroupGloo::runLoop`` writes the group's
+"last completed" status (a ``std::string``) from whichever thread finishes, outside its
+lock: two collectives of one group finishing together corrupt the heap (ASan: a
+double-free in ``runLoop``; without it ``malloc(): unaligned tcache chunk detected`` or a
+silent corruption).  torch's FSDP issues its CPU collectives synchronously and never has
+two in flight; cfsdp's prefetch all-gather and its asynchronous reduce-scatter would, so
+the second waits for the first (the prefetch still overlaps the compute before it).
+NCCL groups (accelerator tensors) are not affected.
+
 Numerics.  Shared-memory sums run over the ranks in rank order in float32
 (float64 for float64; bf16/fp16 widen exactly, so they are *not* rounded per
 addition as gloo's bf16 sums are) and round once; every rank of an all-reduce
@@ -260,8 +272,9 @@ class Pending:
 class _GroupState:
     """What this process knows of one group, decided at its set-up (see the module doc):
     its shared-memory view (single level) or its two-level lane, or neither (the process
-    group); ``transport`` says which in words; ``last_pg`` is its last async
-    process-group op."""
+    group); ``transport`` says which in words; ``last_pg`` is its last asynchronous
+    process-group op (waited before a shared-memory op, and before a gloo op: see "One in
+    flight on gloo")."""
 
     __slots__ = ("shm", "lane", "transport", "last_pg", "__weakref__")
 
@@ -737,24 +750,34 @@ def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.
     dtype, ``other`` eligible in its own dtype, ``op`` SUM or AVG, no dispatch mode),
     after waiting for the group's last async process-group op; else None, after draining
     the group's shared-memory queue or lane, so the process-group op comes after every
-    earlier one."""
+    earlier one, and on CPU tensors (gloo) after the group's last async process-group op
+    too (see "One in flight on gloo")."""
     st = _state(group)
-    if not st.live():
-        return None
+    live = st.live()
     dtype = tensors[0].dtype
-    if (not _dispatch_mode_active() and all(_shm_ok(t) and t.dtype == dtype for t in tensors)
+    if (live and not _dispatch_mode_active()
+            and all(_shm_ok(t) and t.dtype == dtype for t in tensors)
             and (other is None or _shm_ok(other)) and _is_sum_or_avg(op) is not None):
-        if st.last_pg is not None:
-            st.last_pg.wait()
-            st.last_pg = None
+        _wait_last_pg(st)
         return st
-    st.drain()
+    if live:
+        st.drain()
+    if tensors[0].device.type == "cpu":
+        _wait_last_pg(st)
     return None
 
 
+def _wait_last_pg(st: _GroupState) -> None:
+    if st.last_pg is not None:
+        work, st.last_pg = st.last_pg, None
+        work.wait()
+
+
 def _pg_issued(group: dist.ProcessGroup, work: Optional[Any]) -> None:
+    """Remember ``group``'s last asynchronous process-group op (``work``; None when it ran
+    synchronously)."""
     st = _states.get(group)
-    if st is not None and (st.shm is not None or st.lane is not None):
+    if st is not None and work is not None:
         st.last_pg = work
 
 
