@@ -466,3 +466,118 @@ attr_flags = _B.attr_flags
 attr_set = _B.attr_set
 attr_get = _B.attr_get
 shape_views = _B.shape_views
+
+
+# ------------------------------------------------------------------ shared-memory segments
+# csrc/shm.c's ShmGroup behind the same door: its collectives take tensors here, checked
+# (c_tensor_ok, one dtype, sizes that fit), and cross as (address, numel, dtype code); the
+# op keeps the tensors (and the plan's bytes) alive until it is done.  The transports
+# (_runtime/comm.py, _runtime/two_level.py) never see an address.
+
+SHM_MAX_WORLD: int = int(getattr(_C, "SHM_MAX_WORLD", 0)) if _C is not None else 0
+
+
+def shm_available() -> bool:
+    """Whether this build can set up shared-memory segments (the C core, with POSIX shm)."""
+    return _C is not None and bool(getattr(_C, "SHM_AVAILABLE", 0))
+
+
+class ShmView:
+    """This rank's view of one shared-memory segment of ``world`` ranks (``create``: make
+    it, as the segment's rank 0; else attach to ``name``); see csrc/shm.c.  Raises what
+    ``ShmGroup`` raises (``PermissionError`` for a file that is not this job's)."""
+
+    __slots__ = ("_g",)
+
+    def __init__(self, name: str, create: bool, world: int, rank: int, slot: int,
+                 timeout: float, label: str, global_ranks: Sequence[int]):
+        if _C is None:
+            raise RuntimeError("cfsdp: shared-memory segments need the C core (CFSDP_IMPL=c)")
+        self._g = _C.ShmGroup(name, create, world, rank, slot, timeout, label, list(global_ranks))
+
+    # -- the segment -----------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return bool(self._g.closed)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._g.world_size)
+
+    @property
+    def rank(self) -> int:
+        return int(self._g.rank)
+
+    def wait_attached(self) -> None:
+        self._g.wait_attached()
+
+    def drain(self) -> None:
+        self._g.drain()
+
+    def close(self) -> None:
+        self._g.close()
+
+    def fail(self, message: str) -> None:
+        self._g.fail(message)
+
+    def failure(self, timeout: float):
+        return self._g.failure(timeout)
+
+    # -- the collectives (each returns a ShmWork: wait(), is_completed()) ----------------
+    def _code(self, op: str, *tensors: torch.Tensor) -> int:
+        dtype = tensors[0].dtype
+        for t in tensors:
+            if not c_tensor_ok(t) or t.dtype != dtype:
+                raise ValueError(
+                    f"cfsdp: shared-memory {op}: every tensor must be a contiguous CPU tensor "
+                    f"of one of {sorted(map(str, DTYPE_CODES))} (got a {type(t).__name__} of "
+                    f"{t.dtype}, shape {tuple(t.shape)}, beside {dtype})")
+        return DTYPE_CODES[dtype]
+
+    def _blocks(self, op: str, whole: torch.Tensor, block: torch.Tensor) -> None:
+        if whole.numel() != self.world_size * block.numel():
+            raise ValueError(f"cfsdp: shared-memory {op}: {whole.numel()} elements are not "
+                             f"{self.world_size} x {block.numel()}")
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, threads: int):
+        code = self._code("all_gather", out, shard)
+        self._blocks("all_gather", out, shard)
+        return self._g.all_gather(out.data_ptr(), shard.data_ptr(), shard.numel(), code,
+                                  threads, (out, shard))
+
+    def all_gather_unpack(self, natural: torch.Tensor, shard: torch.Tensor, plan_bytes: bytes,
+                          threads: int):
+        code = self._code("all_gather_unpack", natural, shard)
+        return self._g.all_gather_unpack(natural.data_ptr(), natural.numel(), shard.data_ptr(),
+                                         shard.numel(), code, plan_bytes, threads,
+                                         (natural, shard, plan_bytes))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float, threads: int):
+        code = self._code("reduce_scatter", out, inp)
+        self._blocks("reduce_scatter", inp, out)
+        return self._g.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(), code,
+                                      float(scale), threads, (out, inp))
+
+    def reduce_scatter_pack(self, out: torch.Tensor, natural: torch.Tensor, divisor: float,
+                            scale: float, plan_bytes: bytes, threads: int):
+        out_code = self._code("reduce_scatter_pack", out)
+        nat_code = self._code("reduce_scatter_pack", natural)
+        return self._g.reduce_scatter_pack(out.data_ptr(), out.numel(), out_code,
+                                           natural.data_ptr(), natural.numel(), nat_code,
+                                           float(divisor), float(scale), plan_bytes, threads,
+                                           (out, natural, plan_bytes))
+
+    def all_reduce(self, t: torch.Tensor, scale: float, threads: int):
+        code = self._code("all_reduce", t)
+        return self._g.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(), code, float(scale),
+                                  threads, (t,))
+
+    def broadcast(self, t: torch.Tensor, root: int, threads: int):
+        code = self._code("broadcast", t)
+        return self._g.broadcast(t.data_ptr(), t.numel(), code, int(root), threads, (t,))
+
+
+def same_address(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same address (one buffer seen twice: a copy
+    between them would be a no-op)."""
+    return a.data_ptr() == b.data_ptr()

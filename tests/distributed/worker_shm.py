@@ -320,6 +320,27 @@ def fallback_and_ordering(ctx):
     comm.release(ctx.pg)
 
 
+@h.subtest(grid={"transport": ["shared memory", "process group"]})
+def process_group_work_waited_once(ctx, transport: str):
+    """A process-group op's work is waited for once.  gloo's reduce-scatter work copies its
+    result into the output again on every ``wait()``, and the next op on the group first
+    waits for the group's last process-group op (shared memory: "Ordering"; the process
+    group: "One in flight on gloo"): a second wait would silently undo what was done to the
+    output in place since (HSDP's all-reduce, a post-divide).  On shared memory the
+    reduce-scatter takes the process group through an ineligible op (MAX)."""
+    import gloo_in_flight
+
+    group = ctx.pg if transport == "shared memory" else gloo_in_flight.process_group_only()
+    assert comm.uses_shm(group) == (transport == "shared memory"), comm.describe(group)
+    W, n = ctx.world_size, 5
+    out = torch.empty(n)
+    comm.reduce_scatter(out, torch.full((W * n,), 2.0), group, True, op=dist.ReduceOp.MAX).wait()
+    assert torch.equal(out, torch.full((n,), 2.0)), out
+    out.mul_(10)  # used in place, as HSDP's all-reduce uses it
+    comm.all_reduce(torch.ones(n), group, False)  # waits for the group's last op first
+    assert torch.equal(out, torch.full((n,), 20.0)), f"the output was written again: {out}"
+
+
 @h.subtest
 def dev_shm_is_clean(ctx):
     """After set-up nothing of cfsdp is left in /dev/shm (the name is unlinked at once)."""

@@ -32,6 +32,12 @@ set-up) and per call:
   algorithms and the order of the sums.
 * **the process group** (gloo), exactly as before, for everything else.
 
+Each group's transport is an object chosen once, at its set-up (:class:`Transport`, the
+process group, and its subclasses ``_Solo``, ``_SharedMemory``, ``_TwoLevel``); every
+function below calls its group's transport (:func:`transport`), which takes the process
+group itself for a call it does not carry (the Rule).  The C core's segment is behind
+``_core.ShmView``: no address crosses here.
+
 Rule.  A call goes through shared memory (one level or two) when all of these hold,
 else through the process group:
 
@@ -234,6 +240,28 @@ _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.05  # a set-up's polls of the store: see _
 _SAME_EVERYWHERE = "set it the same on every rank"
 
 
+class _Once:
+    """A process-group work that is waited for once, whoever asks first (its ``Pending``,
+    or the next op on the group: "One in flight on gloo").  gloo's reduce-scatter work
+    copies its result into the output again on every ``wait()`` (torch 2.13: its
+    ``is_completed()`` never turns True), so a second wait after the output was used in
+    place (HSDP's all-reduce, a post-divide) would silently put the old values back."""
+
+    __slots__ = ("work", "done")
+
+    def __init__(self, work: Any):
+        self.work = work
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or bool(self.work.is_completed())
+
+
 class Pending:
     """A collective in flight and the tensors it must keep alive.
 
@@ -269,42 +297,8 @@ class Pending:
 # --------------------------------------------------------------------------------------
 
 
-class _GroupState:
-    """What this process knows of one group, decided at its set-up (see the module doc):
-    its shared-memory view (single level) or its two-level lane, or neither (the process
-    group); ``transport`` says which in words; ``last_pg`` is its last asynchronous
-    process-group op (waited before a shared-memory op, and before a gloo op: see "One in
-    flight on gloo")."""
-
-    __slots__ = ("shm", "lane", "transport", "last_pg", "__weakref__")
-
-    def __init__(self, shm: Optional[Any] = None, lane: Optional[two_level.Lane] = None,
-                 transport: str = "process group"):
-        self.shm = shm
-        self.lane = lane
-        self.transport = transport
-        self.last_pg: Optional[Any] = None
-
-    def live(self) -> bool:
-        return (self.shm is not None and not self.shm.closed
-                or self.lane is not None and not self.lane.closed)
-
-    def drain(self) -> None:
-        """Wait until every shared-memory op issued so far is done."""
-        if self.shm is not None:
-            self.shm.drain()
-        if self.lane is not None:
-            self.lane.drain()
-
-    def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
-        if self.lane is not None:
-            self.lane.close()
-
-
-_states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
-_all_shm: "weakref.WeakSet[_GroupState]" = weakref.WeakSet()
+_states: "weakref.WeakKeyDictionary[Any, Transport]" = weakref.WeakKeyDictionary()
+_all_shm: "weakref.WeakSet[Transport]" = weakref.WeakSet()  # the live ones, closed at exit
 
 
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -349,8 +343,7 @@ def _slot_bytes() -> int:
 def _shm_mode() -> str:
     """This rank's wish (rule 1): "off" (twins, or CFSDP_SHM=0), "host" (CFSDP_SHM=host:
     single-host groups only) or "on"."""
-    C = _core._C
-    if C is None or not bool(getattr(C, "SHM_AVAILABLE", 0)):
+    if not _core.shm_available():
         return "off"
     raw = os.environ.get(SHM_ENV, "1").strip().lower()
     return "off" if raw == "0" else "host" if raw == "host" else "on"
@@ -443,9 +436,9 @@ def _plan(infos: list) -> tuple:
         by_key.setdefault(key, []).append(r)
     hosts = list(by_key.values())
     if len(hosts) == 1:
-        if world > _core._C.SHM_MAX_WORLD:
+        if world > _core.SHM_MAX_WORLD:
             return ("pg", f"{world} ranks on one host: more than a segment serves "
-                          f"({_core._C.SHM_MAX_WORLD})")
+                          f"({_core.SHM_MAX_WORLD})")
         return ("one", hosts[0])
     k = len(hosts[0])
     shape = (f"{world} ranks on {len(hosts)} hosts (ranks per host: "
@@ -457,7 +450,7 @@ def _plan(infos: list) -> tuple:
     if any(h != list(range(i * k, (i + 1) * k)) for i, h in enumerate(hosts)):
         return ("pg", f"{shape}, not host-major (group rank = host * {k} + local rank): "
                       f"hosts hold ranks {hosts}")
-    if k > _core._C.SHM_MAX_WORLD:
+    if k > _core.SHM_MAX_WORLD:
         return ("pg", f"{shape}: more ranks per host than a segment serves")
     return ("two", hosts)
 
@@ -501,7 +494,7 @@ def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
         name = f"/cfsdp-{os.getpid()}-{secrets.token_hex(8)}"
         su.publish(f"plan/{seg}", name)  # before it exists: see _abandon
         try:
-            shm = _core._C.ShmGroup(name, True, len(members), 0, slot, su.timeout, label, granks)
+            shm = _core.ShmView(name, True, len(members), 0, slot, su.timeout, label, granks)
         except (RuntimeError, ValueError, OverflowError, PermissionError) as e:
             su.publish(f"name/{seg}", "error:" + str(e))
             if isinstance(e, PermissionError):
@@ -513,7 +506,7 @@ def _open_segment(su: _Setup, members: list, seg: str, slot: int) -> tuple:
     if name.startswith("error:"):
         return None, f"{_NOT_ATTEMPTED}: group rank {members[0]} could not create it"
     try:
-        return _core._C.ShmGroup(name, False, len(members), local, slot, su.timeout, label,
+        return _core.ShmView(name, False, len(members), local, slot, su.timeout, label,
                                  granks), None
     except (RuntimeError, ValueError, OverflowError) as e:
         return None, str(e)
@@ -583,11 +576,11 @@ def _unlink_on_sigterm(su: _Setup, seg: str):
             signal.signal(signal.SIGTERM, prev)
 
 
-def _setup(group: dist.ProcessGroup) -> _GroupState:
+def _setup(group: dist.ProcessGroup) -> Transport:
     """The group's transport (see "Set-up" in the module doc).  Collective: every rank of
     the group calls it at the same point (its first collective on the group)."""
     if group.size() < 2:
-        return _GroupState(transport="local (one rank)")
+        return _Solo(group, "local (one rank)")
     su = _Setup(group)
     try:
         slot: Any = _slot_bytes()
@@ -613,7 +606,7 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
     if kind == "pg":
         if su.rank == 0 and _SAME_EVERYWHERE in how:  # a misconfiguration: say so
             _log.warning("cfsdp: group %r takes the process group: %s", su.label, how)
-        return _GroupState(transport=f"process group ({how})")
+        return Transport(group, f"process group ({how})")
     if kind == "one":
         members, seg, hosts = how, "all", [how]
     else:
@@ -653,16 +646,16 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
                + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
         if su.rank == 0:
             _log.warning("cfsdp: group %r takes the process group: %s", su.label, why)
-        return _GroupState(transport=f"process group ({why})")
+        return Transport(group, f"process group ({why})")
     shm.wait_attached()  # every rank attached (they said so): returns at once, unlinks
     names = [infos[m[0]][1] for m in hosts]
     if kind == "one":
-        st = _GroupState(shm=shm, transport=f"shared memory ({su.world} ranks on host "
-                                             f"{names[0]!r})")
+        st: Transport = _SharedMemory(group, shm, f"shared memory ({su.world} ranks on host "
+                                                  f"{names[0]!r})")
     else:
         k = len(hosts[0])
         lane = two_level.Lane(group, shm, len(hosts), k, su.rank // k, su.ranks, names, su.label)
-        st = _GroupState(lane=lane, transport=(
+        st = _TwoLevel(group, lane, (
             f"two levels: shared memory inside each of {len(hosts)} hosts x {k} ranks "
             f"({', '.join(map(repr, names))}), the process group between them"))
     if su.rank == 0:
@@ -670,12 +663,12 @@ def _setup(group: dist.ProcessGroup) -> _GroupState:
     return st
 
 
-def _state(group: dist.ProcessGroup) -> _GroupState:
+def _state(group: dist.ProcessGroup) -> Transport:
     st = _states.get(group)
     if st is None:
         st = _setup(group)
         _states[group] = st
-        if st.shm is not None or st.lane is not None:
+        if st.live():
             _all_shm.add(st)
     return st
 
@@ -702,7 +695,7 @@ def one_segment(group: Optional[dist.ProcessGroup] = None) -> bool:
     parameter buckets) asks this.  Sets the group up on the first call, like its first
     collective: call it on every rank."""
     st = _state(_resolve(group))
-    return st.shm is not None and not st.shm.closed
+    return isinstance(st, _SharedMemory) and st.live()
 
 
 def release(group: Optional[dist.ProcessGroup] = None) -> None:
@@ -743,44 +736,6 @@ def _dispatch_mode_active() -> bool:
     return _torch_core.dispatch_mode_active()
 
 
-def _shm_for(group: dist.ProcessGroup, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
-             other: Optional[torch.Tensor] = None) -> Optional[_GroupState]:
-    """The group's state if this call goes through shared memory, one level (``st.shm``)
-    or two (``st.lane``) (rules 3 to 5 of the module doc: ``tensors`` of one eligible
-    dtype, ``other`` eligible in its own dtype, ``op`` SUM or AVG, no dispatch mode),
-    after waiting for the group's last async process-group op; else None, after draining
-    the group's shared-memory queue or lane, so the process-group op comes after every
-    earlier one, and on CPU tensors (gloo) after the group's last async process-group op
-    too (see "One in flight on gloo")."""
-    st = _state(group)
-    live = st.live()
-    dtype = tensors[0].dtype
-    if (live and not _dispatch_mode_active()
-            and all(_shm_ok(t) and t.dtype == dtype for t in tensors)
-            and (other is None or _shm_ok(other)) and _is_sum_or_avg(op) is not None):
-        _wait_last_pg(st)
-        return st
-    if live:
-        st.drain()
-    if tensors[0].device.type == "cpu":
-        _wait_last_pg(st)
-    return None
-
-
-def _wait_last_pg(st: _GroupState) -> None:
-    if st.last_pg is not None:
-        work, st.last_pg = st.last_pg, None
-        work.wait()
-
-
-def _pg_issued(group: dist.ProcessGroup, work: Optional[Any]) -> None:
-    """Remember ``group``'s last asynchronous process-group op (``work``; None when it ran
-    synchronously)."""
-    st = _states.get(group)
-    if st is not None and work is not None:
-        st.last_pg = work
-
-
 def _check_blocks(op: str, what: str, whole: torch.Tensor, block: torch.Tensor, w: int) -> None:
     """``whole`` must hold one ``block`` per rank of the group."""
     if whole.numel() != w * block.numel():
@@ -800,10 +755,8 @@ def _shm_scale(world: int, avg: bool, scale: Optional[float]) -> float:
     return (1.0 if scale is None else float(scale)) / (world if avg else 1)
 
 
-def _solo(group: dist.ProcessGroup) -> bool:
-    """A group of one rank: its collectives are local (see "One rank"), also while a
-    dispatch mode watches (see Visibility)."""
-    return group.size() == 1
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
 def _traced(name: str):
@@ -834,8 +787,269 @@ def _scaled(work: Optional[Any], out: torch.Tensor, scale: Optional[float], asyn
 
 
 # --------------------------------------------------------------------------------------
-# the collectives
+# the transports: one object per group, chosen at its set-up
 # --------------------------------------------------------------------------------------
+
+
+class Transport:
+    """How one group's collectives travel, chosen once at the group's set-up (``_setup``;
+    the module doc's Transports, Rule and Set-up): every collective function of this
+    module calls its group's transport.  Methods take tensors, never addresses (the C
+    core's segment is ``_core.ShmView``).
+
+    This base class is the process group (gloo on CPU, NCCL on accelerators).  It is also
+    what the other transports take, per call, for what they do not carry (rules 4 to 6):
+    they override ``_carries`` and the ops they run themselves.  A process-group op first
+    drains the transport's own queue and, on CPU tensors, waits for the group's last
+    asynchronous process-group op (see "One in flight on gloo"); ``_issue`` is where a
+    process-group op starts, the seam where a device's streams will enter.
+    ``transport`` says which transport in words (``describe``)."""
+
+    def __init__(self, group: dist.ProcessGroup, transport: str):
+        self.group = group
+        self.transport = transport
+        self.last_pg: Optional[Any] = None  # the last asynchronous process-group op
+
+    # -- life ----------------------------------------------------------------------------
+    def live(self) -> bool:
+        """Whether shared memory (one level or two) serves the group now."""
+        return False
+
+    def drain(self) -> None:
+        """Wait until every op issued so far on the transport's own queue is done."""
+
+    def close(self) -> None:
+        """Close what the transport holds (segment view, lane); the process group stays."""
+
+    # -- the process group ---------------------------------------------------------------
+    def _wait_last_pg(self) -> None:
+        if self.last_pg is not None:
+            work, self.last_pg = self.last_pg, None
+            work.wait()
+
+    def _issue(self, t: torch.Tensor, start: Callable[[], Any]) -> Optional[_Once]:
+        """Start a process-group op on ``t`` (``start()``) after everything before it; its
+        work, to be waited for once (``_Once``), or None when it ran synchronously."""
+        self.drain()
+        if t.device.type == "cpu":
+            self._wait_last_pg()
+        work = start()
+        if work is None:
+            return None
+        self.last_pg = once = _Once(work)
+        return once
+
+    def _carries(self, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
+                 other: Optional[torch.Tensor] = None) -> bool:
+        """Whether this call goes through the transport's own path (rules 4 to 6):
+        ``tensors`` of one eligible dtype, ``other`` eligible in its own, ``op`` SUM or
+        AVG, no dispatch mode; then after the group's last process-group op."""
+        if not self.live() or _dispatch_mode_active():
+            return False
+        dtype = tensors[0].dtype
+        if (all(_shm_ok(t) and t.dtype == dtype for t in tensors)
+                and (other is None or _shm_ok(other)) and _is_sum_or_avg(op) is not None):
+            self._wait_last_pg()
+            return True
+        return False
+
+    # -- the collectives -------------------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Pending:
+        # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old
+        # name warns); look it up per call so torch>=2.9 works and tools that patch
+        # torch.distributed (our collective-order test) see the call.
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        if out.dtype not in _PG_DTYPES:  # e.g. float8: a byte copy, as torch's FSDP2 does it
+            out, shard = out.view(torch.uint8), shard.view(torch.uint8)
+        work = self._issue(out, lambda: ag(out, shard, group=self.group, async_op=async_op))
+        return Pending(work, out, shard)
+
+    def all_gather_unpack(self, natural: torch.Tensor, shard: torch.Tensor, plan,
+                          plan_bytes: bytes, async_op: bool) -> Pending:
+        W = self.group.size()
+        gathered = torch.empty(W * shard.numel(), dtype=shard.dtype, device=shard.device)
+        pending = self.all_gather(gathered, shard, async_op=True)
+
+        def unpack() -> None:
+            _core.chunk_unpack(natural, gathered, plan, W, shard.numel())
+
+        p = Pending(pending.work, natural, shard, gathered, post=unpack)
+        if not async_op:
+            p.wait()
+        return p
+
+    def reduce_scatter_pack(self, out: torch.Tensor, natural: torch.Tensor, plan,
+                            plan_bytes: bytes, divisor: float, async_op: bool,
+                            op=dist.ReduceOp.SUM) -> Pending:
+        W = self.group.size()
+        inp = torch.empty(W * out.numel(), dtype=out.dtype, device=out.device)
+        _core.chunk_pack(inp, natural.contiguous(), plan, W, out.numel(), divisor=divisor)
+        return self.reduce_scatter(out, inp, async_op, op=op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
+                       op=dist.ReduceOp.SUM, scale: Optional[float] = None) -> Pending:
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = self._issue(out, lambda: rs(out, inp, op=op, group=self.group, async_op=async_op))
+        return _scaled(work, out, scale, async_op, inp)
+
+    def all_reduce(self, t: torch.Tensor, async_op: bool, op=dist.ReduceOp.SUM,
+                   scale: Optional[float] = None) -> Pending:
+        work = self._issue(t, lambda: dist.all_reduce(t, op=op, group=self.group,
+                                                      async_op=async_op))
+        return _scaled(work, t, scale, async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int, async_op: bool) -> Pending:
+        work = self._issue(t, lambda: dist.broadcast(t, group=self.group, group_src=src,
+                                                     async_op=async_op))
+        return Pending(work, t)
+
+
+class _Solo(Transport):
+    """A group of one rank: every op is its local equivalent, at once (see "One rank")."""
+
+    def all_gather(self, out, shard, async_op):
+        _check_blocks("all_gather", "output", out, shard, 1)
+        out.copy_(shard)
+        return Pending(None)
+
+    def all_gather_unpack(self, natural, shard, plan, plan_bytes, async_op):
+        _core.chunk_unpack(natural, shard, plan, 1, shard.numel())
+        return Pending(None)
+
+    def reduce_scatter_pack(self, out, natural, plan, plan_bytes, divisor, async_op,
+                            op=dist.ReduceOp.SUM):
+        # any reduction over one rank is the identity
+        _core.chunk_pack(out, natural.contiguous(), plan, 1, out.numel(), divisor=divisor)
+        return Pending(None)
+
+    def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
+        _check_blocks("reduce_scatter", "input", inp, out, 1)
+        out.copy_(inp.view_as(out))
+        return _scaled(None, out, scale, False)
+
+    def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
+        return _scaled(None, t, scale, False)
+
+    def broadcast(self, t, src, async_op):
+        return Pending(None)
+
+
+class _SharedMemory(Transport):
+    """Every rank of the group on one host: one segment (``_core.ShmView``), its ops on
+    the segment's C worker thread in issue order."""
+
+    def __init__(self, group: dist.ProcessGroup, view: _core.ShmView, transport: str):
+        super().__init__(group, transport)
+        self.view = view
+
+    def live(self) -> bool:
+        return not self.view.closed
+
+    def drain(self) -> None:
+        if self.live():
+            self.view.drain()
+
+    def close(self) -> None:
+        self.view.close()
+
+    def all_gather(self, out, shard, async_op):
+        if not self._carries(out, shard):
+            return super().all_gather(out, shard, async_op)
+        _check_blocks("all_gather", "output", out, shard, self.view.world_size)
+        return _shm_done(self.view.all_gather(out, shard, _threads()), async_op, out, shard)
+
+    def all_gather_unpack(self, natural, shard, plan, plan_bytes, async_op):
+        if not self._carries(natural, shard):
+            return super().all_gather_unpack(natural, shard, plan, plan_bytes, async_op)
+        work = self.view.all_gather_unpack(natural, shard, plan_bytes, _threads())
+        return _shm_done(work, async_op, natural, shard)
+
+    def reduce_scatter_pack(self, out, natural, plan, plan_bytes, divisor, async_op,
+                            op=dist.ReduceOp.SUM):
+        if not self._carries(out, op=op, other=natural):
+            return super().reduce_scatter_pack(out, natural, plan, plan_bytes, divisor,
+                                               async_op, op=op)
+        scale = _shm_scale(self.view.world_size, _is_sum_or_avg(op), None)
+        work = self.view.reduce_scatter_pack(out, natural, divisor, scale, plan_bytes,
+                                             _threads())
+        return _shm_done(work, async_op, out, natural)
+
+    def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
+        if not self._carries(out, inp, op=op):
+            return super().reduce_scatter(out, inp, async_op, op=op, scale=scale)
+        _check_blocks("reduce_scatter", "input", inp, out, self.view.world_size)
+        s = _shm_scale(self.view.world_size, _is_sum_or_avg(op), scale)
+        return _shm_done(self.view.reduce_scatter(out, inp, s, _threads()), async_op, out, inp)
+
+    def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
+        if not self._carries(t, op=op):
+            return super().all_reduce(t, async_op, op=op, scale=scale)
+        s = _shm_scale(self.view.world_size, _is_sum_or_avg(op), scale)
+        return _shm_done(self.view.all_reduce(t, s, _threads()), async_op, t)
+
+    def broadcast(self, t, src, async_op):
+        if not self._carries(t):
+            return super().broadcast(t, src, async_op)
+        return _shm_done(self.view.broadcast(t, int(src), _threads()), async_op, t)
+
+
+class _TwoLevel(Transport):
+    """A group over several hosts with the same number of ranks on each: a segment per host
+    and the process group between hosts, run by the group's lane (two_level.py).  The
+    chunk ops take the base class's composition (an all-gather or reduce-scatter, which
+    the lane carries, and the chunk copy)."""
+
+    def __init__(self, group: dist.ProcessGroup, lane: two_level.Lane, transport: str):
+        super().__init__(group, transport)
+        self.lane = lane
+
+    def live(self) -> bool:
+        return not self.lane.closed
+
+    def drain(self) -> None:
+        if self.live():
+            self.lane.drain()
+
+    def close(self) -> None:
+        self.lane.close()
+
+    def all_gather(self, out, shard, async_op):
+        if not self._carries(out, shard):
+            return super().all_gather(out, shard, async_op)
+        _check_blocks("all_gather", "output", out, shard, self.group.size())
+        return _shm_done(self.lane.all_gather(out, shard, _threads()), async_op, out, shard)
+
+    def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
+        if not self._carries(out, inp, op=op):
+            return super().reduce_scatter(out, inp, async_op, op=op, scale=scale)
+        _check_blocks("reduce_scatter", "input", inp, out, self.group.size())
+        s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
+        return _shm_done(self.lane.reduce_scatter(out, inp, s, _threads()), async_op, out, inp)
+
+    def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
+        if not self._carries(t, op=op):
+            return super().all_reduce(t, async_op, op=op, scale=scale)
+        s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
+        return _shm_done(self.lane.all_reduce(t, s, _threads()), async_op, t)
+
+    def broadcast(self, t, src, async_op):
+        if not self._carries(t):
+            return super().broadcast(t, src, async_op)
+        if not 0 <= src < self.group.size():
+            raise ValueError(f"broadcast: source rank {src} is not a rank of "
+                             f"the group (size {self.group.size()})")
+        return _shm_done(self.lane.broadcast(t, int(src), _threads()), async_op, t)
+
+
+# --------------------------------------------------------------------------------------
+# the collectives: each calls its group's transport
+# --------------------------------------------------------------------------------------
+
+
+def transport(group: Optional[dist.ProcessGroup] = None) -> Transport:
+    """``group``'s transport (default: the default group), set up on its first use: a
+    collective call, so every rank of the group calls it at the same point."""
+    return _state(_resolve(group))
 
 
 @_traced("all_gather")
@@ -843,31 +1057,7 @@ def all_gather(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Pending:
     """Gather every rank's ``shard`` into ``out`` (``world_size * shard.numel()``)."""
-    group = _resolve(group)
-    if _solo(group):
-        _check_blocks("all_gather", "output", out, shard, 1)
-        out.copy_(shard)
-        return Pending(None)
-    st = _shm_for(group, out, shard)
-    if st is not None and st.lane is not None:
-        _check_blocks("all_gather", "output", out, shard, group.size())
-        work = st.lane.all_gather(out, shard, torch.get_num_threads())
-        return _shm_done(work, async_op, out, shard)
-    if st is not None:
-        _check_blocks("all_gather", "output", out, shard, st.shm.world_size)
-        work = st.shm.all_gather(out.data_ptr(), shard.data_ptr(), shard.numel(),
-                                 _core.DTYPE_CODES[out.dtype], torch.get_num_threads(),
-                                 (out, shard))
-        return _shm_done(work, async_op, out, shard)
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old
-    # name warns); look it up per call so torch>=2.9 works and tools that patch
-    # torch.distributed (our collective-order test) see the call.
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    if out.dtype not in _PG_DTYPES:  # e.g. float8: a byte copy, as torch's FSDP2 does it
-        out, shard = out.view(torch.uint8), shard.view(torch.uint8)
-    work = ag(out, shard, group=group, async_op=async_op)
-    _pg_issued(group, work)
-    return Pending(work, out, shard)
+    return transport(group).all_gather(out, shard, async_op)
 
 
 def pack_plan(plan) -> bytes:
@@ -891,28 +1081,7 @@ def all_gather_unpack(
     into the rank-major buffer followed by ``_core.chunk_unpack``, which is what the
     process group path does.  On shared memory the copy-out from the peers' slots
     writes the natural buffer directly, so the rank-major buffer is never built."""
-    group = _resolve(group)
-    if _solo(group):
-        _core.chunk_unpack(natural, shard, plan, 1, shard.numel())
-        return Pending(None)
-    st = _shm_for(group, natural, shard)
-    if st is not None and st.shm is not None:  # (two levels: the all-gather below takes them)
-        work = st.shm.all_gather_unpack(
-            natural.data_ptr(), natural.numel(), shard.data_ptr(), shard.numel(),
-            _core.DTYPE_CODES[natural.dtype], plan_bytes, torch.get_num_threads(),
-            (natural, shard, plan_bytes))
-        return _shm_done(work, async_op, natural, shard)
-    W = dist.get_world_size(group)
-    gathered = torch.empty(W * shard.numel(), dtype=shard.dtype, device=shard.device)
-    pending = all_gather(gathered, shard, group, async_op=True)
-
-    def unpack() -> None:
-        _core.chunk_unpack(natural, gathered, plan, W, shard.numel())
-
-    p = Pending(pending.work, natural, shard, gathered, post=unpack)
-    if not async_op:
-        p.wait()
-    return p
+    return transport(group).all_gather_unpack(natural, shard, plan, plan_bytes, async_op)
 
 
 @_traced("reduce_scatter_pack")
@@ -925,23 +1094,8 @@ def reduce_scatter_pack(
     ``divisor``) followed by :func:`reduce_scatter`, which is what the process group
     path does.  On shared memory each piece is packed straight into the shared slot,
     so the rank-major buffer is never built."""
-    group = _resolve(group)
-    if _solo(group):  # any reduction over one rank is the identity
-        _core.chunk_pack(out, natural.contiguous(), plan, 1, out.numel(), divisor=divisor)
-        return Pending(None)
-    avg = _is_sum_or_avg(op)
-    st = _shm_for(group, out, op=op, other=natural)
-    if st is not None and st.shm is not None:  # (two levels: the reduce-scatter below takes them)
-        work = st.shm.reduce_scatter_pack(
-            out.data_ptr(), out.numel(), _core.DTYPE_CODES[out.dtype], natural.data_ptr(),
-            natural.numel(), _core.DTYPE_CODES[natural.dtype], float(divisor),
-            _shm_scale(st.shm.world_size, avg, None), plan_bytes, torch.get_num_threads(),
-            (out, natural, plan_bytes))
-        return _shm_done(work, async_op, out, natural)
-    W = dist.get_world_size(group)
-    inp = torch.empty(W * out.numel(), dtype=out.dtype, device=out.device)
-    _core.chunk_pack(inp, natural.contiguous(), plan, W, out.numel(), divisor=divisor)
-    return reduce_scatter(out, inp, group, async_op, op=op)
+    return transport(group).reduce_scatter_pack(out, natural, plan, plan_bytes, divisor,
+                                                async_op, op=op)
 
 
 @_traced("reduce_scatter")
@@ -951,29 +1105,7 @@ def reduce_scatter(
 ) -> Pending:
     """Reduce ``inp`` over ranks (sum, or ``op``) and keep this rank's chunk in ``out``,
     multiplied by ``scale`` if given (fused into the sum on shared memory)."""
-    group = _resolve(group)
-    if _solo(group):
-        _check_blocks("reduce_scatter", "input", inp, out, 1)
-        out.copy_(inp.view_as(out))
-        return _scaled(None, out, scale, False)
-    avg = _is_sum_or_avg(op)
-    st = _shm_for(group, out, inp, op=op)
-    if st is not None and st.lane is not None:
-        _check_blocks("reduce_scatter", "input", inp, out, group.size())
-        work = st.lane.reduce_scatter(out, inp, _shm_scale(group.size(), avg, scale),
-                                      torch.get_num_threads())
-        return _shm_done(work, async_op, out, inp)
-    if st is not None:
-        _check_blocks("reduce_scatter", "input", inp, out, st.shm.world_size)
-        work = st.shm.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(),
-                                     _core.DTYPE_CODES[out.dtype],
-                                     _shm_scale(st.shm.world_size, avg, scale),
-                                     torch.get_num_threads(), (out, inp))
-        return _shm_done(work, async_op, out, inp)
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    work = rs(out, inp, op=op, group=group, async_op=async_op)
-    _pg_issued(group, work)
-    return _scaled(work, out, scale, async_op, inp)
+    return transport(group).reduce_scatter(out, inp, async_op, op=op, scale=scale)
 
 
 @_traced("all_reduce")
@@ -983,24 +1115,7 @@ def all_reduce(
 ) -> Pending:
     """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place, multiplied
     by ``scale`` if given (fused into the sum on shared memory)."""
-    group = _resolve(group)
-    if _solo(group):
-        return _scaled(None, t, scale, False)
-    avg = _is_sum_or_avg(op)
-    st = _shm_for(group, t, op=op)
-    if st is not None and st.lane is not None:
-        work = st.lane.all_reduce(t, _shm_scale(group.size(), avg, scale),
-                                  torch.get_num_threads())
-        return _shm_done(work, async_op, t)
-    if st is not None:
-        work = st.shm.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(),
-                                 _core.DTYPE_CODES[t.dtype],
-                                 _shm_scale(st.shm.world_size, avg, scale),
-                                 torch.get_num_threads(), (t,))
-        return _shm_done(work, async_op, t)
-    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
-    _pg_issued(group, work)
-    return _scaled(work, t, scale, async_op)
+    return transport(group).all_reduce(t, async_op, op=op, scale=scale)
 
 
 @_traced("broadcast")
@@ -1008,20 +1123,4 @@ def broadcast(
     t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup, async_op: bool = False
 ) -> Pending:
     """Broadcast ``t`` in place from the group's rank ``src_rank_in_group``."""
-    group = _resolve(group)
-    if _solo(group):
-        return Pending(None)
-    st = _shm_for(group, t)
-    if st is not None and st.lane is not None:
-        if not 0 <= src_rank_in_group < group.size():
-            raise ValueError(f"broadcast: source rank {src_rank_in_group} is not a rank of "
-                             f"the group (size {group.size()})")
-        work = st.lane.broadcast(t, int(src_rank_in_group), torch.get_num_threads())
-        return _shm_done(work, async_op, t)
-    if st is not None:
-        work = st.shm.broadcast(t.data_ptr(), t.numel(), _core.DTYPE_CODES[t.dtype],
-                                int(src_rank_in_group), torch.get_num_threads(), (t,))
-        return _shm_done(work, async_op, t)
-    work = dist.broadcast(t, group=group, group_src=src_rank_in_group, async_op=async_op)
-    _pg_issued(group, work)
-    return Pending(work, t)
+    return transport(group).broadcast(t, src_rank_in_group, async_op)

@@ -100,7 +100,7 @@ class LaneWork:
 class Lane:
     """The two-level transport of one group on this rank (see the module doc).
 
-    ``group``: the process group; ``intra``: this host's ``ShmGroup`` (its ``k`` ranks,
+    ``group``: the process group; ``intra``: this host's ``_core.ShmView`` (its ``k`` ranks,
     local rank ``local``); ``hosts``, ``per_host``, ``host``: H, k and this rank's host
     index; ``global_ranks``: the group's global ranks; ``host_names``: a name per host for
     messages; ``label``: the group's name in messages.
@@ -262,16 +262,15 @@ class Lane:
         H, k, h, l = self.hosts, self.per_host, self.host, self.local
         n = shard.numel()
         blocks = out.view(H, k, n)
-        code = _core.DTYPE_CODES[out.dtype]
 
         def run() -> None:
             mine = blocks[h, l]
-            if mine.data_ptr() != shard.data_ptr():
+            if not _core.same_address(mine, shard):
                 mine.copy_(shard)
             others = [q for q in range(H) if q != h]
             self._exchange([(q, mine) for q in others], [(q, blocks[q, l]) for q in others])
-            self._shm_wait([self.intra.all_gather(blocks[q].data_ptr(), blocks[q, l].data_ptr(),
-                                                  n, code, threads, None) for q in range(H)])
+            self._shm_wait([self.intra.all_gather(blocks[q], blocks[q, l], threads)
+                            for q in range(H)])
 
         return self.submit("all_gather", run)
 
@@ -279,11 +278,9 @@ class Lane:
                              threads: int) -> None:
         H, k, h = self.hosts, self.per_host, self.host
         n = out.numel()
-        code = _core.DTYPE_CODES[out.dtype]
         parts = torch.empty(H, n, dtype=out.dtype)
-        self._shm_wait([self.intra.reduce_scatter(parts[q].data_ptr(),
-                                                  inp[q * k * n:(q + 1) * k * n].data_ptr(),
-                                                  n, code, 1.0, threads, None)
+        self._shm_wait([self.intra.reduce_scatter(parts[q], inp[q * k * n:(q + 1) * k * n],
+                                                  1.0, threads)
                         for q in range(H)])
         got = torch.empty(H, n, dtype=out.dtype)
         others = [q for q in range(H) if q != h]
@@ -315,10 +312,7 @@ class Lane:
             own = blocks[self.host, self.local]
             self._exchange([(q, own) for q in others],
                            [(q, blocks[q, self.local]) for q in others])
-            code = _core.DTYPE_CODES[t.dtype]
-            self._shm_wait([self.intra.all_gather(blocks[q].data_ptr(),
-                                                  blocks[q, self.local].data_ptr(), m, code,
-                                                  threads, None)
+            self._shm_wait([self.intra.all_gather(blocks[q], blocks[q, self.local], threads)
                             for q in range(self.hosts)])
             if buf is not t:
                 t.copy_(buf[:N])
@@ -335,9 +329,7 @@ class Lane:
                     self._exchange([(q, t) for q in range(self.hosts) if q != root_host], [])
                 else:
                     self._exchange([], [(root_host, t)])
-            self._shm_wait([self.intra.broadcast(t.data_ptr(), t.numel(),
-                                                 _core.DTYPE_CODES[t.dtype], root_local,
-                                                 threads, None)])
+            self._shm_wait([self.intra.broadcast(t, root_local, threads)])
 
         return self.submit("broadcast", run)
 
