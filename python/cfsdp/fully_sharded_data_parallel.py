@@ -13,7 +13,6 @@ import contextvars
 import functools
 import itertools
 import os
-import socket
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
@@ -24,6 +23,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
 from torch.distributed.fsdp import wrap as _torch_wrap
 
+from ._runtime import agree as _agree
 from ._runtime import clip as _clip
 from ._runtime.hooks import (
     BACKWARD_POST,
@@ -129,14 +129,20 @@ def _default_group() -> dist.ProcessGroup:
     return dist.distributed_c10d._get_default_group()
 
 
+def _host_name(key: str) -> str:
+    return key.split("|", 1)[0]
+
+
 def _local_world_size(default: dist.ProcessGroup) -> int:
     """Ranks per host: torchrun's ``LOCAL_WORLD_SIZE``, else counted from every rank's
-    host name.  Every rank must see the same count (homogeneous hosts, as torch assumes)
-    and each host must hold consecutive ranks (the groups below are built that way)."""
+    host key (``_runtime.agree.host_key``, the transports' too).  Every rank must see the
+    same count (homogeneous hosts, as torch assumes) and each host must hold consecutive
+    ranks (the groups below are built that way)."""
     env = os.environ.get("LOCAL_WORLD_SIZE")
-    hosts: list = [None] * default.size()
-    dist.all_gather_object(hosts, (socket.gethostname(), env), group=default)
-    counts = {h: sum(1 for x in hosts if x[0] == h) for h, _ in hosts}
+    hosts = _agree.agree(default, None, "HYBRID_SHARD: counting the ranks per host",
+                         (_agree.host_key(), env))
+    keys = [k for k, _ in hosts]
+    counts = {k: keys.count(k) for k in keys}
     envs = {e for _, e in hosts}
     if len(envs) == 1 and None not in envs:
         per_node = int(envs.pop())
@@ -145,16 +151,17 @@ def _local_world_size(default: dist.ProcessGroup) -> int:
     else:
         raise ValueError(
             "HYBRID_SHARD / _HYBRID_SHARD_ZERO2 with process_group=None needs the same number of "
-            f"ranks on every host, but the ranks per host are {counts} (LOCAL_WORLD_SIZE "
+            f"ranks on every host, but the ranks per host are "
+            f"{ {_host_name(k): n for k, n in counts.items()} } (LOCAL_WORLD_SIZE "
             f"{sorted(map(str, envs))}). Pass process_group=(shard_group, replicate_group) or a "
             "2-D device_mesh."
         )
-    names = [h for h, _ in hosts]
-    blocks = [names[i : i + per_node] for i in range(0, len(names), per_node)]
-    if default.size() % per_node or any(len(set(b)) != 1 for b in blocks) and len(set(names)) > 1:
+    blocks = [keys[i : i + per_node] for i in range(0, len(keys), per_node)]
+    if default.size() % per_node or any(len(set(b)) != 1 for b in blocks) and len(set(keys)) > 1:
         raise ValueError(
             f"HYBRID_SHARD with process_group=None groups ranks [k*{per_node}, (k+1)*{per_node}) "
-            f"as hosts, but the world of {default.size()} ranks is laid out as {names}. Launch "
+            f"as hosts, but the world of {default.size()} ranks is laid out as "
+            f"{[_host_name(k) for k in keys]}. Launch "
             "the ranks of each host consecutively (torchrun does), or pass the groups."
         )
     return per_node

@@ -221,7 +221,7 @@ import torch.distributed as dist
 
 from .. import _core
 from .._torch import core as _torch_core
-from . import shutdown, two_level
+from . import agree, shutdown, two_level
 
 SHM_ENV = "CFSDP_SHM"
 SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
@@ -231,7 +231,7 @@ _SHM_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.flo
 _PG_DTYPES = frozenset((*_SHM_DTYPES, torch.int8, torch.uint8, torch.int16, torch.int32,
                         torch.int64, torch.bool))
 _STORE_PREFIX = "cfsdp_shm"
-_SHM_DIR = "/dev/shm"  # where POSIX shm_open puts segments (glibc)
+_SHM_DIR = agree.SHM_DIR
 _log = logging.getLogger(__name__)
 _NOT_ATTEMPTED = "not attempted"
 _REFUSED = "refused:"  # an attach status: a name or file that is not this job's ("Trust")
@@ -314,17 +314,9 @@ def group_timeout(group: dist.ProcessGroup) -> float:
 
 
 def _host_id() -> str:
-    """This rank's host key (rule 2): host name, boot id and the device of ``/dev/shm``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    try:
-        shm_dev = str(os.stat(_SHM_DIR).st_dev)
-    except OSError:
-        shm_dev = "no-dev-shm"
-    return f"{socket.gethostname()}|{boot}|{shm_dev}"
+    """This rank's host key (rule 2; ``agree.host_key``, the package's one; tests that
+    emulate hosts on one machine replace this function)."""
+    return agree.host_key()
 
 
 def _slot_bytes() -> int:

@@ -144,6 +144,7 @@ from torch import Tensor
 from .. import _core
 from .._torch import core as _torch_core
 from .._runtime import comm
+from .._runtime.agree import agree
 
 _ALIGN_BYTES = 64
 STAGING_BYTES = 32 << 20  # StagedSync's staging buffer, all ranks' blocks together
@@ -356,8 +357,8 @@ def _shared_flat(layout: RankMajor, rank: int, group: Any, private: Tensor
             except OSError:  # in a finally: never hide the error that got us here; the
                 pass         # mapping works unlinked or not, and the name is cfsdp-<pid>-...
     if n_refused:  # "Trust": an error on every rank, naming what each refused
-        whys: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(whys, why if refused else None, group=group)
+        whys = agree(group, None, "ZeroRedundancyOptimizer: the shared bucket's refusals",
+                     why if refused else None)
         bad = {r: w for r, w in enumerate(whys) if w is not None}
         raise PermissionError(
             f"cfsdp ZeroRedundancyOptimizer (group rank {rank}): group rank(s) {sorted(bad)} "
