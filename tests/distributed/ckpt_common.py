@@ -18,9 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy
 
 import _harness as h
-import worker_parity as wp
-
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: the workers run their own
+import parity_common as pc
 
 from cfsdp import FullyShardedDataParallel as CFSDP
 
@@ -56,8 +54,8 @@ def batches(steps: int, world: int, seed: int = 7):
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(seed * 1000 + step)
-        x = torch.randint(0, wp.VOCAB, (GLOBAL_BATCH, wp.SEQ), generator=g)
-        y = torch.randint(0, wp.VOCAB, (GLOBAL_BATCH, wp.SEQ), generator=g)
+        x = torch.randint(0, pc.VOCAB, (GLOBAL_BATCH, pc.SEQ), generator=g)
+        y = torch.randint(0, pc.VOCAB, (GLOBAL_BATCH, pc.SEQ), generator=g)
         out.append(list(zip(x.chunk(world), y.chunk(world))))
     return out
 
@@ -77,10 +75,10 @@ def make(ctx: h.Context, impl: str, uop: bool, seed: int = 0, strategy=None):
     if strategy in HYBRID:
         groups = {"device_mesh": init_device_mesh("cpu", (2, ctx.world_size // 2))}
     model = WRAPPERS[impl](
-        wp.build("transformer", seed),
+        pc.build("transformer", seed),
         use_orig_params=uop,
         device_id=CPU,
-        auto_wrap_policy=wp.make_policy("module"),
+        auto_wrap_policy=pc.make_policy("module"),
         sharding_strategy=strategy,
         **groups,
     )
@@ -98,7 +96,7 @@ def train(ctx: h.Context, model, opt, steps) -> list[float]:
     for chunks in steps:
         x, y = chunks[ctx.rank]
         opt.zero_grad(set_to_none=True)
-        loss = wp.lm_loss(model(x), y)
+        loss = pc.lm_loss(model(x), y)
         loss.backward()
         opt.step()
         t = loss.detach().clone()

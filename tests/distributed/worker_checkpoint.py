@@ -25,7 +25,7 @@ def _save_resume(ctx, writer: str, reader: str, uop: bool, with_optim: bool) -> 
     save_full_state_dict(model, path, opt if with_optim else None)
     if ctx.rank == 0:
         ck = torch.load(path, weights_only=True)
-        want = list(cc.wp.build("transformer").state_dict().keys())
+        want = list(cc.pc.build("transformer").state_dict().keys())
         if list(ck["model"].keys()) != want:
             raise AssertionError(f"keys {list(ck['model'])} != {want}")
         if (ck["optim"] is None) == with_optim:

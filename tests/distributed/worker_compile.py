@@ -77,11 +77,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import _harness as h
-import worker_parity as wp
+import parity_common as pc
 
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
-
-import cfsdp  # noqa: E402
+import cfsdp
 
 STEPS = 3
 N_BLOCKS, WIDTH = 2, 16
@@ -117,7 +115,7 @@ def _shard(impl: str, face: str, ctx, mp: bool) -> Callable[[nn.Module], nn.Modu
 def build(impl: str, face: str, pattern: str, ctx, compile_kw: dict, mp: bool = False):
     """(the module to train, the module holding the parameters) for one contender."""
     torch.manual_seed(0)
-    model = wp.TinyTransformer(N_BLOCKS, WIDTH)
+    model = pc.TinyTransformer(N_BLOCKS, WIDTH)
     blocks = model.blocks
     if pattern == "ac":
         for i, b in enumerate(blocks):
@@ -198,13 +196,13 @@ def train(ctx, impl: str, face: str, pattern: str, backend: str, mode: str | Non
     rec = Recorder(backend) if backend in ("eager", "aot_eager") else None
     compile_kw: dict[str, Any] = {"mode": mode} if mode else {"backend": rec or backend}
     run, model = build(impl, face, pattern, ctx, compile_kw, mp)
-    opt = wp.make_optim("adamw", model.parameters())
+    opt = pc.make_optim("adamw", model.parameters())
     out: dict[str, Any] = {"losses": [], "counts": [], "calls": []}
-    for x, y in (step[ctx.rank] for step in wp.make_batches("transformer", ctx.world_size, STEPS)):
+    for x, y in (step[ctx.rank] for step in pc.make_batches("transformer", ctx.world_size, STEPS)):
         if eval_forward:
             with torch.no_grad():
                 run(x)
-        loss = wp.lm_loss(run(x).float(), y)
+        loss = pc.lm_loss(run(x).float(), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -219,7 +217,7 @@ def train(ctx, impl: str, face: str, pattern: str, backend: str, mode: str | Non
 
 
 def check_same(ctx, c: dict, t: dict, what: str) -> None:
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for i, (a, b) in enumerate(zip(c["losses"], t["losses"])):
         mm.tensors(f"{what}: loss #{i}", a, b)
     mm.check(len(c["params"]) == len(t["params"]),
@@ -298,7 +296,7 @@ def mixed_precision_and_eval(ctx, face: str):
 @h.subtest(grid={"face": ["fully_shard", "wrapper_orig"]})
 def fullgraph_fails_as_torch(ctx, face: str):
     """fullgraph=True around wrapped modules: dynamo's Unsupported for torch and cfsdp."""
-    x = wp.make_batches("transformer", ctx.world_size, 1)[0][ctx.rank][0]
+    x = pc.make_batches("transformer", ctx.world_size, 1)[0][ctx.rank][0]
     for impl in ("torch", "cfsdp"):
         torch._dynamo.reset()
         run, _ = build(impl, face, "whole", ctx, {"backend": "eager", "fullgraph": True})
@@ -356,7 +354,7 @@ def compiled_autograd(ctx, face: str):
     AssertionError "queue_callback() is only supported when Compiled Autograd is enabled with
     fullgraph=True"), cfsdp refuses with NotImplementedError naming the setting (eager cfsdp
     gives eager torch's losses, checked by the others)."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     eager = ca_losses(ctx, "torch", face, False)
     fails_in_dynamo = face == "wrapper_orig" or (face == "fully_shard" and TORCH_2_11)
     try:

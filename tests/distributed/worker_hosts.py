@@ -38,21 +38,19 @@ import torch.distributed as dist
 from torch.distributed.fsdp import ShardingStrategy as SS
 
 import _harness as h
-import worker_dcp as wdcp
-import worker_fully_shard as wfs
-import worker_parity as wp
-import worker_shm as wsh
+import dcp_common as dcc
+import fs_common as fsc
+import parity_common as pc
+import shm_common as shmc
 
-del h._REGISTRY[:]  # the imported workers registered their subtests: run only ours
-
-from cfsdp._ref import shm_reduce as ref_reduce  # noqa: E402
-from cfsdp._runtime import comm  # noqa: E402
+from cfsdp._ref import shm_reduce as ref_reduce
+from cfsdp._runtime import comm
 
 HOSTS = int(os.environ["CFSDP_EMULATED_HOSTS"])
 PER_HOST = int(os.environ["LOCAL_WORLD_SIZE"])
 TWO_LEVEL = PER_HOST >= 2
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
-wsh.EXPECT_SHM = False  # worker_shm's checks against its one-level twin do not apply here
+shmc.EXPECT_SHM = False  # worker_shm's checks against its one-level twin do not apply here
 
 
 def expect_transport(group, want: str) -> str:
@@ -81,7 +79,7 @@ def transport(ctx):
 @h.subtest(grid={"face": ["fsdp1", "fsdp1_orig_params", "fully_shard"]})
 def faces_vs_torch(ctx, face):
     """worker_shm's transformer on both faces against torch's FSDP (see the module doc)."""
-    wsh.assert_faces_match(ctx, wsh.train_faces(ctx, face, "lm"), face)
+    shmc.assert_faces_match(ctx, shmc.train_faces(ctx, face, "lm"), face)
     expect_transport(ctx.pg, "two levels" if TWO_LEVEL else "process group")
     comm.release(ctx.pg)
 
@@ -91,13 +89,13 @@ if not TWO_LEVEL:
     def wrapper_parity(ctx, use_orig_params):
         """worker_parity's whole comparison (structure, losses, grads, params, summon, state
         dict; torch against the single process) for the transformer, across hosts."""
-        wp.run_parity(ctx, "transformer", use_orig_params, "adamw", wp.wrap_root)
+        pc.run_parity(ctx, "transformer", use_orig_params, "adamw", pc.wrap_root)
         comm.release(ctx.pg)
 
     @h.subtest
     def fully_shard_parity(ctx):
         """worker_fully_shard's whole comparison for its transformer, across hosts."""
-        wfs.run_scenario(ctx, wfs.Scenario(kind="lm"))
+        fsc.run_scenario(ctx, fsc.Scenario(kind="lm"))
         comm.release(ctx.pg)
 
 
@@ -122,50 +120,50 @@ def check_ops(group, dtype, sizes, seed0: int) -> None:
     W, r = group.size(), group.rank()
     for i, n in enumerate(sizes):
         seed = seed0 + 10 * i
-        shard = wsh.data(seed, r, n, dtype)
+        shard = shmc.data(seed, r, n, dtype)
         out, ref = torch.empty(W * n, dtype=dtype), torch.empty(W * n, dtype=dtype)
         comm.all_gather(out, shard, group, async_op=True).wait()
         dist.all_gather_into_tensor(ref, shard, group=group)
-        wsh.same_bits(out, ref, f"all_gather {dtype} n={n}")
+        shmc.same_bits(out, ref, f"all_gather {dtype} n={n}")
         out2 = torch.zeros(W * n, dtype=dtype)
         out2[r * n:(r + 1) * n] = shard
         comm.all_gather(out2, out2[r * n:(r + 1) * n], group, async_op=False)
-        wsh.same_bits(out2, ref, f"all_gather in place {dtype} n={n}")
-        full = wsh.all_data(seed + 1, W, W * n, dtype)
+        shmc.same_bits(out2, ref, f"all_gather in place {dtype} n={n}")
+        full = shmc.all_data(seed + 1, W, W * n, dtype)
         chunks = [x[r * n:(r + 1) * n] for x in full]
         for op, scale in ((SUM, None), (AVG, None), (SUM, 0.125)):
             eff = (1.0 if scale is None else scale) / (W if op == AVG else 1)
             got = torch.empty(n, dtype=dtype)
             comm.reduce_scatter(got, full[r], group, True, op=op, scale=scale).wait()
             what = f"reduce_scatter {dtype} n={n} op={op} scale={scale}"
-            wsh.same_bits(got, oracle(chunks, eff), what + " vs the two-level oracle")
+            shmc.same_bits(got, oracle(chunks, eff), what + " vs the two-level oracle")
             ref = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(ref, full[r].clone(), op=op, group=group)
             if scale is not None:
                 ref.mul_(scale)
-            wsh.close_to_gloo(got, ref, chunks, eff, what)
-        ins = wsh.all_data(seed + 2, W, n, dtype)
+            shmc.close_to_gloo(got, ref, chunks, eff, what)
+        ins = shmc.all_data(seed + 2, W, n, dtype)
         for op in (SUM, AVG):
             eff = 1.0 / W if op == AVG else 1.0
             t, ref = ins[r].clone(), ins[r].clone()
             comm.all_reduce(t, group, True, op=op).wait()
             what = f"all_reduce {dtype} n={n} op={op}"
-            wsh.same_bits(t, oracle(ins, eff), what + " vs the two-level oracle")
+            shmc.same_bits(t, oracle(ins, eff), what + " vs the two-level oracle")
             dist.all_reduce(ref, op=op, group=group)
-            wsh.close_to_gloo(t, ref, ins, eff, what)
+            shmc.close_to_gloo(t, ref, ins, eff, what)
         for root in range(W):
-            t = wsh.data(seed + 3, r, n, dtype)
+            t = shmc.data(seed + 3, r, n, dtype)
             ref = t.clone()
             comm.broadcast(t, root, group, async_op=True).wait()
             dist.broadcast(ref, group=group, group_src=root)
-            wsh.same_bits(t, ref, f"broadcast {dtype} n={n} root={root}")
+            shmc.same_bits(t, ref, f"broadcast {dtype} n={n} root={root}")
 
 
 if TWO_LEVEL:
-    @h.subtest(grid={"dtype": wsh.DTYPES})
+    @h.subtest(grid={"dtype": shmc.DTYPES})
     def two_level_collectives(ctx, dtype):
         expect_transport(ctx.pg, "two levels")
-        check_ops(ctx.pg, dtype, wsh.SIZES, seed0=0)
+        check_ops(ctx.pg, dtype, shmc.SIZES, seed0=0)
         comm.release(ctx.pg)
 
     @h.subtest
@@ -187,7 +185,7 @@ if TWO_LEVEL:
         order."""
         expect_transport(ctx.pg, "two levels")
         W, r, n = ctx.world_size, ctx.rank, 2001
-        ins = [wsh.all_data(100 + k, W, n, torch.float32) for k in range(3)]
+        ins = [shmc.all_data(100 + k, W, n, torch.float32) for k in range(3)]
         bufs = [x[r].clone() for x in ins]
         pend = [comm.all_reduce(b, ctx.pg, True) for b in bufs]
         ints = torch.arange(n, dtype=torch.int64) * (r + 1)
@@ -201,9 +199,9 @@ if TWO_LEVEL:
             p.wait()
             assert p.is_completed()
         for k, b in enumerate(bufs):
-            wsh.same_bits(b, oracle(ins[k], 1.0), f"all_reduce {k}")
+            shmc.same_bits(b, oracle(ins[k], 1.0), f"all_reduce {k}")
         assert torch.equal(ints, torch.arange(n, dtype=torch.int64) * (W * (W + 1) // 2))
-        wsh.same_bits(gathered, torch.cat([bufs[2]] * W), "all_gather after all_reduce")
+        shmc.same_bits(gathered, torch.cat([bufs[2]] * W), "all_gather after all_reduce")
         assert torch.equal(mx, torch.full((n,), (W - 1) * W * 0.5)), mx[:3]
         comm.release(ctx.pg)
 
@@ -232,9 +230,9 @@ if TWO_LEVEL:
         W, r, n = ctx.world_size, ctx.rank, 1 << 18
         block = n * 4
         expect_transport(ctx.pg, "two levels")
-        shard = wsh.data(900, r, n, torch.float32)
+        shard = shmc.data(900, r, n, torch.float32)
         out = torch.empty(W * n)
-        inp = wsh.data(901, r, W * n, torch.float32)
+        inp = shmc.data(901, r, W * n, torch.float32)
         red = torch.empty(n)
         two_ag = _measured(ctx, lambda: comm.all_gather(out, shard, ctx.pg, False))
         two_rs = _measured(ctx, lambda: comm.reduce_scatter(red, inp, ctx.pg, False))
@@ -255,10 +253,10 @@ if TWO_LEVEL:
     @h.subtest
     def hsdp_fully_shard(ctx):
         """(replicate 2, shard 2) mesh: the shard groups are the hosts."""
-        mesh = wfs.mesh_2d(ctx)
+        mesh = fsc.mesh_2d(ctx)
         expect_transport(mesh.get_group("shard"), "shared memory")
         expect_transport(mesh.get_group("replicate"), "process group")
-        wfs.run_scenario(ctx, wfs.Scenario(kind="lm"), mesh=mesh)
+        fsc.run_scenario(ctx, fsc.Scenario(kind="lm"), mesh=mesh)
         for g in (mesh.get_group("shard"), mesh.get_group("replicate")):
             comm.release(g)
 
@@ -274,8 +272,8 @@ if TWO_LEVEL:
         expect_transport(groups[0], "shared memory")
         expect_transport(groups[1], "process group")
         kw = dict(process_group=groups, sharding_strategy=SS.HYBRID_SHARD,
-                  auto_wrap_policy=wp.make_policy("module"))
-        wp.run_parity(ctx, "transformer", use_orig_params, "adamw", wp.wrap_root,
+                  auto_wrap_policy=pc.make_policy("module"))
+        pc.run_parity(ctx, "transformer", use_orig_params, "adamw", pc.wrap_root,
                       fsdp_kwargs=kw, cfsdp_kwargs={"process_group": None}, steps=4)
         for g in groups:
             comm.release(g)
@@ -284,7 +282,7 @@ if TWO_LEVEL:
     def dcp_save(ctx):
         """Train and save with DCP across the hosts (worker_dcp's resharding save at W = 4);
         test_hosts.py loads it on one host at W = 2 and checks the next losses."""
-        wdcp.reshard_save(ctx)
+        dcc.reshard_save(ctx)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-import _harness as h
-import worker_shm as wsh
+import shm_common as shmc
 
-del h._REGISTRY[:]
-
-import cfsdp  # noqa: E402
+import cfsdp
 
 FREEZE_STEP = 2
 TIMEOUT_S = float(os.environ.get("CFSDP_TEST_PG_TIMEOUT_S", "300"))
@@ -45,7 +42,7 @@ def main() -> None:
     rank, host = dist.get_rank(), int(os.environ["GROUP_RANK"])
     if host == 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    model = wsh._LM()
+    model = shmc._LM()
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     for b in model.blocks:
         cfsdp.fully_shard(b, mesh=mesh)

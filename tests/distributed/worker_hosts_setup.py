@@ -26,13 +26,11 @@ import time
 import torch
 
 import _harness as h
-import worker_shm as wsh
+import shm_common as shmc
 
-del h._REGISTRY[:]  # importing worker_shm registered its subtests: run only ours
+from cfsdp._runtime import comm
 
-from cfsdp._runtime import comm  # noqa: E402
-
-wsh.EXPECT_SHM = False  # the process group's results are checked, not shared memory's
+shmc.EXPECT_SHM = False  # the process group's results are checked, not shared memory's
 NOBODY = 65534
 
 
@@ -67,7 +65,7 @@ def check_fallback(ctx, set_up, failing: list, message: str) -> None:
     assert len(warned) == (1 if ctx.rank == 0 else 0), count.records
     if ctx.rank == 0:
         assert message in warned[0], warned
-    wsh.check_all_ops(ctx, ctx.pg, torch.float32, [1, 1001, 9973])
+    shmc.check_all_ops(ctx, ctx.pg, torch.float32, [1, 1001, 9973])
     left = [e for e in os.listdir("/dev/shm") if e.startswith("cfsdp-")]
     assert left == [], left
     comm.release(ctx.pg)
@@ -151,7 +149,7 @@ def bad_slot_bytes_raises_everywhere(ctx):
 def then_shared_memory_works(ctx):
     """A group whose set-up succeeds, after the failures: shared memory, as usual."""
     assert comm.describe(ctx.pg).startswith("shared memory (3 ranks on host"), comm.describe(ctx.pg)
-    wsh.check_all_ops(ctx, ctx.pg, torch.float32, [1001])
+    shmc.check_all_ops(ctx, ctx.pg, torch.float32, [1001])
     comm.release(ctx.pg)
 
 

@@ -30,7 +30,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
 from cfsdp import FullyShardedDataParallel as CFSDP
-from worker_parity import CPU, Mismatches
+from parity_common import CPU, Mismatches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

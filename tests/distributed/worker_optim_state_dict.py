@@ -42,9 +42,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
-import worker_parity as wp
-
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
+import parity_common as pc
 
 from cfsdp import FullyShardedDataParallel as CFSDP
 
@@ -101,16 +99,16 @@ def build(kind: str, wrapper, ctx, uop: bool, strategy: ShardingStrategy):
         m.frozen = wrapper(m.frozen, **kw)
         return wrapper(m, ignored_modules=[m.ign], **kw)
     if kind == "strided":
-        return wp.wrap_strided(wrapper, wp.Strided(), kw)
-    m = wp.TinyTransformer(n_blocks=2, d=16)
-    return wrapper(m, auto_wrap_policy=ModuleWrapPolicy({wp.Block}), **kw)
+        return pc.wrap_strided(wrapper, pc.Strided(), kw)
+    m = pc.TinyTransformer(n_blocks=2, d=16)
+    return wrapper(m, auto_wrap_policy=ModuleWrapPolicy({pc.Block}), **kw)
 
 
 def batches(kind: str, world: int):
     if kind == "tf":
-        return wp.make_batches("transformer", world, steps=TRAIN + MORE), wp.lm_loss
+        return pc.make_batches("transformer", world, steps=TRAIN + MORE), pc.lm_loss
     if kind == "strided":
-        return wp.make_batches("strided", world, steps=TRAIN + MORE), wp.mse_loss
+        return pc.make_batches("strided", world, steps=TRAIN + MORE), pc.mse_loss
     out = []
     for step in range(TRAIN + MORE):
         g = torch.Generator().manual_seed(77 + step)
@@ -359,7 +357,7 @@ def run(ctx, kind, uop, strategy, optim, torch_refuses: tuple = (), torch_loads_
     not resume from cfsdp's dicts."""
     """Every flavour saved and loaded by both, compared bitwise, and resumed from.  A flavour in
     ``torch_refuses`` (torch's save raises on some ranks): cfsdp's is checked by resuming."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     PG[0] = ctx.pg
     data, loss_fn = batches(kind, ctx.world_size)
     models = {W: build(kind, W, ctx, uop, strategy) for W in WRAPPERS}
@@ -468,7 +466,7 @@ def expect(mm, what, fn, exc, *needles):
 
 @h.subtest(grid={"uop": [False, True]})
 def bad_input(ctx, uop):
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     data, loss_fn = batches("net", ctx.world_size)
     m = build("net", CFSDP, ctx, uop, ShardingStrategy.FULL_SHARD)
     o = make_optim("adam", m)

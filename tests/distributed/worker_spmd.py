@@ -34,10 +34,8 @@ from torch.distributed.tensor import Replicate, Shard
 import _harness as h
 import tp_common as tc
 from ckpt_common import ckpt_dir
-import worker_parity as wp
-from worker_tp import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
-
-del h._REGISTRY[:]  # importing the workers registered their subtests: run only ours here
+import parity_common as pc
+from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 # torch 2.13+ flattens several dp_mesh_dims shard dims into one (read from torch's version)
@@ -127,7 +125,7 @@ def spmd_run(mesh, dims, steps: int = STEPS, micro: int = 1, fs_kw: dict | None 
             setup(model, impl)
         if micro > 1:
             model.blocks[0].set_reshard_after_backward(False)
-        opt = wp.make_optim(optim, model.parameters())
+        opt = pc.make_optim(optim, model.parameters())
         seen = []
         for i, step in enumerate(data):
             for m, (x, y) in enumerate(step):
@@ -148,7 +146,7 @@ def spmd_run(mesh, dims, steps: int = STEPS, micro: int = 1, fs_kw: dict | None 
 
 
 def spmd_check(ctx, out) -> None:
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     (tl, ts, tsd), (cl, cs, csd) = out["torch"], out["cfsdp"]
     compare(mm, "losses (and no-sync gradients)", cl, tl)
     compare(mm, "parameters (placements, local, full, local grad)", cs, ts)
@@ -228,15 +226,15 @@ def spmd_dcp(ctx, direction: str):
         return losses
 
     model = spmd_fs_model(writer, mesh, dims)
-    opt = wp.make_optim("adamw", model.parameters())
+    opt = pc.make_optim("adamw", model.parameters())
     run(model, opt, data[:2])
     dcp_save(model, opt, path)
     want = run(model, opt, data[2:])
     fresh = spmd_fs_model(reader, mesh, dims, seed=1)
-    fresh_opt = wp.make_optim("adamw", fresh.parameters())
+    fresh_opt = pc.make_optim("adamw", fresh.parameters())
     dcp_load(fresh, fresh_opt, path)
     got = run(fresh, fresh_opt, data[2:])
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for i, (a, b) in enumerate(zip(got, want)):
         mm.tensors(f"resumed loss #{i} ({direction})", a, b)
     mm.raise_if_any()
@@ -290,7 +288,7 @@ def spmd_errors(ctx):
         "ddp + placement fn": (lambda m: None, mesh, {
             "dp_mesh_dims": DataParallelMeshDims(replicate=dp), "shard_placement_fn": lambda p: None}),
     }
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for what, (edit, m, kw) in cases.items():
         errs = {}
         for impl in ("torch", "cfsdp"):
@@ -441,7 +439,7 @@ def moe_parity(ctx, style: str, case: str):
     out = {}
     for impl in ("torch", "cfsdp"):
         model = moe_model(impl, style, **kw)
-        opt = wp.make_optim("adamw", model.parameters())
+        opt = pc.make_optim("adamw", model.parameters())
         seen = []
         for i, step in enumerate(data):
             for m, (x, y) in enumerate(step):
@@ -479,15 +477,15 @@ def moe_dcp(ctx):
         return losses
 
     model = moe_model("cfsdp", "spmd")
-    opt = wp.make_optim("adamw", model.parameters())
+    opt = pc.make_optim("adamw", model.parameters())
     run(model, opt, data[:2])
     dcp_save(model, opt, path)
     want = run(model, opt, data[2:])
     fresh = moe_model("torch", "spmd", seed=1)
-    fresh_opt = wp.make_optim("adamw", fresh.parameters())
+    fresh_opt = pc.make_optim("adamw", fresh.parameters())
     dcp_load(fresh, fresh_opt, path)
     got = run(fresh, fresh_opt, data[2:])
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for i, (a, b) in enumerate(zip(got, want)):
         mm.tensors(f"resumed loss #{i}", a, b)
     mm.raise_if_any()

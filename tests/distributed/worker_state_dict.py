@@ -42,14 +42,12 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import _harness as h
-import worker_parity as wp
+import parity_common as pc
 
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
-
-import cfsdp  # noqa: E402
-from cfsdp import FullyShardedDataParallel as CFSDP  # noqa: E402
-from cfsdp._runtime.hooks import SummonStateError  # noqa: E402
-from cfsdp._runtime.unit import Unit  # noqa: E402
+import cfsdp
+from cfsdp import FullyShardedDataParallel as CFSDP
+from cfsdp._runtime.hooks import SummonStateError
+from cfsdp._runtime.unit import Unit
 
 warnings.filterwarnings("ignore", message=".*FSDP.state_dict_type.*")
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
@@ -98,11 +96,11 @@ def build_pair(ctx, kind: str, uop: bool, seed: int = 0, mesh=None, strategy=Non
     kw = wrap_kwargs(ctx, uop, mesh, strategy)
     out = []
     for wrapper in (TorchFSDP, CFSDP):
-        model = wp.build(kind, seed)
+        model = pc.build(kind, seed)
         if kind == "transformer":
-            out.append(wrapper(model, auto_wrap_policy=ModuleWrapPolicy({wp.Block}), **kw))
+            out.append(wrapper(model, auto_wrap_policy=ModuleWrapPolicy({pc.Block}), **kw))
         elif kind == "odd":
-            out.append(wp.wrap_odd(wrapper, model, **kw))
+            out.append(pc.wrap_odd(wrapper, model, **kw))
         else:
             out.append(wrapper(model, **kw))
     return out
@@ -110,10 +108,10 @@ def build_pair(ctx, kind: str, uop: bool, seed: int = 0, mesh=None, strategy=Non
 
 def train(model, opt, kind: str, rank: int, steps: int, seed: int = 7) -> list[torch.Tensor]:
     losses = []
-    for chunks in wp.make_batches(kind, WORLD, steps, seed):
+    for chunks in pc.make_batches(kind, WORLD, steps, seed):
         x, y = chunks[rank]
         opt.zero_grad(set_to_none=True)
-        loss = wp.LOSSES[kind](model(x), y)
+        loss = pc.LOSSES[kind](model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
@@ -139,7 +137,7 @@ def full_sd(model) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def same_value(mm: wp.Mismatches, what: str, a, b) -> None:
+def same_value(mm: pc.Mismatches, what: str, a, b) -> None:
     """``a`` (cfsdp) and ``b`` (torch) are the same state-dict value: type, metadata, data."""
     if type(a) is not type(b):
         mm.add(f"{what}: cfsdp gives {type(a).__name__}, torch {type(b).__name__}")
@@ -163,7 +161,7 @@ def same_value(mm: wp.Mismatches, what: str, a, b) -> None:
         mm.check(a == b, f"{what}: {a!r} != {b!r}")
 
 
-def same_state_dict(mm: wp.Mismatches, what: str, a: dict, b: dict, ignore=()) -> None:
+def same_state_dict(mm: pc.Mismatches, what: str, a: dict, b: dict, ignore=()) -> None:
     ka = [k for k in a if k not in ignore]
     kb = [k for k in b if k not in ignore]
     mm.check(ka == kb, f"{what}: keys (in order) differ:\n    cfsdp {ka}\n    torch {kb}")
@@ -198,7 +196,7 @@ def _types_vs_torch(ctx, kind: str, uop: bool, flavour: str, strategy=None):
     mesh = _mesh(ctx, flavour, strategy)
     tm, cm = build_pair(ctx, kind, uop, mesh=mesh, strategy=strategy)
     topt, copt = sgd(tm), sgd(cm)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     tl, cl = train(tm, topt, kind, ctx.rank, 2), train(cm, copt, kind, ctx.rank, 2)
     for s, (a, b) in enumerate(zip(cl, tl)):
         mm.tensors(f"loss at step {s}", a, b)
@@ -267,7 +265,7 @@ def dtensor_without_mesh(ctx, uop: bool):
     torch 2.13 crashes (no mesh to build DTensors on); cfsdp builds the mesh from the process
     group and gives what torch gives with a mesh over the same ranks. The wrappers' own
     process_group is what torch reports there too."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     tm, _ = build_pair(ctx, "transformer", uop, mesh=DeviceMesh.from_group(ctx.pg, "cpu"))
     _, cm = build_pair(ctx, "transformer", uop)
     mm.check(cm.process_group is ctx.pg, "process_group property")
@@ -288,9 +286,9 @@ class Tied(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(wp.VOCAB, 12)
+        self.emb = nn.Embedding(pc.VOCAB, 12)
         self.body = nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12))
-        self.head = nn.Linear(12, wp.VOCAB, bias=False)
+        self.head = nn.Linear(12, pc.VOCAB, bias=False)
         self.head.weight = self.emb.weight
         self.side = nn.Linear(12, 12)  # ignored
         self.register_buffer("persist", torch.arange(3.0))
@@ -305,8 +303,8 @@ class Outer(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.pre = nn.Linear(wp.WIDTH, wp.WIDTH)
-        self.net = wp.TinyTransformer(n_blocks=2)
+        self.pre = nn.Linear(pc.WIDTH, pc.WIDTH)
+        self.net = pc.TinyTransformer(n_blocks=2)
 
     def forward(self, idx):
         return self.net(idx)
@@ -325,11 +323,11 @@ def _wrap_fqn_case(case: str, wrapper, ctx, uop: bool):
             m.net = wrapper(m.net, **kw)
         return m, m
     if case == "checkpointed":
-        m = wp.TinyTransformer(n_blocks=2)
+        m = pc.TinyTransformer(n_blocks=2)
         if not wrapper:
             return m, m
-        apply_activation_checkpointing(m, check_fn=lambda s: isinstance(s, wp.Block))
-        return m, wrapper(m, auto_wrap_policy=ModuleWrapPolicy({wp.Block}), **kw)
+        apply_activation_checkpointing(m, check_fn=lambda s: isinstance(s, pc.Block))
+        return m, wrapper(m, auto_wrap_policy=ModuleWrapPolicy({pc.Block}), **kw)
     raise AssertionError(case)
 
 
@@ -337,7 +335,7 @@ def _wrap_fqn_case(case: str, wrapper, ctx, uop: bool):
 def fqn_rules(ctx, case: str, uop: bool):
     """Keys (in order) equal torch's FSDP1 and the unwrapped model's, for FULL and SHARDED;
     each loads back into cfsdp; FULL loads into the unwrapped model and back."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     _, plain = _wrap_fqn_case(case, None, ctx, uop)
     _, tm = _wrap_fqn_case(case, TorchFSDP, ctx, uop)
     _, cm = _wrap_fqn_case(case, CFSDP, ctx, uop)
@@ -383,7 +381,7 @@ def _expect_error(mm, what: str, fn, exc, *needles) -> None:
 def load_other_dtype(ctx, uop: bool, dtype):
     """A full state dict of another precision (another model's weights) loads with a cast,
     as torch's FSDP1 (nn.Module.load_state_dict) does: the same values on both."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     tm, cm = build_pair(ctx, "odd", uop)
     src = {k: (v.to(dtype) if v.is_floating_point() else v)
            for k, v in full_sd(build_pair(ctx, "odd", uop, seed=1)[1]).items()}
@@ -400,7 +398,7 @@ def load_other_dtype(ctx, uop: bool, dtype):
 @h.subtest(grid={"uop": [False, True], "t": [SF, SD, SL]})
 def bad_input(ctx, uop: bool, t):
     """A wrong state dict raises naming the first offending FQN and loads nothing."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     _, cm = build_pair(ctx, "odd", uop)
     before = full_sd(cm)
     with CFSDP.state_dict_type(cm, t):
@@ -459,9 +457,9 @@ def bad_input(ctx, uop: bool, t):
             except SummonStateError as e:
                 seen.append(str(e))
     handles = [cm.module.lin1.register_forward_pre_hook(hook), cm.module.lin1.register_full_backward_hook(hook)]
-    x, y = wp.make_batches("odd", WORLD, 1)[0][ctx.rank]
+    x, y = pc.make_batches("odd", WORLD, 1)[0][ctx.rank]
     cm.eval()  # (a training forward would update BatchNorm's statistics)
-    wp.mse_loss(cm(x), y).backward()
+    pc.mse_loss(cm(x), y).backward()
     cm.train()
     for hd in handles:
         hd.remove()
@@ -478,7 +476,7 @@ def bad_input(ctx, uop: bool, t):
 @h.subtest
 def settings_api(ctx):
     """set/get/state_dict_type: defaults, restore, torch's errors."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     tm, cm = build_pair(ctx, "transformer", False)
     for W, m in ((TorchFSDP, tm), (CFSDP, cm)):
         s = W.get_state_dict_type(m)
@@ -498,7 +496,7 @@ def settings_api(ctx):
     _expect_error(mm, "set over inconsistent types", lambda: CFSDP.set_state_dict_type(cm, SF), AssertionError,
                   "same state_dict_type")
     CFSDP.set_state_dict_type(inner, SF)
-    mesh_model = CFSDP(wp.build("seq"), device_mesh=DeviceMesh.from_group(ctx.pg, "cpu"))
+    mesh_model = CFSDP(pc.build("seq"), device_mesh=DeviceMesh.from_group(ctx.pg, "cpu"))
     with CFSDP.state_dict_type(mesh_model, SL):
         _expect_error(mm, "LOCAL with a device mesh", mesh_model.state_dict, RuntimeError, "DeviceMesh")
     mm.check(CFSDP.get_state_dict_type(nn.Linear(2, 2)) is None, "no wrappers: None")
@@ -513,8 +511,8 @@ def full_gather_unit_by_unit(ctx, uop: bool):
     and on the other ranks (rank0_only) each gathered buffer is dropped at once."""
     import weakref
 
-    mm = wp.Mismatches(ctx)
-    m = CFSDP(wp.TinyTransformer(n_blocks=4), auto_wrap_policy=ModuleWrapPolicy({wp.Block}),
+    mm = pc.Mismatches(ctx)
+    m = CFSDP(pc.TinyTransformer(n_blocks=4), auto_wrap_policy=ModuleWrapPolicy({pc.Block}),
               **wrap_kwargs(ctx, uop))
     units = [w._state.unit for w in CFSDP.fsdp_modules(m)]
     copies: list = []  # (weak reference to each gathered buffer, its storage's address)

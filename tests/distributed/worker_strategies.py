@@ -28,7 +28,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
 from cfsdp import FullyShardedDataParallel as CFSDP
-from worker_parity import (
+from parity_common import (
     CPU,
     LOSSES,
     Mismatches,

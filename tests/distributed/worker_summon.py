@@ -35,15 +35,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
-import worker_parity as wp
-
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
+import parity_common as pc
+from parity_common import expect_same_error
 
 import cfsdp
 from cfsdp import FullyShardedDataParallel as CFSDP
 
 CPU = torch.device("cpu")
-Mismatches = wp.Mismatches
+Mismatches = pc.Mismatches
 WRAPPERS = (TorchFSDP, CFSDP)
 
 
@@ -58,20 +57,20 @@ def who(wrapper) -> str:
 def pair_odd(ctx, uop: bool):
     """torch and cfsdp hand-nested Odd models (padding at W=2/4, units smaller than W),
     trained 2 steps of SGD so that sharded gradients and optimizer state exist."""
-    base = wp.build("odd")
-    models = [wp.wrap_odd(w, copy.deepcopy(base), **kw(ctx, uop)) for w in WRAPPERS]
-    opts = [wp.make_optim("sgd", m.parameters()) for m in models]
-    batches = wp.make_batches("odd", ctx.world_size, steps=2)
+    base = pc.build("odd")
+    models = [pc.wrap_odd(w, copy.deepcopy(base), **kw(ctx, uop)) for w in WRAPPERS]
+    opts = [pc.make_optim("sgd", m.parameters()) for m in models]
+    batches = pc.make_batches("odd", ctx.world_size, steps=2)
     for m, opt in zip(models, opts):
         for chunks in batches:
             opt.zero_grad(set_to_none=True)
             x, y = chunks[ctx.rank]
-            wp.mse_loss(m(x), y).backward()
+            pc.mse_loss(m(x), y).backward()
             opt.step()
         # a fresh backward so that .grad holds this step's (unstepped) gradients
         x, y = batches[0][ctx.rank]
         opt.zero_grad(set_to_none=True)
-        wp.mse_loss(m(x), y).backward()
+        pc.mse_loss(m(x), y).backward()
     return models, opts
 
 
@@ -108,22 +107,6 @@ def bump_params(model, by: float) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(by)
-
-
-def expect_same_error(mm: Mismatches, what: str, fns: dict[str, Callable[[], Any]],
-                      exc: type[BaseException], *needles: str) -> None:
-    """Every callable raises ``exc`` (torch's kind); cfsdp's message contains ``needles``."""
-    for name, fn in fns.items():
-        try:
-            fn()
-        except exc as e:
-            if name == "cfsdp":
-                for nd in needles:
-                    mm.check(nd in str(e), f"{what}: cfsdp message lacks {nd!r}: {e}")
-        except Exception as e:  # noqa: BLE001
-            mm.add(f"{what}: {name} raised {type(e).__name__} ({e}), expected {exc.__name__}")
-        else:
-            mm.add(f"{what}: {name} raised nothing, expected {exc.__name__}")
 
 
 def enter(wrapper, model, **opts):
@@ -204,14 +187,14 @@ def summon_writeback(ctx, use_orig_params: bool):
         compare_snaps(mm, f"full params after {what}", full_snapshot(cm, CFSDP), full_snapshot(tm, TorchFSDP))
         compare_snaps(mm, f"local params/grads after {what}", local_snapshot(cm), local_snapshot(tm))
     # the optimizer still trains the written-back values
-    batches = wp.make_batches("odd", ctx.world_size, steps=2, seed=7)
+    batches = pc.make_batches("odd", ctx.world_size, steps=2, seed=7)
     for chunks in batches:
         x, y = chunks[ctx.rank]
         losses = []
         for m, opt in ((tm, topt), (cm, copt)):
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss = wp.mse_loss(m(x), y)
+            loss = pc.mse_loss(m(x), y)
             loss.backward()
             losses.append(loss.detach())
         mm.tensors("loss after summon writes", losses[1], losses[0])
@@ -364,27 +347,27 @@ def activation_checkpointing(ctx, placement: str, impl, use_orig_params: bool):
 
     def wrap(wrapper, model, kwargs):
         if placement == "ac_after_fsdp":
-            m = wrapper(model, auto_wrap_policy=wp.make_policy("module"), **kwargs)
+            m = wrapper(model, auto_wrap_policy=pc.make_policy("module"), **kwargs)
             apply_activation_checkpointing(m, checkpoint_wrapper_fn=wrap_ckpt,
-                                           check_fn=lambda s: isinstance(s, wp.Block))
+                                           check_fn=lambda s: isinstance(s, pc.Block))
             inner = m.blocks[0]
-            if not isinstance(inner.module, wp.Block):
+            if not isinstance(inner.module, pc.Block):
                 raise AssertionError(f"{who(wrapper)}: .module of a checkpointed unit is "
                                      f"{type(inner.module).__name__}, expected Block")
             return m
         for i, blk in enumerate(model.blocks):
             model.blocks[i] = wrap_ckpt(blk)
-        policy = ModuleWrapPolicy({wp.Block} if placement == "ac_before_fsdp"
+        policy = ModuleWrapPolicy({pc.Block} if placement == "ac_before_fsdp"
                                   else {type(model.blocks[0])})
         m = wrapper(model, auto_wrap_policy=policy, **kwargs)
-        if placement == "ac_wrapper_as_unit" and not isinstance(m.blocks[0].module, wp.Block):
+        if placement == "ac_wrapper_as_unit" and not isinstance(m.blocks[0].module, pc.Block):
             raise AssertionError(f"{who(wrapper)}: .module of FSDP(CheckpointWrapper) is "
                                  f"{type(m.blocks[0].module).__name__}")
         return m
 
     # torch-vs-ref maps torch's flat-parameter FQNs to the unwrapped model's names, which
     # does not know the checkpoint prefix inside a unit: only where the prefix is outside
-    wp.run_parity(ctx, "transformer", use_orig_params, "adamw", wrap, steps=3,
+    pc.run_parity(ctx, "transformer", use_orig_params, "adamw", wrap, steps=3,
                   with_ref=placement == "ac_after_fsdp")
 
 
@@ -405,22 +388,22 @@ def dynamo_annotations(ctx, use_orig_params: bool):
     checkpoint-wrapped model)."""
     mm = Mismatches(ctx)
     def autowrap_ignored_head(w):
-        model = wp.build("transformer")
-        return w(model, ignored_modules=[model.head], auto_wrap_policy=wp.make_policy("module"),
+        model = pc.build("transformer")
+        return w(model, ignored_modules=[model.head], auto_wrap_policy=pc.make_policy("module"),
                  **kw(ctx, use_orig_params))
 
     def ignored_params(w):
-        model = wp.build("seq")
+        model = pc.build("seq")
         return w(model, ignored_states=list(model[2].parameters()), **kw(ctx, use_orig_params))
 
     def checkpointed(w):
-        model = wp.build("transformer")
-        apply_activation_checkpointing(model, check_fn=lambda s: isinstance(s, wp.Block))
-        return w(model, auto_wrap_policy=wp.make_policy("module"), **kw(ctx, use_orig_params))
+        model = pc.build("transformer")
+        apply_activation_checkpointing(model, check_fn=lambda s: isinstance(s, pc.Block))
+        return w(model, auto_wrap_policy=pc.make_policy("module"), **kw(ctx, use_orig_params))
 
     builds = {
         "auto-wrap, ignored head": autowrap_ignored_head,
-        "hand-nested": lambda w: wp.wrap_odd(w, wp.build("odd"), **kw(ctx, use_orig_params)),
+        "hand-nested": lambda w: pc.wrap_odd(w, pc.build("odd"), **kw(ctx, use_orig_params)),
         "ignored_states params": ignored_params,
         "checkpoint-wrapped blocks": checkpointed,
     }
@@ -452,8 +435,8 @@ def torch_compile(ctx, what: str):
     torch._dynamo.reset()
     counters.clear()
     mm = Mismatches(ctx)
-    base = wp.build("seq")
-    batches = wp.make_batches("seq", ctx.world_size, steps=3)
+    base = pc.build("seq")
+    batches = pc.make_batches("seq", ctx.world_size, steps=3)
     results = {}
     graphs: dict = {}
     for name in ("torch-eager", "cfsdp-eager", "torch-compiled", "cfsdp-compiled"):
@@ -467,12 +450,12 @@ def torch_compile(ctx, what: str):
         m = wrapper(model, **kw(ctx, True))
         if compiled and what == "compiled_model":
             m = torch.compile(m, backend=backend)
-        opt = wp.make_optim("adamw", m.parameters())
+        opt = pc.make_optim("adamw", m.parameters())
         losses = []
         for chunks in batches:
             x, y = chunks[ctx.rank]
             opt.zero_grad(set_to_none=True)
-            loss = wp.seq_loss(m(x), y)
+            loss = pc.seq_loss(m(x), y)
             loss.backward()
             opt.step()
             losses.append(loss.detach())
@@ -574,7 +557,7 @@ def robustness(ctx, use_orig_params: bool):
              for _ in range(ctx.world_size)] for _ in range(6)]
     record = {}
     for name, m in (("torch", tm), ("cfsdp", cm)):
-        opt = wp.make_optim("adamw", m.parameters())
+        opt = pc.make_optim("adamw", m.parameters())
         losses, evals, grads = [], [], []
         for step, chunks in enumerate(data):
             x, y = chunks[ctx.rank]

@@ -22,30 +22,27 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import _harness as h
 import tp_common as tc
 from ckpt_common import ckpt_dir
-import worker_parity as wp
+import parity_common as pc
+from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
+import cfsdp
 
-import cfsdp  # noqa: E402
+
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 PHASE = os.environ.get("CFSDP_TP_PHASE", "")
-SHARDERS = {"torch": torch_fully_shard, "cfsdp": cfsdp.fully_shard}
-STEPS = 3
 RESHARD_RTOL = 1e-5
 
 
@@ -83,40 +80,6 @@ def train(model, opt, data, rank: int, micro: Callable | None = None) -> list[to
     return losses
 
 
-def snapshot(model) -> dict[str, Any]:
-    """Placements, local value and full value of every parameter; local gradients."""
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        out[n] = (tuple(p.placements), p.to_local().detach().clone(), p.full_tensor().detach().clone(),
-                  None if g is None else (tuple(g.placements), g.to_local().detach().clone()))
-    return out
-
-
-def describe_sd(sd: dict) -> dict:
-    return {k: (type(v).__name__, tuple(v.placements) if isinstance(v, DTensor) else None,
-                (v.to_local() if isinstance(v, DTensor) else v).detach().clone())
-            for k, v in sd.items()}
-
-
-def compare(mm: wp.Mismatches, what: str, c: Any, t: Any) -> None:
-    if c is None or t is None:
-        mm.check(c is None and t is None, f"{what}: cfsdp {c!r}, torch {t!r}")
-    elif isinstance(t, dict):
-        mm.check(list(c) == list(t), f"{what}: keys {list(c)[:4]}... != torch's {list(t)[:4]}...")
-        for k in t:
-            if k in c:
-                compare(mm, f"{what}[{k}]", c[k], t[k])
-    elif isinstance(t, (list, tuple)):
-        mm.check(type(c) is type(t) and len(c) == len(t), f"{what}: {c!r} != torch's {t!r}")
-        for i, (a, b) in enumerate(zip(c, t)):
-            compare(mm, f"{what}[{i}]", a, b)
-    elif isinstance(t, torch.Tensor) or isinstance(c, torch.Tensor):
-        mm.tensors(what, c, t)
-    else:
-        mm.check(c == t, f"{what}: {c!r} != torch's {t!r}")
-
-
 def run_pair(ctx, mesh, sp: bool, steps: int = STEPS, optim: str = "adamw", dp_key="dp",
              fs_kw: dict | None = None, cfsdp_optim: bool = False):
     """Train torch and cfsdp; return {impl: (losses, snapshot, state-dict description)}."""
@@ -127,7 +90,7 @@ def run_pair(ctx, mesh, sp: bool, steps: int = STEPS, optim: str = "adamw", dp_k
         if cfsdp_optim and impl == "cfsdp":
             opt = cfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         else:
-            opt = wp.make_optim(optim, model.parameters())
+            opt = pc.make_optim(optim, model.parameters())
         losses = []
         for i, step in enumerate(data):
             x, y = step[dp_rank(mesh, dp_key)]
@@ -145,7 +108,7 @@ def run_pair(ctx, mesh, sp: bool, steps: int = STEPS, optim: str = "adamw", dp_k
 
 
 def check_pair(ctx, out, exact: bool = True) -> None:
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     (tl, ts, tsd), (cl, cs, csd) = out["torch"], out["cfsdp"]
     for i, (a, b) in enumerate(zip(cl, tl)):
         mm.tensors(f"loss #{i}", a, b, exact=exact)
@@ -177,7 +140,7 @@ def fs_shard_dim(ctx, layout, sp: bool):
         return Shard(1) if local.dim() == 2 and local.size(1) % dp == 0 else None
 
     out = run_pair(ctx, mesh, sp, fs_kw={"shard_placement_fn": on_dim1})
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     placements = {n: v[0] for n, v in out["cfsdp"][1].items()}
     mm.check(any(Shard(1) in pl or any(getattr(x, "dim", 0) == 1 and type(x).__name__ ==
                                        "_StridedShard" for x in pl) for pl in placements.values()),
@@ -206,7 +169,7 @@ def fs_grad_accumulation(ctx, layout, mp: bool):
     for impl in ("torch", "cfsdp"):
         model = fs_model(impl, mesh, True, **kw)
         model.blocks[0].set_reshard_after_backward(False)
-        opt = wp.make_optim("sgd", model.parameters())
+        opt = pc.make_optim("sgd", model.parameters())
         seen = []
         for step in data:
             for m in range(2):
@@ -221,7 +184,7 @@ def fs_grad_accumulation(ctx, layout, mp: bool):
             opt.step()
             opt.zero_grad()
         res[impl] = (seen, snapshot(model))
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     compare(mm, "losses and no-sync gradients", res["cfsdp"][0], res["torch"][0])
     compare(mm, "parameters", res["cfsdp"][1], res["torch"][1])
     mm.raise_if_any()
@@ -280,10 +243,10 @@ def ddp_pre_dp_transform(ctx, layout, sp: bool):
     for impl in ("torch", "cfsdp"):
         ddp, model = ddp_model(impl, mesh, sp)
         names_before = [n for n, _ in model.named_parameters()]
-        opt = wp.make_optim("adamw", ddp.parameters())
+        opt = pc.make_optim("adamw", ddp.parameters())
         losses = train(ddp, opt, data, dp_rank(mesh))
         res[impl] = (losses, _dtensor_attrs(model), names_before, model)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for i, (a, b) in enumerate(zip(res["cfsdp"][0], res["torch"][0])):
         mm.tensors(f"loss #{i}", a, b)
     compare(mm, "parameters after training", res["cfsdp"][1], res["torch"][1])
@@ -337,25 +300,10 @@ def readme_example(ctx, layout, face: str):
     ex = _example()
     mesh = tc.mesh_2d(*layout)
     got, want = (ex.train(mesh, face, impl, steps=4) for impl in ("cfsdp", "torch"))
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     mm.check(got == want, f"losses {got} != torch's {want}")
     mm.check(got[-1] < got[0], f"the example does not learn: losses {got}")
     mm.raise_if_any()
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def dcp_save(model, opt, path) -> None:
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-
-
-def dcp_load(model, opt, path) -> None:
-    msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 @h.subtest(grid={"direction": ["cfsdp->cfsdp", "torch->cfsdp", "cfsdp->torch"]})
@@ -369,15 +317,15 @@ def fs_dcp(ctx, direction: str):
     data = tc.batches(4, dp_size(mesh))
     r = dp_rank(mesh)
     model = fs_model(writer, mesh, True)
-    opt = wp.make_optim("adamw", model.parameters())
+    opt = pc.make_optim("adamw", model.parameters())
     train(model, opt, data[:2], r)
     dcp_save(model, opt, path)
     want = train(model, opt, data[2:], r)
     fresh = fs_model(reader, mesh, True, seed=1)
-    fresh_opt = wp.make_optim("adamw", fresh.parameters())
+    fresh_opt = pc.make_optim("adamw", fresh.parameters())
     dcp_load(fresh, fresh_opt, path)
     got = train(fresh, fresh_opt, data[2:], r)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for i, (a, b) in enumerate(zip(got, want)):
         mm.tensors(f"resumed loss #{i} ({direction})", a, b)
     mm.raise_if_any()
@@ -399,7 +347,7 @@ def phase_save(ctx):
     path = ckpt_dir(ctx, "across_meshes")
     data = tc.batches(4, 2)
     model = fs_model("cfsdp", mesh, True)
-    opt = wp.make_optim("adamw", model.parameters())
+    opt = pc.make_optim("adamw", model.parameters())
     train(model, opt, data[:2], dp_rank(mesh))
     dcp_save(model, opt, path / "dcp")
     want = _global_losses(train(model, opt, data[2:], dp_rank(mesh)), mesh["dp"].get_group())
@@ -412,12 +360,12 @@ def phase_load(ctx):
     the saved run's losses."""
     path = ckpt_dir(ctx, "across_meshes")
     want = json.loads((path / "losses.json").read_text())
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for layout in ((1, 2), (2, 1)):
         mesh = tc.mesh_2d(*layout)
         data = tc.batches(4, layout[0])
         model = fs_model("cfsdp", mesh, True, seed=1)
-        opt = wp.make_optim("adamw", model.parameters())
+        opt = pc.make_optim("adamw", model.parameters())
         dcp_load(model, opt, path / "dcp")
         got = _global_losses(train(model, opt, data[2:], dp_rank(mesh)), mesh["dp"].get_group())
         for i, (a, b) in enumerate(zip(got, want)):

@@ -63,12 +63,10 @@ from torch.distributed.tensor import DTensor
 import _harness as h
 import ckpt_common as cc
 import tp_common as tc
-import worker_parity as wp
-from worker_summon import expect_same_error
+import parity_common as pc
+from parity_common import expect_same_error
 
-del h._REGISTRY[:]  # importing worker_parity registered its subtests: run only ours here
-
-import cfsdp  # noqa: E402
+import cfsdp
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 WRAPPERS = {"torch": TorchFSDP, "cfsdp": cfsdp.FullyShardedDataParallel}
@@ -137,7 +135,7 @@ def describe(v: Any) -> Any:
     return v
 
 
-def compare(mm: wp.Mismatches, what: str, c: Any, t: Any, ordered: bool = True) -> None:
+def compare(mm: pc.Mismatches, what: str, c: Any, t: Any, ordered: bool = True) -> None:
     """``c`` (cfsdp's) against ``t`` (the oracle's), recursively; tensors bitwise.  Unordered:
     dict keys and the ``params`` lists of param groups as sets (use_orig_params=True orders an
     optimizer state dict's entries otherwise, as torch does)."""
@@ -166,7 +164,7 @@ def compare(mm: wp.Mismatches, what: str, c: Any, t: Any, ordered: bool = True) 
 
 
 def grads(model) -> dict:
-    return {wp.clean(n): None if p.grad is None else p.grad.detach().clone()
+    return {pc.clean(n): None if p.grad is None else p.grad.detach().clone()
             for n, p in model.named_parameters()}
 
 
@@ -198,7 +196,7 @@ def run(impl: str, kind: str, mesh, sp: bool, uop: bool, sharded_sd: bool, optim
         steps: int = STEPS, **kw) -> dict:
     """Train ``impl``; its losses, last gradients and state dicts (SHARDED ones if asked)."""
     model = wrap(impl, kind, mesh, sp, uop, **kw)
-    opt = wp.make_optim(optim, model.parameters())
+    opt = pc.make_optim(optim, model.parameters())
     data = tc.batches(steps, dp_size(mesh))
     out: dict = {"losses": []}
     for i, step in enumerate(data):
@@ -224,7 +222,7 @@ ALL = ("losses", "grads", "full", "optim_full", "sharded", "optim_sharded")
 
 
 def check(ctx, got: dict, want: dict, keys=ALL, ordered: bool = True) -> None:
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for k in keys:
         if k in want:
             compare(mm, k, got[k], want[k], ordered)
@@ -275,7 +273,7 @@ def parity(ctx, layout, kind: str, uop: bool, sp: bool):
 def check_sharded_against_full(ctx, got: dict) -> None:
     """Where torch's sharded dicts cannot run: each sharded DTensor's whole value is the FULL
     state dict's (which torch checked)."""
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     model, opt = got["model"], got["opt"]
     F_ = cfsdp.FullyShardedDataParallel
     with F_.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
@@ -325,7 +323,7 @@ def load(model, opt, sd_type: StateDictType, msd: dict, osd: Optional[dict]) -> 
             opt.load_state_dict(cls.optim_state_dict_to_load(model, opt, osd))
 
 
-def check_resumed(mm: wp.Mismatches, what: str, model, opt, fresh, fresh_opt, data, r: int) -> None:
+def check_resumed(mm: pc.Mismatches, what: str, model, opt, fresh, fresh_opt, data, r: int) -> None:
     """The writer and the model that loaded its state train on: bitwise the same losses."""
     want = train(model, opt, data, r)
     got = train(fresh, fresh_opt, data, r)
@@ -370,15 +368,15 @@ def resume(ctx, layout):
     mesh = tc.mesh_2d(*layout)
     data = tc.batches(4, dp_size(mesh))
     r = dp_rank(mesh)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for kind, uop, t, writer, reader in resume_cases(layout):
         what = f"{kind} uop={uop} {t.name} {writer}->{reader}"
         model = wrap(writer, kind, mesh, True, uop)
-        opt = wp.make_optim("adamw", model.parameters())
+        opt = pc.make_optim("adamw", model.parameters())
         train(model, opt, data[:2], r)
         msd, osd = save(model, opt, t)
         fresh = wrap(reader, kind, mesh, True, uop, seed=1)
-        fresh_opt = wp.make_optim("adamw", fresh.parameters())
+        fresh_opt = pc.make_optim("adamw", fresh.parameters())
         with_optim = reader == "cfsdp" or torch_loads_optim(layout)
         # loaded before the writer trains on: torch's dicts at dp=1 hold the live states
         load(fresh, fresh_opt, t, msd, osd if with_optim else None)
@@ -405,7 +403,7 @@ def no_sync(ctx, layout, uop: bool):
     runs = [("torch", uop)] if (not uop and torch_runs("even", layout, uop)) else [("cfsdp", False)]
     for impl, u in [("cfsdp", uop), *runs]:
         model = wrap(impl, "even", mesh, True, u)
-        opt = wp.make_optim("sgd", model.parameters())
+        opt = pc.make_optim("sgd", model.parameters())
         seen = []
         for step in data:
             for m in range(2):
@@ -420,7 +418,7 @@ def no_sync(ctx, layout, uop: bool):
         res[impl if impl == "torch" or u == uop else "ref"] = (
             seen, model_sd(model, StateDictType.FULL_STATE_DICT))
     oracle = res.get("torch") or res["ref"]
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     compare(mm, "losses", res["cfsdp"][0], oracle[0])
     compare(mm, "FULL state dict after training", res["cfsdp"][1], oracle[1])
     mm.raise_if_any()
@@ -457,11 +455,11 @@ def summon(ctx, layout, uop: bool):
     impls = ["cfsdp", "torch" if torch_runs("even", layout, uop) else "ref"]
     for impl in impls:
         model = wrap("cfsdp" if impl == "ref" else impl, "even", mesh, True, uop and impl != "ref")
-        opt = wp.make_optim("sgd", model.parameters())
+        opt = pc.make_optim("sgd", model.parameters())
         train(model, opt, data[:1], dp_rank(mesh))
         cls = sd_class(model)
         with cls.summon_full_params(model):
-            shown = {wp.clean(n): describe(p) for n, p in model.named_parameters()}
+            shown = {pc.clean(n): describe(p) for n, p in model.named_parameters()}
             with torch.no_grad():
                 model.module.blocks[0].w1.weight.add_(1.0)
                 model.module.norm.weight.mul_(2.0)
@@ -469,11 +467,11 @@ def summon(ctx, layout, uop: bool):
         if uop and impls[1] == "torch":  # with_grads: full gradients, DTensors for TP parameters
             loss_fn(model(data[1][dp_rank(mesh)][0]), data[1][dp_rank(mesh)][1]).backward()
             with cls.summon_full_params(model, with_grads=True):
-                grads_shown = {wp.clean(n): describe(p.grad) for n, p in model.named_parameters()}
+                grads_shown = {pc.clean(n): describe(p.grad) for n, p in model.named_parameters()}
             opt.zero_grad()
         losses = train(model, opt, data[1:], dp_rank(mesh))
         res[impl] = (shown, model_sd(model, StateDictType.FULL_STATE_DICT), losses, grads_shown)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     compare(mm, "summoned parameters", res["cfsdp"][0], res[impls[1]][0])
     compare(mm, "FULL state dict after the change", res["cfsdp"][1], res[impls[1]][1])
     compare(mm, "losses after the change", res["cfsdp"][2], res[impls[1]][2])
@@ -494,13 +492,13 @@ def single_process(ctx, layout):
     whole parameters after training)."""
     layout = tuple(layout)
     mesh = tc.mesh_2d(*layout)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for kind, sp in SINGLE_CASES:
         if torch_runs(kind, layout, True):
             continue
         got = run("cfsdp", kind, mesh, sp, True, sharded_sd=False)
         ref = build(kind)
-        ref_losses, _ = wp.train_ref(ref, wp.make_optim("adamw", ref.parameters()),
+        ref_losses, _ = pc.train_ref(ref, pc.make_optim("adamw", ref.parameters()),
                                      tc.batches(STEPS, dp_size(mesh)), loss_fn)
         what = f"{kind} sp={sp}"
         for i, (a, b) in enumerate(zip(got["losses"], ref_losses)):
@@ -528,7 +526,7 @@ def load_plain_full_state_dict(ctx, layout, uop: bool):
     with F_.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         model.load_state_dict(plain)
         got = model.state_dict()
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     mm.check(list(got) == list(plain), f"keys {list(got)} != {list(plain)}")
     for k, v in plain.items():
         g = got[k]
@@ -546,7 +544,7 @@ def sync_module_states(ctx, layout):
     mesh = tc.mesh_2d(*layout)
     synced = wrap("cfsdp", "odd", mesh, True, False, seed=dp_rank(mesh), sync_module_states=True)
     ref = wrap("cfsdp", "odd", mesh, True, False, seed=0)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     compare(mm, "FULL state dict", model_sd(synced, StateDictType.FULL_STATE_DICT),
             model_sd(ref, StateDictType.FULL_STATE_DICT))
     mm.raise_if_any()
@@ -594,15 +592,15 @@ def dcp_roundtrip(ctx, layout):
     mesh = tc.mesh_2d(*layout)
     data = tc.batches(4, dp_size(mesh))
     r = dp_rank(mesh)
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for kind, uop, writer, reader in dcp_cases(layout):
         path = cc.ckpt_dir(ctx, f"dcp_{layout[0]}x{layout[1]}_{kind}_{uop}_{writer}_{reader}")
         model = wrap(writer, kind, mesh, True, uop)
-        opt = wp.make_optim("adamw", model.parameters())
+        opt = pc.make_optim("adamw", model.parameters())
         train(model, opt, data[:2], r)
         dcp.save(dcp_state(model, opt), checkpoint_id=str(path))
         fresh = wrap(reader, kind, mesh, True, uop, seed=1)
-        fresh_opt = wp.make_optim("adamw", fresh.parameters())
+        fresh_opt = pc.make_optim("adamw", fresh.parameters())
         sd = dcp_state(fresh, fresh_opt)
         dcp.load(sd, checkpoint_id=str(path))
         dcp_restore(fresh, fresh_opt, sd)
@@ -621,14 +619,14 @@ def broadcast_from_rank0(ctx, layout, uop: bool):
     data = tc.batches(4, dp_size(mesh))
     r = dp_rank(mesh)
     model = wrap("cfsdp", "odd", mesh, True, uop)
-    opt = wp.make_optim("adamw", model.parameters())
+    opt = pc.make_optim("adamw", model.parameters())
     train(model, opt, data[:2], r)
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     fresh = wrap("cfsdp", "odd", mesh, True, uop, seed=1)
-    fresh_opt = wp.make_optim("adamw", fresh.parameters())
+    fresh_opt = pc.make_optim("adamw", fresh.parameters())
     set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     check_resumed(mm, "broadcast_from_rank0", model, opt, fresh, fresh_opt, data[2:], r)
     mm.raise_if_any()
 
@@ -654,10 +652,10 @@ def deprecated_optim_apis(ctx, layout, uop: bool):
     data = tc.batches(2, dp_size(mesh))
     oracle = "torch" if (not uop and torch_runs("even", layout, uop)) else "ref"
     fulls = {}
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
     for impl, u in (("cfsdp", uop), (oracle, False)):
         model = wrap("cfsdp" if impl == "ref" else impl, "even", mesh, True, u)
-        opt = wp.make_optim("adamw", model.parameters())
+        opt = pc.make_optim("adamw", model.parameters())
         train(model, opt, data, dp_rank(mesh))
         cls = sd_class(model)
         # rank0_only=False: torch's rank0_only dict lives on global rank 0 alone, which drops the
@@ -696,7 +694,7 @@ def deprecated_optim_apis(ctx, layout, uop: bool):
 # ------------------------------------------------------------------------------ errors
 
 
-def expect(mm: wp.Mismatches, what: str, exc: type, fn, *needles: str) -> None:
+def expect(mm: pc.Mismatches, what: str, exc: type, fn, *needles: str) -> None:
     """cfsdp's ``fn`` raises ``exc`` with ``needles`` in its message."""
     expect_same_error(mm, what, {"cfsdp": fn}, exc, *needles)
 
@@ -707,7 +705,7 @@ def unsupported_and_errors(ctx, layout):
     layout = tuple(layout)
     mesh = tc.mesh_2d(*layout)
     F_ = cfsdp.FullyShardedDataParallel
-    mm = wp.Mismatches(ctx)
+    mm = pc.Mismatches(ctx)
 
     def tp_model():
         return tc.parallelize(build("even"), mesh["tp"], False)
@@ -761,7 +759,7 @@ if WORLD == 4:
         """HSDP x TP through the wrapper is refused naming the parameter (fully_shard does it)."""
         mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
         model = tc.parallelize(build("even"), mesh["tp"], False)
-        mm = wp.Mismatches(ctx)
+        mm = pc.Mismatches(ctx)
         expect(mm, "HYBRID_SHARD", NotImplementedError,
                lambda: cfsdp.FullyShardedDataParallel(
                    model, device_mesh=mesh["rep", "shard"],
