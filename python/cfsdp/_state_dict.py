@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
+from . import _core
 from ._fqn import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name, join_fqn
 from ._torch.checkpoint import (
     Shard,
@@ -387,7 +388,7 @@ def _plain_tensor(v) -> bool:
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return _core.storage_address(t)
 
 
 def _unit_entry(v, full_ptr: Optional[int]) -> Optional[tuple]:
