@@ -732,9 +732,9 @@ def _describe(v) -> str:
     return f"a {str(v.dtype).replace('torch.', '')} {kind} of shape {tuple(_global_shape(v))}"
 
 
-class MissingFlatParamError(AssertionError, RuntimeError):
+class MissingFlatParamError(AssertionError):
     """A LOCAL_STATE_DICT without a wrapper's ``_flat_param``: torch raises
-    ``AssertionError``; cfsdp's load errors are ``RuntimeError`` s, so it is both."""
+    ``AssertionError`` (``_local_pre_load_state_dict_hook``), so this is one."""
 
 
 def _raw_keys(w) -> dict[str, str]:

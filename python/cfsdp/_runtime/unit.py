@@ -191,7 +191,7 @@ _SKIP_WRITEBACK_ENV = "FSDP_SKIP_WRITEBACK_CHECK"  # torch's switch (_flat_param
 _log = logging.getLogger(__name__)
 
 
-class WritebackError(RuntimeError, ValueError):
+class WritebackError(RuntimeError):
     """A write to an original parameter (or its gradient) after wrapping that cannot be
     carried over into the flat parameter ([Note: writeback of original parameters]).
     torch's FSDP1 raises ``RuntimeError`` there, so this is one (and a ``ValueError``:
