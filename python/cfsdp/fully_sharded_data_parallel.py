@@ -28,7 +28,6 @@ from ._runtime import clip as _clip
 from ._runtime.hooks import (
     BACKWARD_POST,
     BACKWARD_PRE,
-    SummonStateError,
     UnitState,
     cast_floating,
     check_can_summon,
@@ -1363,15 +1362,6 @@ class FullyShardedDataParallel(nn.Module):
         return _osd.rekey_optim_state_dict(
             optim_state_dict, optim_state_key_type, model, optim_input, optim
         )
-
-
-def _module_prefix(root: nn.Module, target: nn.Module) -> str:
-    """Clean FQN prefix (with a trailing dot, or empty) of ``target`` under ``root``."""
-    for name, m in root.named_modules():
-        if m is target:
-            name = clean_tensor_name(name + ".")
-            return name
-    raise AssertionError("module not found under root")
 
 
 def _validate_summon_args(
