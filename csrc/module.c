@@ -1,9 +1,30 @@
 /*
  * module.c -- the module cfsdp._C: its one table of functions, its state and
  * its initialisation.  The entry points live in one binding file per concern
- * (bind_core.c, bind_shm.c, bind_optim.c, bind_bulk.c; shared argument
- * conversion and the status-to-exception mapping in bind_args.c; see bind.h
- * for the boundary's contract).
+ * (shared argument conversion and the status-to-exception mapping in
+ * bind_args.c; see bind.h for the boundary's contract).  What the module
+ * defines:
+ *
+ *   functions (cf_py_methods below; Python callers: cfsdp/_core.py)
+ *     bind_core.c   plan_layout, shard_fill, chunk_unpack, chunk_pack,
+ *                   scale_cast_add, norm_partial
+ *     bind_shm.c    shm_reduce, shm_memcpy, shm_segment_bytes, shm_check_fd
+ *     bind_optim.c  adam_step, sgd_step, optim_uses_avx2
+ *     bind_bulk.c   dict_set, dict_pop, attr_flags, attr_set, attr_get,
+ *                   shape_views
+ *   types (bind_shm.c, made by cf_py_shm_exec)
+ *     ShmGroup      a host-shared segment and its worker thread: wait_attached,
+ *                   all_gather, all_gather_unpack, reduce_scatter_pack,
+ *                   reduce_scatter, all_reduce, broadcast, drain, fail,
+ *                   failure, close; closed, rank, world_size, nbytes
+ *     ShmWork       one queued collective: wait, is_completed, op
+ *   constants
+ *     here          DTYPE_FP32, DTYPE_FP64, DTYPE_BF16, DTYPE_FP16,
+ *                   CHUNK_PARALLEL_BYTES, MAX_THREADS, OPTIM_PARALLEL_BYTES,
+ *                   MAX_WORLD_SIZE, MAX_PIECES
+ *     bind_shm.c    SHM_OP_ALL_GATHER, SHM_OP_REDUCE_SCATTER, SHM_OP_ALL_REDUCE,
+ *                   SHM_OP_BROADCAST, SHM_MAX_WORLD, SHM_MIN_SLOT_PER_RANK,
+ *                   SHM_AVAILABLE
  *
  * Design.  Multi-phase initialisation (PEP 489): the exec slot adds the
  * constants and makes the ShmWork / ShmGroup types, kept in the module's state

@@ -58,14 +58,14 @@ def _nyi(what: str) -> NotImplementedError:
     )
 
 
-class MeshError(AssertionError, ValueError):
+class MeshError(AssertionError):
     """A mesh ``fully_shard`` cannot use: torch raises ``AssertionError`` (a 2-D mesh without
-    dimension names); cfsdp's error is one, and a ``ValueError`` (bad input)."""
+    dimension names, ``_fsdp_init``), so this is one."""
 
 
-class AppliedTwiceError(AssertionError, ValueError):
+class AppliedTwiceError(AssertionError):
     """``fully_shard`` applied twice to one module: torch raises ``AssertionError``;
-    cfsdp's error is one (and a ``ValueError``, the natural type for bad input)."""
+    (``torch.distributed._composable.contract``), so this is one."""
 
 
 class _FSState:
@@ -496,16 +496,16 @@ def _managed(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Module], l
     return managed, [(p, occurrences[p]) for p in order]
 
 
-class PlacementError(NotImplementedError, ValueError):
+class PlacementError(ValueError):
     """A ``shard_placement_fn`` result torch rejects as invalid (``ValueError``); cfsdp's
-    error for results it cannot use has been a ``NotImplementedError``, so it is both."""
+    error is one."""
 
 
-class PlacementAttributeError(AttributeError, ValueError):
+class PlacementAttributeError(AttributeError):
     """torch 2.11: a ``shard_placement_fn`` result without ``.dim`` (``AttributeError``)."""
 
 
-class PlacementAssertionError(AssertionError, ValueError):
+class PlacementAssertionError(AssertionError):
     """torch 2.11: a ``shard_placement_fn`` result with ``.dim`` that is not a ``Shard``."""
 
 
@@ -513,9 +513,9 @@ _PLACEMENT_ERRORS = {ValueError: PlacementError, AttributeError: PlacementAttrib
                      AssertionError: PlacementAssertionError}
 
 
-class ShardDimError(NotImplementedError, AssertionError):
+class ShardDimError(AssertionError):
     """``Shard(dim)`` past the parameter's dimensions: torch raises ``AssertionError``;
-    cfsdp's error for placements it cannot use has been a ``NotImplementedError``."""
+    (``FSDPParam._init_sharded_param``), so this is one."""
 
 
 def _check_placement_result(pl: Any, fqn: str) -> None:

@@ -182,10 +182,10 @@ class _View:
         return {pid: self.entry(p, what) for pid, p in enumerate(params)}
 
 
-class OptimStateDictError(AssertionError, ValueError):
+class OptimStateDictError(AssertionError):
     """Bad input torch's FSDP1 rejects with an ``AssertionError`` (mixed
     ``use_orig_params``, a parameter group without ``"params"``, a bad key type);
-    cfsdp's error has been a ``ValueError``, so it is both."""
+    this is one."""
 
 
 def _params_from_optim_input(model_params: list, optim_input) -> list:

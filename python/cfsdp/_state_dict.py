@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
+from . import _core
 from ._fqn import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name, join_fqn
 from ._torch.checkpoint import (
     Shard,
@@ -387,7 +388,7 @@ def _plain_tensor(v) -> bool:
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return _core.storage_address(t)
 
 
 def _unit_entry(v, full_ptr: Optional[int]) -> Optional[tuple]:
@@ -731,9 +732,9 @@ def _describe(v) -> str:
     return f"a {str(v.dtype).replace('torch.', '')} {kind} of shape {tuple(_global_shape(v))}"
 
 
-class MissingFlatParamError(AssertionError, RuntimeError):
+class MissingFlatParamError(AssertionError):
     """A LOCAL_STATE_DICT without a wrapper's ``_flat_param``: torch raises
-    ``AssertionError``; cfsdp's load errors are ``RuntimeError`` s, so it is both."""
+    ``AssertionError`` (``_local_pre_load_state_dict_hook``), so this is one."""
 
 
 def _raw_keys(w) -> dict[str, str]:

@@ -28,7 +28,6 @@ from ._runtime import clip as _clip
 from ._runtime.hooks import (
     BACKWARD_POST,
     BACKWARD_PRE,
-    SummonStateError,
     UnitState,
     cast_floating,
     check_can_summon,
@@ -70,30 +69,31 @@ _AUTO_WRAP_ROOT: contextvars.ContextVar[Optional[nn.Module]] = contextvars.Conte
     "cfsdp_auto_wrap_root", default=None
 )
 
-class WrongTypeError(TypeError, ValueError):
+class WrongTypeError(ValueError):
     """A wrong type in an argument's entries.  torch's FSDP1 raises ``ValueError``
-    there, so this is both: code written against torch keeps catching it."""
+    there (``_init_utils._get_ignored_modules`` / ``_get_ignored_params``), so this is
+    one: code written against torch keeps catching it."""
 
 
-class NoProcessGroupError(RuntimeError, ValueError):
+class NoProcessGroupError(ValueError):
     """No default process group: torch raises ``ValueError`` (c10d's
-    ``_get_default_group``); cfsdp's error has been a ``RuntimeError``, so it is both."""
+    ``_get_default_group``), so this is one."""
 
 
-class CallStateError(RuntimeError, ValueError):
+class CallStateError(ValueError):
     """A method called in the wrong training state (``no_sync`` inside forward, backward
-    or ``summon_full_params``): torch's ``_assert_state`` raises ``ValueError``; cfsdp's
-    error has been a ``RuntimeError``, so it is both."""
+    or ``summon_full_params``): torch's ``_assert_state`` raises ``ValueError``, so this
+    is one."""
 
 
-class CommHookError(AssertionError, RuntimeError):
+class CommHookError(AssertionError):
     """``register_comm_hook`` on a non-root instance or a second time: torch raises
-    ``AssertionError``; cfsdp's error has been a ``RuntimeError``, so it is both."""
+    ``AssertionError``, so this is one."""
 
 
-class CommHookStrategyError(AssertionError, ValueError):
-    """``register_comm_hook`` with a hybrid strategy: torch raises ``AssertionError``;
-    cfsdp's error has been a ``ValueError``, so it is both."""
+class CommHookStrategyError(AssertionError):
+    """``register_comm_hook`` with a hybrid strategy: torch raises ``AssertionError``,
+    so this is one."""
 
 
 def _torch_state_message(state: TrainingState) -> str:
@@ -1369,15 +1369,6 @@ class FullyShardedDataParallel(nn.Module):
         return _osd.rekey_optim_state_dict(
             optim_state_dict, optim_state_key_type, model, optim_input, optim
         )
-
-
-def _module_prefix(root: nn.Module, target: nn.Module) -> str:
-    """Clean FQN prefix (with a trailing dot, or empty) of ``target`` under ``root``."""
-    for name, m in root.named_modules():
-        if m is target:
-            name = clean_tensor_name(name + ".")
-            return name
-    raise AssertionError("module not found under root")
 
 
 def _validate_summon_args(

@@ -412,7 +412,9 @@ def bad_input(ctx, uop: bool, t):
 
     missing = dict(good)
     del missing[first_param]
-    _expect_error(mm, "missing key", lambda: load(missing), RuntimeError, f"missing key '{first_param}'")
+    # LOCAL: torch's pre-load hook refuses a missing flat parameter with AssertionError
+    _expect_error(mm, "missing key", lambda: load(missing), AssertionError if t == SL else RuntimeError,
+                  f"missing key '{first_param}'")
     extra = dict(good)
     extra["lin1.not_a_param"] = torch.zeros(3)
     _expect_error(mm, "unexpected key", lambda: load(extra), RuntimeError, "unexpected key 'lin1.not_a_param'")
@@ -441,7 +443,8 @@ def bad_input(ctx, uop: bool, t):
     other = build_pair(ctx, "seq", uop)[1]
     with CFSDP.state_dict_type(other, t):
         foreign = other.state_dict()
-    _expect_error(mm, "different model", lambda: load(foreign), RuntimeError, "Nothing was loaded")
+    _expect_error(mm, "different model", lambda: load(foreign), AssertionError if t == SL else RuntimeError,
+                  "Nothing was loaded")
     same_state_dict(mm, "parameters after the rejected loads", full_sd(cm), before)
 
     # state dicts during forward and inside summon_full_params are rejected, as torch

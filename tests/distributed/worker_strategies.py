@@ -894,7 +894,7 @@ def comm_hook_errors(ctx):
     state = dh.DefaultState(ctx.pg)
     inner = next(m for m in model.modules() if isinstance(m, CFSDP) and m is not model)
     model.check_is_root()
-    for what, fn, exc in (("non-root", lambda: inner.register_comm_hook(state, dh.reduce_scatter_hook), RuntimeError),
+    for what, fn, exc in (("non-root", lambda: inner.register_comm_hook(state, dh.reduce_scatter_hook), AssertionError),
                           ("not callable", lambda: model.register_comm_hook(state, 3), ValueError)):
         try:
             fn()
@@ -905,7 +905,7 @@ def comm_hook_errors(ctx):
     model.register_comm_hook(state, dh.reduce_scatter_hook)
     try:
         model.register_comm_hook(state, dh.reduce_scatter_hook)
-    except RuntimeError as e:
+    except AssertionError as e:
         mm.check("already" in str(e), f"second registration: {e}")
     else:
         mm.add("a second register_comm_hook did not raise")

@@ -17,7 +17,7 @@ def test_no_default_process_group(use_orig_params, device_id):
     assert not dist.is_initialized(), "precondition: no default process group in this process"
     with pytest.raises(ValueError) as theirs:
         TorchFSDP(nn.Linear(3, 2), use_orig_params=use_orig_params, device_id=torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="init_process_group") as ours:
+    with pytest.raises(ValueError, match="init_process_group") as ours:
         cfsdp.FullyShardedDataParallel(nn.Linear(3, 2), use_orig_params=use_orig_params,
                                        device_id=device_id)
     assert isinstance(ours.value, type(theirs.value))

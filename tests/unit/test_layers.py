@@ -8,7 +8,10 @@ resolved to a module of the package.  Then:
   runtime -> bottom -> torch, where ``cfsdp._torch`` binds torch's private APIs);
 * the import graph has no cycle (within a layer too);
 * only ``cfsdp._core`` (the one door to the C core) imports ``cfsdp._C`` or the twins in
-  ``cfsdp._ref`` (which import nothing of cfsdp but each other).
+  ``cfsdp._ref`` (which import nothing of cfsdp but each other);
+* only ``cfsdp._core`` uses ``_C`` (a name ``_C`` or an attribute ``x._C`` of anything but
+  ``torch``) or calls ``.data_ptr()``: what crosses into C is checked there
+  (``c_tensor_ok``), and other modules read addresses through ``_core.address``.
 
 A new module must be given a layer in ``LAYERS``; the test fails for a module it does not
 know.  Nothing is imported or run: these tests are pure source checks (``no_core``).
@@ -171,6 +174,61 @@ def test_the_resolver_follows_every_form():
     assert f"{PKG}._core" in GRAPH[f"{PKG}._runtime.unit"]
     assert f"{PKG}._runtime.base" in GRAPH[f"{PKG}._runtime.unit"]
     assert f"{PKG}._C" in GRAPH[CORE_DOOR]  # ``from . import _C`` inside a try block
+
+
+# issue 25: the lead moves these behind _core; remove from the list then
+C_DOOR_ALLOWLIST = {f"{PKG}._runtime.comm", f"{PKG}._runtime.two_level",
+                    f"{PKG}.optim._zero_buckets"}
+
+
+def c_crossings(source: str, filename: str = "<source>") -> list[str]:
+    """Every use of cfsdp's C module and every ``.data_ptr()`` call in ``source``, as
+    ``line: code``, read from the AST (comments and docstrings do not count).  A use of
+    ``_C`` is the name ``_C`` or an attribute ``x._C`` of anything but ``torch``
+    (``torch._C`` is torch's own)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Name) and node.id == "_C":
+            hit = True
+        elif isinstance(node, ast.Attribute) and node.attr == "_C":
+            hit = not (isinstance(node.value, ast.Name) and node.value.id == "torch")
+        else:
+            hit = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "data_ptr")
+        if hit:
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(out, key=lambda h: (int(h.split(":")[0]), h))
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_only_core_crosses_into_c(name):
+    hits = c_crossings(MODULES[name].read_text(), str(MODULES[name]))
+    if name == CORE_DOOR or name.startswith(f"{PKG}._ref"):
+        return
+    if name in C_DOOR_ALLOWLIST:
+        assert hits, (f"{name} no longer uses _C or data_ptr(): remove it from "
+                      "C_DOOR_ALLOWLIST")
+        return
+    assert not hits, (f"{name} reaches the C core or reads addresses outside cfsdp._core: "
+                      f"{hits}; go through a _core entry point (addresses: _core.address)")
+
+
+def test_the_crossing_checker_sees_a_crossing():
+    """The check can fail: a planted ``_C.foo`` and ``t.data_ptr()`` are both reported;
+    the same words in a comment, a docstring or a string, and torch's ``torch._C``, are
+    not."""
+    src = (
+        '"""Docstring: _C.foo and t.data_ptr() here do not count."""\n'
+        "import torch\n"
+        "# a comment: _C.bar, u.data_ptr()\n"
+        "def f(t):\n"
+        "    x = '_C.baz t.data_ptr()'\n"
+        "    torch._C._has_storage(t)\n"
+        "    _C.foo(t.data_ptr())\n"
+        "    return _core._C\n"
+    )
+    assert c_crossings(src) == ["7: _C", "7: t.data_ptr()", "8: _core._C"]
+    assert all(name in MODULES for name in C_DOOR_ALLOWLIST)
 
 
 pytestmark = pytest.mark.no_core

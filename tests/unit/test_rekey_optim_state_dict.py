@@ -55,7 +55,7 @@ def test_rekey_errors_name_the_key():
     bad = dict(osd, state={**osd["state"], 17: {}})
     with pytest.raises(ValueError, match="17"):
         CFSDP.rekey_optim_state_dict(bad, OptimStateKeyType.PARAM_NAME, m, optim=opt)
-    with pytest.raises(ValueError, match="OptimStateKeyType"):
+    with pytest.raises(AssertionError, match="OptimStateKeyType"):
         CFSDP.rekey_optim_state_dict(osd, "by-name", m, optim=opt)
     mixed = dict(osd, state={0: {}, "x": {}})
     with pytest.raises(ValueError, match="Invalid parameter keys"):

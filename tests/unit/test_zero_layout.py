@@ -1,7 +1,7 @@
 """cfsdp's ZeroRedundancyOptimizer without a process group: its partition against torch's,
 the rank-major bucket layout, and the split / reassembly of a local optimizer state for
 consolidation (pure Python and torch ops: no_core, but for the test that steps a
-cfsdp.optim optimizer).  The distributed behaviour is tests/distributed/test_zero.py's."""
+cfsdp.optim optimizer and the state round trips, which read addresses through cfsdp._core).  The distributed behaviour is tests/distributed/test_zero.py's."""
 
 from __future__ import annotations
 
@@ -132,7 +132,6 @@ def test_state_roundtrip_fused_flat_buffers_go_in_place():
     assert_same_state(roundtrip(state), state)
 
 
-@NO_CORE
 def test_state_roundtrip_many_runs_none_values_and_dtypes():
     g = torch.Generator().manual_seed(1)
     state = {i: {"step": torch.tensor(float(i)), "buf": torch.randn(i + 1, 2, generator=g)}
@@ -146,7 +145,6 @@ def test_state_roundtrip_many_runs_none_values_and_dtypes():
     assert_same_state(roundtrip(state), {i: state[i] for i in sorted(state)})
 
 
-@NO_CORE
 def test_state_roundtrip_non_contiguous_tensor():
     t = torch.randn(4, 6).t()
     state = {0: {"m": t, "v": torch.randn(3)}}

@@ -612,7 +612,7 @@ class ChunkUnit(UnshardStates):
         mine = self._local_view(self.shard, q)
         if local.device != mine.device or local.dtype != mine.dtype:
             return True  # (a rank holding no rows of it sees a new dtype, not a new address)
-        return q.local_numel > 0 and local.data_ptr() != mine.data_ptr()
+        return q.local_numel > 0 and _core.address(local) != _core.address(mine)
 
     def meta_param_names(self, root: nn.Module) -> list[str]:
         """The FQNs (under ``root``) of this unit's parameters still on the meta device."""

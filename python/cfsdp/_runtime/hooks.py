@@ -78,10 +78,10 @@ def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
     return obj
 
 
-class SummonStateError(AssertionError, RuntimeError):
+class SummonStateError(AssertionError):
     """``summon_full_params`` (or a full state dict) at a time it cannot run:
     during forward/backward, or nested.  torch's FSDP1 raises ``AssertionError``
-    there, so this is one (and a ``RuntimeError``, which cfsdp raised before)."""
+    there (``_unshard_params_for_summon``), so this is one."""
 
 
 def check_can_summon(states: list["UnitState"]) -> None:

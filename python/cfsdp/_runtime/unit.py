@@ -191,7 +191,7 @@ _SKIP_WRITEBACK_ENV = "FSDP_SKIP_WRITEBACK_CHECK"  # torch's switch (_flat_param
 _log = logging.getLogger(__name__)
 
 
-class WritebackError(RuntimeError, ValueError):
+class WritebackError(RuntimeError):
     """A write to an original parameter (or its gradient) after wrapping that cannot be
     carried over into the flat parameter ([Note: writeback of original parameters]).
     torch's FSDP1 raises ``RuntimeError`` there, so this is one (and a ``ValueError``:
@@ -273,7 +273,7 @@ class ParamInfo:
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch FSDP1's test of whether ``a`` still lives in ``b``'s memory."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return _core.storage_address(a) == _core.storage_address(b)
 
 
 def tp_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
@@ -557,7 +557,7 @@ class Unit(UnshardStates):
         """Address of the storage the unsharded parameters live in (summon)."""
         if self._buf is None:
             raise AssertionError("cfsdp unit: not unsharded")
-        return self._buf.untyped_storage().data_ptr()
+        return _core.storage_address(self._buf)
 
     def _views_of(self, buf: torch.Tensor) -> list[torch.Tensor]:
         return [
@@ -763,7 +763,7 @@ class Unit(UnshardStates):
         applied, self._applied = self._applied, None
         new = (applied if applied is not None else self.flat_param).data
         old = self.shard
-        if new.dtype == old.dtype and new.device == old.device and new.data_ptr() == old.data_ptr():
+        if new.dtype == old.dtype and new.device == old.device and _core.address(new) == _core.address(old):
             return
         if new.device != old.device or not (new.is_floating_point() or new.is_complex()):
             self.flat_param.data = old

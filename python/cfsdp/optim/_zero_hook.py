@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _core
 from .._runtime import comm
 from .._torch import core as _torch_core
 from .zero import ZeroRedundancyOptimizer
@@ -83,7 +84,7 @@ class _BucketPlan:
                     f"{bucket.index()} (shape {tuple(p.shape)}) is not a parameter of the "
                     "ZeroRedundancyOptimizer the hook was registered with; give that "
                     "optimizer all of the DDP model's trainable parameters")
-            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+            off = (_core.address(g) - _core.address(buf)) // buf.element_size()
             if g.numel() != p.numel() or not 0 <= off <= buf.numel() - p.numel():
                 raise AssertionError(f"DDP bucket {bucket.index()}: gradient {i} is not a view "
                                      "of the bucket's buffer")
@@ -103,7 +104,7 @@ class _BucketPlan:
 
 def _plan(zero: ZeroRedundancyOptimizer, bucket: dist.GradBucket) -> _BucketPlan:
     buf = bucket.buffer()
-    key = (buf.data_ptr(), buf.numel(), buf.dtype, tuple(map(id, bucket.parameters())))
+    key = (_core.address(buf), buf.numel(), buf.dtype, tuple(map(id, bucket.parameters())))
     plan = zero._rs_plans.get(bucket.index())
     if plan is None or plan.key != key:  # DDP rebuilds its buckets after the first pass
         plan = zero._rs_plans[bucket.index()] = _BucketPlan(zero, bucket, key)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _core
 from .._runtime import comm
 
 MAX_RUNS = 16
@@ -94,14 +95,14 @@ def _runs(tensors: list) -> list:
                 first = None
             out.append(t.contiguous().view(-1))
             continue
-        sp = t.untyped_storage().data_ptr()
-        if first is not None and sp == storage and t.data_ptr() == end:
+        sp = _core.storage_address(t)
+        if first is not None and sp == storage and _core.address(t) == end:
             n += t.numel()
         else:
             if first is not None:
                 out.append(_run_view(first, n))
             first, n, storage = t, t.numel(), sp
-        end = t.data_ptr() + t.numel() * t.element_size()
+        end = _core.address(t) + t.numel() * t.element_size()
     if first is not None:
         out.append(_run_view(first, n))
     return out
