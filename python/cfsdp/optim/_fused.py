@@ -276,8 +276,7 @@ class _FusedStep:
                 g = g._local_tensor
             elif isinstance(g, DTensor):
                 return False
-            # the cheap part of _fusible: _core's step checks every tensor in full
-            if not (g.dtype is _F32 and g.is_cpu and g.is_contiguous() and g.numel() == kind.numel):
+            if not (_fusible(g) and g.numel() == kind.numel):
                 return False
             kind.cur_delta = _addr(g) - kind.ptr
         for b in plan.buckets:
