@@ -15,12 +15,8 @@ the CPU, strided and contiguous, of a C dtype, with no lazy negation bit, no
 functorch/functional wrapper, and real storage that holds it.  Anything else
 takes the twins' torch ops, so the result is the same either way (or torch's
 own error).  Any address is fine (the C loops load and store alignment-safe),
-but the fused optimizer steps take fp32-aligned fp32 tensors only
-(``optim_tensor_ok``); ``cfsdp.optim`` hands its buckets over as tensors
-(``adam_step_tensors`` / ``sgd_step_tensors``), never as addresses, and the
-rest of the package reads addresses only through ``address`` /
-``storage_address`` (for identity and layout; the layer test keeps
-``data_ptr()`` and ``_C`` to this module).  A CPU tensor whose storage cannot hold it (freed or shrunk
+but the fused optimizer steps' take fp32-aligned buffers only
+(``_optim_c_ok``).  A CPU tensor whose storage cannot hold it (freed or shrunk
 with ``untyped_storage().resize_()``) is a ``ValueError`` on every path:
 torch's own ops would read past the storage too.
 Calls that may split a large copy across threads (``chunk_pack``,
@@ -157,20 +153,6 @@ def c_tensor_ok(t: torch.Tensor) -> bool:
         if need > have:
             raise _storage_error(t, need, have)
     return contiguous and t.dtype in DTYPE_CODES and not t.is_neg() and (n == 0 or t.data_ptr())
-
-
-def address(t: torch.Tensor) -> int:
-    """``t``'s address (``data_ptr()``), for comparing and laying out memory in Python:
-    identity, aliasing, offsets between buffers.  Outside this module an address is
-    never handed to C: what crosses goes through this module's entry points, which
-    check the tensors themselves (``c_tensor_ok``)."""
-    return t.data_ptr()
-
-
-def storage_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage (``untyped_storage().data_ptr()``): two tensors
-    with the same one share memory (see ``address``)."""
-    return t.untyped_storage().data_ptr()
 
 
 def _c_ok(*tensors: torch.Tensor) -> bool:
@@ -366,123 +348,45 @@ def shm_check_fd(fd: int, path: str) -> None:
 # in place by C) or a sequence of pairs.
 
 
-def _adam_c(
+def optim_c_available() -> bool:
+    """Whether cfsdp.optim steps fp32 CPU tensors in C (``CFSDP_IMPL=c``)."""
+    return _C is not None
+
+
+def adam_step_addrs(
     param: int, grad: int, exp_avg: int, exp_avg_sq: int, max_exp_avg_sq: Optional[int],
     ranges, *, step: float, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
 ) -> None:
-    """``_C.adam_step`` on addresses that this module's callers checked."""
+    """One Adam/AdamW step of fp32 CPU memory given by addresses, in C (the
+    caller owns every range of every buffer); see ``_C.adam_step``."""
+    if _C is None:
+        raise AssertionError("adam_step_addrs: the C core is off (CFSDP_IMPL=python)")
     _C.adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, ranges, DTYPE_CODES[torch.float32],
                  float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                  float(step), decoupled, amsgrad, maximize, torch.get_num_threads())
 
 
-def _sgd_c(
+def sgd_step_addrs(
     param: int, grad: int, momentum_buffer: Optional[int], ranges, *, lr: float,
     momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
     first_step: bool,
 ) -> None:
-    """``_C.sgd_step`` on addresses that this module's callers checked."""
+    """One SGD step of fp32 CPU memory given by addresses, in C; see ``_C.sgd_step``."""
+    if _C is None:
+        raise AssertionError("sgd_step_addrs: the C core is off (CFSDP_IMPL=python)")
     _C.sgd_step(param, grad, momentum_buffer, ranges, DTYPE_CODES[torch.float32], float(lr),
                 float(momentum), float(dampening), float(weight_decay), nesterov, maximize,
                 first_step, torch.get_num_threads())
 
 
-def optim_tensor_ok(t: torch.Tensor) -> bool:
-    """Whether a fused optimizer step may take ``t`` in C: :func:`c_tensor_ok` (so a
-    ``ValueError`` for a CPU tensor whose storage cannot hold it), fp32, at an
-    fp32-aligned address.  Backend-independent, so ``cfsdp.optim`` plans the same
-    buckets under ``CFSDP_IMPL=python``."""
-    return c_tensor_ok(t) and t.dtype == torch.float32 and t.data_ptr() % 4 == 0
-
-
-def _bucket_ranges(params: Sequence[torch.Tensor], *others: Optional[Sequence[torch.Tensor]]):
-    """The one C call's ranges for tensors laid out alike (see ``adam_step_tensors``),
-    as ``(base addresses, array('q') of merged (start, len) pairs)``, or None when they
-    are not: a tensor that may not cross (``optim_tensor_ok``), lists of other lengths,
-    a numel that differs from its parameter's, parameters out of address order or
-    overlapping, or a tensor not at its list's one offset from its parameter."""
-    n = len(params)
-    # every tensor checked (a broken storage is the same ValueError on every backend)
-    ok = all([optim_tensor_ok(t) for ts in (params, *others) if ts is not None for t in ts])
-    if not n or not ok:
-        return None
-    base = params[0].data_ptr()
-    bases = [base]
-    for ts in others:
-        if ts is None:
-            bases.append(None)
-            continue
-        if len(ts) != n:
-            return None
-        delta = ts[0].data_ptr() - base
-        for p, t in zip(params, ts):
-            if t.numel() != p.numel() or t.data_ptr() - p.data_ptr() != delta:
-                return None
-        bases.append(base + delta)
-    flat = array.array("q")
-    end = base
-    for p in params:
-        ptr, numel = p.data_ptr(), p.numel()
-        if ptr < end:
-            return None
-        if numel == 0:
-            continue
-        start = (ptr - base) // 4
-        if flat and flat[-2] + flat[-1] == start:
-            flat[-1] += numel
-        else:
-            flat.append(start)
-            flat.append(numel)
-        end = ptr + 4 * numel
-    return bases, flat
-
-
-def adam_step_tensors(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-    max_exp_avg_sqs: Optional[Sequence[torch.Tensor]], **hp,
-) -> None:
-    """One Adam/AdamW step of many tensors (``cfsdp.optim``'s buckets): one C call when
-    they are laid out alike (every tensor ``optim_tensor_ok``; parameters in address
-    order without overlap; each list's tensors at one address offset from their
-    parameters, with their numels), so C touches exactly these tensors' memory; else
-    tensor by tensor in torch ops (``adam_tensor``), as under ``CFSDP_IMPL=python``.
-    ``hp`` as ``adam_tensor``'s (``step`` included); ``max_exp_avg_sqs`` is read only
-    when ``amsgrad``."""
-    ams = max_exp_avg_sqs if hp.get("amsgrad") else None
-    plan = _bucket_ranges(params, grads, exp_avgs, exp_avg_sqs, ams)
-    if _C is not None and plan is not None:
-        (p, g, m, v, vm), ranges = plan
-        if ranges:
-            _adam_c(p, g, m, v, vm, ranges, **hp)
-        return
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        adam_tensor(p, g, m, v, ams[i] if ams is not None else None, **hp)
-
-
-def sgd_step_tensors(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-    momentum_buffers: Optional[Sequence[torch.Tensor]], **hp,
-) -> None:
-    """One SGD step of many tensors, as ``adam_step_tensors`` (``momentum_buffers`` read
-    only when ``momentum != 0``; ``hp`` as ``sgd_tensor``'s, ``first_step`` included)."""
-    bufs = momentum_buffers if hp.get("momentum") else None
-    plan = _bucket_ranges(params, grads, bufs)
-    if _C is not None and plan is not None:
-        (p, g, b), ranges = plan
-        if ranges:
-            _sgd_c(p, g, b, ranges, **hp)
-        return
-    for i, (p, g) in enumerate(zip(params, grads)):
-        sgd_tensor(p, g, bufs[i] if bufs is not None else None, **hp)
-
-
 def _optim_c_ok(*tensors: Optional[torch.Tensor]) -> bool:
-    """C takes a fused step of flat buffers: fp32 1-D buffers that may cross at
-    fp32-aligned addresses (``optim_tensor_ok``; the twin takes any)."""
-    ok = all([optim_tensor_ok(t) and t.dim() == 1 for t in tensors if t is not None])
-    return _C is not None and ok
+    """C takes a fused step: fp32 1-D buffers that may cross, fp32-aligned (the fused
+    loops' one requirement of an address; the twin takes any)."""
+    return _c_ok(*(t for t in tensors if t is not None)) and all(
+        t.dtype == torch.float32 and t.dim() == 1 and t.data_ptr() % 4 == 0
+        for t in tensors if t is not None
+    )
 
 
 def adam_step(
@@ -495,9 +399,9 @@ def adam_step(
     ams = max_exp_avg_sq if hp.get("amsgrad") else None
     ranges = _check_optim_ranges(ranges, param, grad, exp_avg, exp_avg_sq, ams)
     if _optim_c_ok(param, grad, exp_avg, exp_avg_sq, ams):
-        _adam_c(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                exp_avg_sq.data_ptr(), ams.data_ptr() if ams is not None else None,
-                ranges, **hp)
+        adam_step_addrs(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                        exp_avg_sq.data_ptr(), ams.data_ptr() if ams is not None else None,
+                        ranges, **hp)
     else:
         _ref.adam_step(param, grad, exp_avg, exp_avg_sq, ams, ranges, **hp)
 
@@ -510,8 +414,8 @@ def sgd_step(
     buf = momentum_buffer if hp.get("momentum") else None
     ranges = _check_optim_ranges(ranges, param, grad, buf)
     if _optim_c_ok(param, grad, buf):
-        _sgd_c(param.data_ptr(), grad.data_ptr(),
-               buf.data_ptr() if buf is not None else None, ranges, **hp)
+        sgd_step_addrs(param.data_ptr(), grad.data_ptr(),
+                       buf.data_ptr() if buf is not None else None, ranges, **hp)
     else:
         _ref.sgd_step(param, grad, buf, ranges, **hp)
 

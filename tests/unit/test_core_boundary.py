@@ -509,56 +509,6 @@ def test_core_routes_tensors_that_must_not_cross(kind, monkeypatch):
     assert comm._shm_ok(_make(kind, a)) == (kind == "plain")
 
 
-class _Sub(torch.Tensor):
-    """A plain subclass: memory of its own at its address, but not a type that may cross."""
-
-
-@pytest.mark.parametrize("kind", ["sub", "neg", "plain"])
-@pytest.mark.parametrize("opt", ["SGD", "Adam"])
-def test_fused_optimizer_crosses_like_every_entry_point(kind, opt, monkeypatch):
-    """cfsdp.optim's steps cross through _core's one rule (``c_tensor_ok``), as the other
-    entry points: a gradient that may not cross (a subclass, a lazily negated one) is
-    stepped in torch ops, torch.optim's result, and calls no C; a plain one takes C."""
-    from cfsdp import optim as co
-
-    calls = _calls(monkeypatch)
-    gen = torch.Generator().manual_seed(2)
-    a, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
-    grad = {"sub": lambda: b.clone().as_subclass(_Sub), "neg": lambda: torch._neg_view(-b),
-            "plain": b.clone}[kind]()
-    kw = dict(lr=0.5, momentum=0.9) if opt == "SGD" else dict(lr=0.5)
-    p, want = torch.nn.Parameter(a.clone()), torch.nn.Parameter(a.clone())
-    p.grad, want.grad = grad, b.clone()
-    getattr(co, opt)([p], **kw).step()
-    getattr(torch.optim, opt)([want], foreach=False, **kw).step()
-    if opt == "Adam" and kind == "plain":  # C's IEEE sqrt against MKL's (test_core_optim)
-        torch.testing.assert_close(p.detach(), want.detach(), rtol=1e-6, atol=0)
-    else:
-        assert torch.equal(p.detach(), want.detach())
-    crossed = kind == "plain" and _core._C is not None
-    assert calls == ([opt.lower() + "_step"] if crossed else [])
-
-
-@pytest.mark.parametrize("where", ["grad", "state"])
-@pytest.mark.parametrize("opt", ["SGD", "Adam"])
-def test_fused_optimizer_refuses_a_shrunk_storage(where, opt):
-    """A gradient or optimizer state whose storage was shrunk is the ValueError of every
-    other _core entry point (C would read and write past it), whatever the backend."""
-    from cfsdp import optim as co
-
-    p = torch.nn.Parameter(torch.ones(8))
-    p.grad = torch.ones(8)
-    o = getattr(co, opt)([p], lr=0.1, **(dict(momentum=0.9) if opt == "SGD" else {}))
-    if where == "state":
-        o.step()
-        t = o.state[p]["momentum_buffer" if opt == "SGD" else "exp_avg"]
-    else:
-        t = p.grad
-    t.untyped_storage().resize_(0)
-    with pytest.raises(ValueError, match="needs 32 bytes of storage but its storage has 0"):
-        o.step()
-
-
 def test_core_refuses_fake_meta_and_functorch_tensors(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -43,8 +43,7 @@ State tensors replaced by hand inside a state dict
 ``load_state_dict``; in-place edits are fine.
 
 What the C core does not take (fp64/bf16/fp16 parameters, non-CPU or strided
-tensors, whatever ``cfsdp._core.c_tensor_ok`` refuses: subclasses, lazily negated
-tensors, ...; DTensor gradients with placements other than the parameter's,
+tensors, DTensor gradients with placements other than the parameter's,
 aliasing memory, a parameter listed twice) runs torch's single-tensor math per
 tensor with torch ops (``cfsdp._ref.optim``), with states created as torch
 creates them.  ``CFSDP_IMPL=python`` runs the same plans on those twins.
@@ -87,6 +86,7 @@ from .._torch.core import scalar_dtype as _get_scalar_dtype
 __all__ = ["Adam", "AdamW", "SGD"]
 
 _F32 = torch.float32
+_STRIDED = torch.strided
 _ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 _AMS_KIND = "max_exp_avg_sq"
 _SGD_KIND = "momentum_buffer"
@@ -100,8 +100,11 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-_fusible = _core.optim_tensor_ok  # a local tensor the C core can step in place
-_addr = _core.address
+def _fusible(t: Tensor) -> bool:
+    """A local tensor the C core can step in place."""
+    return (
+        t.dtype is _F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()
+    )
 
 
 def _reject_options(name: str, foreach, fused, capturable, differentiable) -> None:
@@ -268,7 +271,7 @@ class _FusedStep:
                 continue
             if g is None:
                 return False
-            if _addr(_local(kind.param)) != kind.ptr or state.get(kind.param) is not kind.state_obj:
+            if _local(kind.param).data_ptr() != kind.ptr or state.get(kind.param) is not kind.state_obj:
                 return False
             if kind.placements is not None:
                 if not isinstance(g, DTensor) or g.placements != kind.placements:
@@ -276,9 +279,12 @@ class _FusedStep:
                 g = g._local_tensor
             elif isinstance(g, DTensor):
                 return False
-            if not (_fusible(g) and g.numel() == kind.numel):
+            if not (
+                g.dtype is _F32 and g.layout is _STRIDED and g.is_cpu and g.is_contiguous()
+                and g.numel() == kind.numel
+            ):
                 return False
-            kind.cur_delta = _addr(g) - kind.ptr
+            kind.cur_delta = g.data_ptr() - kind.ptr
         for b in plan.buckets:
             d = b.entries[0].cur_delta
             for e in b.entries:
@@ -345,8 +351,8 @@ class _FusedStep:
             pl, gl, placements = p, g, None
         if not (_fusible(pl) and _fusible(gl) and gl.numel() == pl.numel()):
             return None
-        ptr = _addr(pl)
-        return _Entry(i, p, pl, ptr, pl.numel(), placements, _addr(gl) - ptr)
+        ptr = pl.data_ptr()
+        return _Entry(i, p, pl, ptr, pl.numel(), placements, gl.data_ptr() - ptr)
 
     # ----------------------------------------------------------- packing
     def _cf_pack(self, entries: list, group: dict) -> None:
@@ -385,7 +391,7 @@ class _FusedStep:
                 sl = _local(s)
                 if not (_fusible(sl) and sl.shape == e.local.shape):
                     return False
-                d = _addr(sl) - e.ptr
+                d = sl.data_ptr() - e.ptr
                 if delta is None:
                     delta = d
                 elif d != delta:
@@ -475,7 +481,7 @@ def _buckets(entries: list, kinds: tuple) -> list:
     for e in entries:
         if e.numel == 0:
             continue
-        deltas = tuple(_addr(e.states[k]) - e.ptr for k in kinds)
+        deltas = tuple(e.states[k].data_ptr() - e.ptr for k in kinds)
         groups.setdefault((e.grad_delta, deltas, e.first), []).append(e)
     out = []
     for (_, deltas, first), es in groups.items():
@@ -594,11 +600,16 @@ class Adam(_FusedStep, torch.optim.Adam):
                 self._cf_adam_torch(params[i], grads[i], kinds, hp)
 
     def _cf_adam_bucket(self, b: _Bucket, step: float, hp: dict) -> None:
-        es = b.entries
-        _core.adam_step_tensors(
-            [e.local for e in es], [_plan_grad(e) for e in es],
-            [e.states["exp_avg"] for e in es], [e.states["exp_avg_sq"] for e in es],
-            [e.states[_AMS_KIND] for e in es] if hp["amsgrad"] else None, step=step, **hp)
+        if _core.optim_c_available():
+            base, d = b.base, b.state_deltas
+            _core.adam_step_addrs(base, base + b.grad_delta, base + d[0], base + d[1],
+                                  base + d[2] if hp["amsgrad"] else None, b.ranges,
+                                  step=step, **hp)
+            return
+        for e in b.entries:  # CFSDP_IMPL=python: the twin, tensor by tensor
+            g = _plan_grad(e)
+            _core.adam_tensor(e.local, g, e.states["exp_avg"], e.states["exp_avg_sq"],
+                              e.states.get(_AMS_KIND), step=step, **hp)
 
     def _cf_adam_torch(self, p: Tensor, g: Tensor, kinds: tuple, hp: dict) -> None:
         """torch's own per-tensor path, states as torch creates them."""
@@ -696,11 +707,14 @@ class SGD(_FusedStep, torch.optim.SGD):
         any_first = False
         for b in plan.buckets:
             any_first |= b.first
-            es = b.entries
-            _core.sgd_step_tensors(
-                [e.local for e in es], [_plan_grad(e) for e in es],
-                [e.states[_SGD_KIND] for e in es] if momentum else None, first_step=b.first,
-                **hp)
+            if _core.optim_c_available():
+                base, d = b.base, b.state_deltas
+                _core.sgd_step_addrs(base, base + b.grad_delta, base + d[0] if momentum else None,
+                                     b.ranges, first_step=b.first, **hp)
+            else:
+                for e in b.entries:
+                    _core.sgd_tensor(e.local, _plan_grad(e), e.states.get(_SGD_KIND),
+                                     first_step=b.first, **hp)
         if any_first:  # the buffers are set now: rebuild, one bucket per layout
             self._cf_plans.pop(gi, None)
         torch_path = [i for i, kind in enumerate(plan.kind) if kind is _TORCH]
