@@ -576,8 +576,3 @@ class ShmView:
         code = self._code("broadcast", t)
         return self._g.broadcast(t.data_ptr(), t.numel(), code, int(root), threads, (t,))
 
-
-def same_address(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` start at the same address (one buffer seen twice: a copy
-    between them would be a no-op)."""
-    return a.data_ptr() == b.data_ptr()

@@ -546,3 +546,30 @@ def test_shrunk_storage_is_an_error_on_every_path(monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match="storage"):
         comm._shm_ok(t)
+
+
+class _Sub(torch.Tensor):
+    """A plain subclass: memory of its own at its address, but not a type that may cross."""
+
+
+@pytest.mark.parametrize("when", ["first_step", "later_step"])
+@pytest.mark.parametrize("kind", ["sub", "neg"])
+@pytest.mark.parametrize("opt", ["SGD", "Adam"])
+def test_fused_optimizer_gradient_that_may_not_cross(when, kind, opt):
+    """A gradient that may not cross into C (a subclass; a lazily negated one, which C would
+    read un-negated: a wrong step) is stepped as torch.optim steps it, whether it comes when
+    the plan is built or on a later step (the plan's per-step check)."""
+    from cfsdp import optim as co
+
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    odd = {"sub": lambda: b.clone().as_subclass(_Sub), "neg": lambda: torch._neg_view(-b)}[kind]
+    kw = dict(lr=0.5, momentum=0.9) if opt == "SGD" else dict(lr=0.5)
+    p, want = torch.nn.Parameter(a.clone()), torch.nn.Parameter(a.clone())
+    mine, theirs = getattr(co, opt)([p], **kw), getattr(torch.optim, opt)([want], foreach=False, **kw)
+    steps = [odd, b.clone] if when == "first_step" else [b.clone, odd]
+    for make in steps:
+        p.grad, want.grad = make(), b.clone()
+        mine.step()
+        theirs.step()
+    torch.testing.assert_close(p.detach(), want.detach(), rtol=1e-6, atol=0)

@@ -101,10 +101,10 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _fusible(t: Tensor) -> bool:
-    """A local tensor the C core can step in place."""
-    return (
-        t.dtype is _F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()
-    )
+    """A local tensor the C core can step in place: fp32 and ``_core.c_tensor_ok`` (the
+    door's one rule; checked when a plan is built, then each step's gradient again in
+    ``_cf_refresh``'s cheap form)."""
+    return t.dtype is _F32 and _core.c_tensor_ok(t)
 
 
 def _reject_options(name: str, foreach, fused, capturable, differentiable) -> None:
@@ -279,9 +279,12 @@ class _FusedStep:
                 g = g._local_tensor
             elif isinstance(g, DTensor):
                 return False
+            # c_tensor_ok's per-step part (cheap): a plain tensor (no subclass: a wrapper's
+            # address is not its data), not lazily negated (C would read it un-negated: a
+            # wrong step), fp32, strided, CPU, contiguous, the parameter's numel
             if not (
-                g.dtype is _F32 and g.layout is _STRIDED and g.is_cpu and g.is_contiguous()
-                and g.numel() == kind.numel
+                type(g) is Tensor and g.dtype is _F32 and g.layout is _STRIDED and g.is_cpu
+                and g.is_contiguous() and not g.is_neg() and g.numel() == kind.numel
             ):
                 return False
             kind.cur_delta = g.data_ptr() - kind.ptr

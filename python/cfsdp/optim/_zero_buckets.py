@@ -395,15 +395,15 @@ class BucketViews:
                     self.flat, self.shared = flat, True
             for p, view in zip(params, _views(layout, self.flat)):
                 p.data = view
-        self._ptrs = [(p, p.data_ptr()) for p in params]
+        self._ptrs = [(p, _core.address(p)) for p in params]
 
     def holds(self, p: Tensor) -> bool:
         """Whether ``p``'s memory lies in this bucket buffer."""
-        lo = self.flat.data_ptr()
-        return lo <= p.data_ptr() < lo + self.flat.numel() * self.flat.element_size()
+        lo = _core.address(self.flat)
+        return lo <= _core.address(p) < lo + self.flat.numel() * self.flat.element_size()
 
     def moved(self) -> bool:
-        return any(p.data_ptr() != ptr for p, ptr in self._ptrs)
+        return any(_core.address(p) != ptr for p, ptr in self._ptrs)
 
     def sync(self, rank: int, group: Any) -> None:
         """The private bucket's all-gather; nothing for a shared one (its owners wrote
@@ -448,10 +448,10 @@ class StagedSync:
                         dsts.append(pl.param.detach().view(-1)[s - pl.offset : e - pl.offset])
                         srcs.append(self.staging[q * n + s - lo : q * n + e - lo])
             self._rounds.append((lo, n, dsts, srcs))
-        self._ptrs = [(p, p.data_ptr()) for p in layout.params()]
+        self._ptrs = [(p, _core.address(p)) for p in layout.params()]
 
     def moved(self) -> bool:
-        return any(p.data_ptr() != ptr for p, ptr in self._ptrs)
+        return any(_core.address(p) != ptr for p, ptr in self._ptrs)
 
     def sync(self, rank: int, group: Any) -> None:
         if self.staging is None or self.layout.world_size == 1:
