@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -730,9 +730,52 @@ def fully_shard(
     ``cfsdp/_torch/fsdp2.py``).
 
     Apply it bottom-up (each block, then the root).  Returns ``module`` (its
-    class is now ``FSDP<Cls>``)."""
+    class is now ``FSDP<Cls>``).
+
+    Three steps, as torch FSDP2's ``_fsdp_init.py`` separates them, each raising in
+    torch's order: :func:`_validate_call` (the modules, mesh and policies; the mesh
+    infos and the post-forward reshard), :func:`_discover` (which modules and parameters
+    this call manages, each parameter checked and given its mesh and shard dim) and
+    :func:`_install` (the unit, the modules' state, hooks and classes)."""
     newer = _fsdp2.newer_kwargs(kwargs)  # torch's TypeError for an argument this torch lacks
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    call = _validate_call(modules, mesh, newer.get("dp_mesh_dims"), reshard_after_forward,
+                          mp_policy, offload_policy)
+    found = _discover(modules, call, set(ignored_params or ()), shard_placement_fn)
+    _install(modules, call, found, mp_policy)
+    return module
+
+
+class _Call(NamedTuple):
+    """What :func:`_validate_call` settles of one ``fully_shard`` call."""
+
+    mesh: DeviceMesh
+    device: torch.device
+    info: Any  # torch's mesh info (dp_mesh_dims: the data-parallel dims, flattened)
+    default_dp: DPMesh
+    sharded: bool  # an FSDP mesh info; else torch's DDP mode (no shard dim)
+    raf_arg: Optional[Union[bool, int]]  # reshard_after_forward as given
+    reshard_after_forward: Optional[bool]
+    post_forward_group: Optional[dist.ProcessGroup]
+
+
+class _Found(NamedTuple):
+    """What :func:`_discover` finds: the managed modules; per parameter ``(owner module,
+    name, fqn, parameter, further (module, name) occurrences)``; the dims of parameters
+    not sharded on dim 0; each parameter's mesh."""
+
+    managed: list
+    entries: list
+    shard_dims: dict
+    meshes: "_ParamMeshes"
+
+
+def _validate_call(modules: list, mesh: Optional[DeviceMesh], dp_mesh_dims: Any,
+                   reshard_after_forward: Optional[Union[bool, int]],
+                   mp_policy: Any, offload_policy: Any) -> _Call:
+    """Validation: the modules (not wrapped, not given to ``fully_shard`` before), the mesh
+    (the default one when none is given) and the policies; then the mesh info, the
+    device and the post-forward reshard (torch's ``_get_post_forward_mesh_info``)."""
     if not modules:
         raise ValueError("fully_shard needs at least one module")
     for m in modules:
@@ -755,7 +798,6 @@ def fully_shard(
                 "(cfsdp: apply it once per module; fully_shard([a, b]) groups several modules "
                 "in one unit)"
             )
-    dp_mesh_dims = newer.get("dp_mesh_dims")
     mesh = mesh if mesh is not None else _default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -793,10 +835,18 @@ def fully_shard(
         if reshard_after_forward is not None:
             reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward,
                                                                       default_dp)
-    ignored = set(ignored_params or ())
+    return _Call(mesh, device, info, default_dp, sharded, raf_arg, reshard_after_forward,
+                 post_forward_group)
+
+
+def _discover(modules: list, call: _Call, ignored: set,
+              shard_placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> _Found:
+    """Discovery: the modules and parameters this call manages (:func:`_managed`, torch's
+    ``_get_managed_states``), every parameter checked as torch checks it (in torch's
+    order: scalars first, then the placements, then each parameter's own checks) and
+    given its mesh (``ShardPlacementResult``) and shard dim (``shard_placement_fn``)."""
     managed, params = _managed(modules, ignored)
-    root_mod = modules[0]
-    fqn_of = {p: n for n, p in root_mod.named_parameters(remove_duplicate=False)}
+    fqn_of = {p: n for n, p in modules[0].named_parameters(remove_duplicate=False)}
     entries = []
     not_implemented: Optional[NotImplementedError] = None
     for p, occ in params:  # as torch, every parameter before the per-parameter checks
@@ -807,26 +857,27 @@ def fully_shard(
                 f"is '{full_name(*occ[0], known=fqn_of.get(p, occ[0][1]))}'; e.g. "
                 "nn.Parameter(torch.tensor([v])), or pass it in ignored_params.)"
             )
-    if shard_placement_fn is not None and not sharded:
+    if shard_placement_fn is not None and not call.sharded:
         raise ValueError(
             "Per-param mesh via shard_placement_fn is not supported with "
-            f"{type(info).__name__}; it requires FSDPMeshInfo (or subclass) (cfsdp: "
+            f"{type(call.info).__name__}; it requires FSDPMeshInfo (or subclass) (cfsdp: "
             "dp_mesh_dims names no shard dim; name one, or pass no shard_placement_fn)")
     placements: dict[nn.Parameter, Any] = {}
-    meshes = _ParamMeshes(info, default_dp)  # each parameter's mesh (ShardPlacementResult)
+    meshes = _ParamMeshes(call.info, call.default_dp)  # each parameter's mesh (ShardPlacementResult)
     if shard_placement_fn is not None and _fsdp2.RESOLVES_PLACEMENTS_FIRST:
         for p, occ in params:  # as torch 2.13+, every result is resolved first
             placements[p] = shard_placement_fn(p)
             _check_placement_result(placements[p], fqn_of.get(p, occ[0][1]))
             placements[p] = meshes.resolve(p, placements[p], fqn_of.get(p, occ[0][1]))
     shard_dims: dict[nn.Parameter, int] = {}
+    device = call.device
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
         check_plain_param(p, fqn, "fully_shard", tp_ok=True)
         if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "
-                f"{mesh.device_type}; move the module to {device} before fully_shard."
+                f"{call.mesh.device_type}; move the module to {device} before fully_shard."
             )
         if not p.is_contiguous():
             raise NotImplementedError(
@@ -847,28 +898,37 @@ def fully_shard(
         entries.append((occ[0][0], occ[0][1], fqn, p, tuple(occ[1:])))
     if not_implemented is not None:
         raise not_implemented
+    return _Found(managed, entries, shard_dims, meshes)
+
+
+def _install(modules: list, call: _Call, found: _Found, mp_policy: MixedPrecisionPolicy) -> None:
+    """Installation: the chunk unit(s) (the parameters become its sharded DTensors), the
+    managed modules' buffers moved to the device and torch's markers set, then per module
+    the call's state, torch's registry entries, the forward hooks and the ``FSDP<Cls>``
+    class; the state-dict hooks on the modules that hold the unit's parameters."""
+    meshes, entries, device = found.meshes, found.entries, call.device
     # the post-forward group of each other mesh, as torch makes it (an int checked against
     # that mesh's shard size too)
-    post_forward = {id(default_dp): post_forward_group}
+    post_forward = {id(call.default_dp): call.post_forward_group}
     for dp in meshes.others():
-        post_forward[id(dp)] = _post_forward(True if raf_arg is None else raf_arg, dp)[1]
+        post_forward[id(dp)] = _post_forward(True if call.raf_arg is None else call.raf_arg, dp)[1]
     # one chunk unit, or one per (mesh, dtype) when the call's parameters have several
     unit = chunk_units(entries, lambda es: ChunkUnit(
         es, meshes.of(es[0][3]), device, mp_policy.param_dtype, mp_policy.reduce_dtype,
-        shard_dims=shard_dims), mesh_of=lambda p: id(meshes.of(p)))
+        shard_dims=found.shard_dims), mesh_of=lambda p: id(meshes.of(p)))
     if unit is not None:
         for u in getattr(unit, "units", (unit,)):
             u.post_forward_group = post_forward[id(u.dp)]
         for owner, name, fqn, p, _ in entries:  # an optimizer holding them fails at step()
             mark_replaced(p, fqn, FULLY_SHARD, owner, name)
-    for b in (b for m in managed for b in m._buffers.values() if b is not None):
+    for b in (b for m in found.managed for b in m._buffers.values() if b is not None):
         if b.device != device and b.device.type != "meta":
             b.data = b.to(device)
-    for m in managed:  # as torch sets them (torch.compile reads these)
+    for m in found.managed:  # as torch sets them (torch.compile reads these)
         m._is_fsdp_managed_module = True
         m._fsdp_use_orig_params = True
-    name = type(root_mod).__name__
-    state = _FSState(modules, unit, name, reshard_after_forward, mp_policy)
+    name = type(modules[0]).__name__
+    state = _FSState(modules, unit, name, call.reshard_after_forward, mp_policy)
     for m in modules:
         setattr(m, _STATE_ATTR, state)
         # torch's composable registry (_composable.contract): fully_shard.state(m), and
@@ -883,7 +943,6 @@ def fully_shard(
             m.register_state_dict_pre_hook(functools.partial(_to_sharded_hook, state))
             m._register_load_state_dict_pre_hook(functools.partial(_to_sharded_hook, state))
             m.register_load_state_dict_post_hook(functools.partial(_post_load_hook, state))
-    return module
 
 
 def _state_of(module: nn.Module) -> Optional[_FSState]:

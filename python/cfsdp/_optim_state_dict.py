@@ -55,7 +55,8 @@ from ._state_dict import as_tp_value, get_state_dict_type, root_mesh_value
 from .api import OptimStateKeyType, StateDictType
 from ._runtime import comm
 from ._runtime.base import TrainingState, wrappers_in
-from ._runtime.unit import ParamInfo, Unit, tp_dtensor
+from ._runtime.unit import ParamInfo, Unit
+from ._runtime.views import as_tp
 from ._torch.checkpoint import ShardedTensor, gather_state_dict
 from ._torch.fsdp1 import create_chunk_dtensor, create_chunk_sharded_tensor
 
@@ -271,7 +272,7 @@ class _Out:
             return self._chunk(full, unit, spec)
         out = full.detach().clone() if full.device.type == "cpu" or not self.offload else full.detach()
         out = out.cpu() if self.offload else out
-        return out if spec is None else tp_dtensor(out, spec)
+        return out if spec is None else as_tp(out, spec)
 
     def _chunk(self, full: torch.Tensor, unit: Unit, spec: Any) -> Any:
         if self.view.root is not None:

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._runtime.base import FromLocalView
+from ._runtime.views import from_local
 
 __all__ = ["pre_dp_module_transform"]
 
@@ -67,7 +67,7 @@ class _Transform:
                 spec = e.spec = _grad_spec(spec, e.local)
             # DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)
             # with the spec built once
-            e.module.__dict__[e.name] = FromLocalView.apply(e.local, spec)
+            e.module.__dict__[e.name] = from_local(e.local, spec)
 
     def state_dict_hook(self, module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
         """Before the first forward the registration holds the plain parameters DDP needs:
@@ -140,7 +140,7 @@ def pre_dp_module_transform(module: nn.Module) -> nn.Module:
                 continue
             fqn = f"{mod_name}.{name}" if mod_name else name
             if not all(pl.is_shard() or pl.is_replicate() for pl in p.placements):
-                # FromLocalView's backward hands back gradients in the forward placements,
+                # from_local's backward hands back gradients in the forward placements,
                 # which are their own gradient placements only for Shard and Replicate
                 raise NotImplementedError(
                     f"pre_dp_module_transform: parameter '{fqn}' is a DTensor placed "

@@ -47,9 +47,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from .._torch.dtensor import DTensorSpec, redistribute_local_tensor
 from . import comm
 from .reduce import scale_cast_add
 
@@ -156,10 +154,6 @@ class UnshardStates:
     @property
     def is_unsharded(self) -> bool:
         return self._buf is not None
-
-    @property
-    def unshard_in_flight(self) -> bool:
-        return self._unshard_work is not None
 
     def unshard(self, async_op: bool = False, **kw: Any) -> None:
         if self._buf is None and self._unshard_work is None:
@@ -268,33 +262,6 @@ def hook_grad_ready(unit: UnitContract) -> None:
 # ---------------------------------------------------------------------------
 # tensors and views
 # ---------------------------------------------------------------------------
-
-
-class FromLocalView(torch.autograd.Function):
-    """``DTensor.from_local(view, mesh, placements, run_check=False, shape=, stride=)`` with
-    the spec built once (``spec``, in the view's dtype): a TP parameter's forward view.
-    Backward is ``from_local``'s for ``Shard`` and ``Replicate`` placements (their own
-    gradient placements; the wrapper and ``pre_dp_module_transform`` take no others): the
-    gradient redistributed to ``spec``'s placements when it arrives in others (e.g. a
-    partial sum), its local tensor handed to the view.  ``from_local`` rebuilds the spec
-    and checks its arguments on every call: most of the host time per TP parameter."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad: Optional[DTensor]):  # type: ignore[override]
-        if grad is None:
-            return None, None
-        spec = ctx.spec
-        if grad.placements == spec.placements:
-            return grad._local_tensor, None
-        target = DTensorSpec(spec.mesh, spec.placements, tensor_meta=grad._spec.tensor_meta)
-        return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
-
 
 
 def alloc_storage(t: torch.Tensor) -> None:

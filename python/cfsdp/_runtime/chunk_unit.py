@@ -47,29 +47,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _core
-from .._torch.dtensor import DTensorSpec, TensorMeta, make_contiguous_strides_for, redistribute_local_tensor
+from .._torch.dtensor import DTensorSpec, make_contiguous_strides_for, redistribute_local_tensor
 from .._torch.dtensor import StridedShard as _StridedShard
 from . import comm
 from .reduce import divide_factors
 from .replaced import ADOPTED, mark_replaced, orig_uid
 from .base import (PendingReduce, UnshardStates, accumulate_sharded, all_none, alloc_storage,
-                   free_storage, hook_grad_ready, views_or_none)
-
-
-# DTensorSpecs by mesh, then (placements, shape, stride, dtype): the parameters of
-# repeated blocks share them (a spec is immutable; torch shares specs between
-# DTensors too), so wrapping builds one per distinct parameter, not one per parameter.
-_SPECS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
-def _spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype) -> DTensorSpec:
-    per_mesh = _SPECS.setdefault(mesh, {})
-    key = (placements, tuple(shape), stride, dtype)
-    spec = per_mesh.get(key)
-    if spec is None:
-        spec = per_mesh[key] = DTensorSpec(mesh, placements,
-                                           tensor_meta=TensorMeta(shape, stride, dtype))
-    return spec
+                   free_storage, views_or_none)
+from .views import (Bindings, GradSink, TPOccurrence, as_dtensor, changed_mask, dtensor_spec,
+                    hook_flat_grad, split_views, tp_views)
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -316,15 +302,11 @@ class ChunkUnit(UnshardStates):
         )
 
     def _init_binding(self) -> None:
-        """The tuples the per-step passes work on (see [Note: bulk binding] in unit.py):
-        every occurrence of every parameter (shared parameters have several), its
-        module's ``__dict__`` and ``_parameters`` and its name."""
-        occ = [(qi, mod, name) for qi, q in enumerate(self.params)
-               for mod, name in ((q.module, q.name), *q.aliases)]
-        self._occ_index = tuple(qi for qi, _, _ in occ)
-        self._occ_attrs = tuple(mod.__dict__ for _, mod, _ in occ)
-        self._occ_params = tuple(mod._parameters for _, mod, _ in occ)
-        self._occ_keys = tuple(name for _, _, name in occ)
+        """The binding table (``views.Bindings``, [Note: bulk binding]): every occurrence of
+        every parameter (shared parameters have several), its module's ``__dict__`` and
+        ``_parameters`` and its name; and what the per-step passes read."""
+        self._bind = Bindings([(qi, mod, name) for qi, q in enumerate(self.params)
+                               for mod, name in ((q.module, q.name), *q.aliases)])
         self._sharded_t: tuple = ()  # per parameter: the DTensor parameters
         self._sharded_occ: tuple = ()  # per occurrence
         self._unsharded_t: Optional[tuple] = None  # per parameter, built on first unshard
@@ -333,16 +315,17 @@ class ChunkUnit(UnshardStates):
         self._shapes = tuple(None if len(q.shape) == 1 else q.shape for q in self.params)
         self._rg_mask: Optional[bytes] = None
         self._grad_view_plan: Optional[tuple] = None  # (mask, index, shapes): publish_unsharded_grad
-        # occurrences of tensor-parallel parameters: their views become TP DTensors
-        self._tp_occ = tuple((k, qi, self.params[qi]) for k, qi in enumerate(self._occ_index)
-                             if self.params[qi].tp_spec is not None)
-        self._weak_self = weakref.ref(self)
+        # occurrences of tensor-parallel parameters: their views become TP DTensors whose
+        # backward leaves partial sums to the unit (FSDP2's: [Note: tensor-parallel parameters])
+        weak_self = weakref.ref(self)
+        self._tp_occ = tuple(
+            TPOccurrence(k, q.tp_spec.mesh, q.tp_spec.placements, q.global_shape, q.global_stride,
+                         GradSink(q.grad_placements, weak_self, qi))
+            for k, (qi, q) in enumerate((qi, self.params[qi]) for qi in self._bind.index)
+            if q.tp_spec is not None)
         # TP parameters whose accumulated local gradient is still a partial sum (by index):
         # the spec it has; redistributed once, just before the reduction
         self._partial: dict[int, Any] = {}
-
-    def _per_occurrence(self, per_param) -> tuple:
-        return tuple(per_param[i] for i in self._occ_index)
 
     def _local_view(self, buf: torch.Tensor, q: ChunkParam) -> torch.Tensor:
         return buf[q.shard_off : q.shard_off + q.local_numel].view(q.local_shape)
@@ -432,20 +415,17 @@ class ChunkUnit(UnshardStates):
         q.global_stride = tuple(p.stride())
         self._tp = True
 
-    def _tp_dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
+    @staticmethod
+    def _tp_dtensor(local: torch.Tensor, q: ChunkParam) -> DTensor:
         """``local`` (a view of the unsharded buffer) as the module sees a TP parameter:
         a DTensor on the TP mesh (no autograd edge)."""
-        spec = _spec(q.tp_spec.mesh, q.tp_spec.placements, q.global_shape, q.global_stride,
-                     local.dtype)
-        return DTensor(local, spec, requires_grad=False)
+        return as_dtensor(local, q.tp_spec.mesh, q.tp_spec.placements, q.global_shape,
+                          q.global_stride)
 
-    def _dtensor(self, local: torch.Tensor, q: ChunkParam) -> DTensor:
-        """``local`` as this parameter's sharded DTensor (no autograd edge).  The
-        spec comes from the shared cache (``_spec``) and the DTensor is constructed
-        directly: ``DTensor.from_local`` goes through an autograd Function and
-        rebuilds the spec, which dominated publishing small units' gradients."""
-        spec = _spec(q.mesh, q.placements, q.global_shape, q.global_stride, local.dtype)
-        return DTensor(local, spec, requires_grad=False)
+    @staticmethod
+    def _dtensor(local: torch.Tensor, q: ChunkParam) -> DTensor:
+        """``local`` as this parameter's sharded DTensor (no autograd edge)."""
+        return as_dtensor(local, q.mesh, q.placements, q.global_shape, q.global_stride)
 
     def _new_natural(self) -> None:
         """The unsharded buffer (storage freed) and the flat parameter over it."""
@@ -476,8 +456,8 @@ class ChunkUnit(UnshardStates):
         """Register every parameter's ``q.sharded`` in its modules and rebuild what
         the per-step passes read."""
         self._sharded_t = tuple(q.sharded for q in self.params)
-        self._sharded_occ = self._per_occurrence(self._sharded_t)
-        _core.dict_set(self._occ_params, self._occ_keys, self._sharded_occ)
+        self._sharded_occ = self._bind.per_occurrence(self._sharded_t)
+        self._bind.register(self._sharded_occ)
         self._pub = None
         self._rg_mask = None  # read the new parameters' requires_grad
 
@@ -506,8 +486,8 @@ class ChunkUnit(UnshardStates):
                 elif q.unsharded.requires_grad != q.requires_grad:
                     q.unsharded.requires_grad_(q.requires_grad)
             self._unsharded_t = tuple(q.unsharded for q in self.params)
-            self._unsharded_occ = self._per_occurrence(self._unsharded_t)
-        _core.dict_set(self._occ_params, self._occ_keys, self._unsharded_occ)
+            self._unsharded_occ = self._bind.per_occurrence(self._unsharded_t)
+        self._bind.register(self._unsharded_occ)
 
     def reset_sharded_params(self) -> None:
         """Take over parameters that replaced ours or their data (``to_empty`` after
@@ -575,7 +555,7 @@ class ChunkUnit(UnshardStates):
                 mark_replaced(q.sharded, q.fqn, ADOPTED, q.module, q.name)
             # the object stays the user's; its local tensor is the shard's rows again
             cur._local_tensor = self._shard_local(q)
-            cur._spec = _spec(q.mesh, q.placements, q.global_shape, q.global_stride, self.dtype)
+            cur._spec = dtensor_spec(q.mesh, q.placements, q.global_shape, q.global_stride, self.dtype)
             q.sharded = cur
         self._bind_sharded_params()
 
@@ -687,38 +667,33 @@ class ChunkUnit(UnshardStates):
             return
         free_storage(self.natural)
         self._buf = None
-        _core.dict_pop(self._occ_attrs, self._occ_keys)
+        self._bind.unshow()
         if self._unsharded_grads:
             _core.attr_set(self._unsharded_t, "grad", None)
-        _core.dict_set(self._occ_params, self._occ_keys, self._sharded_occ)
+        self._bind.register(self._sharded_occ)
         self._unsharded_grads = False
 
     def use_forward_views(self) -> None:
         """Bind each parameter name to its view of ``flat_param`` (through autograd;
         frozen parameters get detached views), made in one C pass (see
-        [Note: forward views] in unit.py)."""
+        [Note: forward views] in views.py)."""
         if self._rg_mask is None:  # parameters replaced since the last forward
             self.refresh_requires_grad()
-        parts = torch.split(self.flat_param, self._split_sizes)
+        parts, views = split_views(self.flat_param, self._split_sizes, self._param_index,
+                                   self._shapes, self._rg_mask, self._bind.index)
         node = parts[0].grad_fn if parts else None
         if node is not None:  # which parameters get a gradient: [Note: unused parameters]
             node.register_prehook(self._note_grads_hook)
-        views = _core.shape_views(parts, self._param_index, self._shapes, self._rg_mask,
-                                  self._occ_index)
         if self._tp_occ:  # [Note: tensor-parallel parameters]
-            views = list(views)
-            for k, qi, q in self._tp_occ:
-                views[k] = _TPView.apply(views[k], self._weak_self, qi) if views[k].requires_grad \
-                    else self._tp_dtensor(views[k], q)
-            views = tuple(views)
-        _core.dict_set(self._occ_attrs, self._occ_keys, views)
+            views = tp_views(views, self._tp_occ)
+        self._bind.show(views)
 
     def end_forward_views(self) -> None:
         """A unit left unsharded after backward: unbind the forward views, so attribute
         access shows the registered unsharded parameters (and their gradients) until the
         next forward, as torch's FSDP2 shows them."""
         if self._buf is not None:
-            _core.dict_pop(self._occ_attrs, self._occ_keys)
+            self._bind.unshow()
 
     def note_grads(self, grad_outputs: tuple) -> None:
         """The split node's pre-hook: record which parameters' views got a gradient."""
@@ -743,18 +718,12 @@ class ChunkUnit(UnshardStates):
         self._all_got_grad = True
         return out
 
-    def full_values(self) -> list[torch.Tensor]:
-        """Views with the original shapes of the unsharded buffer."""
-        if self._buf is None:
-            raise AssertionError("cfsdp chunk unit: not unsharded")
-        return [self._buf[q.nat_off : q.nat_off + q.numel].view(q.shape) for q in self.params]
-
     def refresh_requires_grad(self) -> None:
         """Follow the sharded parameters' requires_grad (the user may freeze or
         unfreeze them between steps): one C read per step, the per-parameter
         work only when it changed."""
-        mask = _core.attr_flags(self._sharded_t, "requires_grad")
-        if mask == self._rg_mask:
+        mask = changed_mask(self._sharded_t, self._rg_mask)
+        if mask is None:
             return
         self._rg_mask = mask
         for q, rg in zip(self.params, mask):
@@ -768,9 +737,7 @@ class ChunkUnit(UnshardStates):
     def refresh_requires_grad_flat(self) -> None:
         rg = any(q.requires_grad for q in self.params)
         self.flat_param.requires_grad_(rg)
-        if rg and not self._hooked:
-            hook_grad_ready(self)
-            self._hooked = True
+        hook_flat_grad(self, rg)
 
     def drop_iteration(self) -> None:
         """reset_iter_state: reshard and drop what the failed iteration accumulated."""
@@ -915,9 +882,10 @@ class ChunkUnit(UnshardStates):
         self._partial.clear()
 
     def note_partial(self, qi: int, spec: Any) -> None:
-        """``_TPView``'s backward: parameter ``qi``'s local gradient is a partial sum, or
-        has other placements than the parameter's on the data-parallel dims of
-        ``dp_mesh_dims`` (kept as they are: [Note: dp_mesh_dims])."""
+        """A TP view's backward (``views.TPView`` with this unit's ``GradSink``): parameter
+        ``qi``'s local gradient is a partial sum, or has other placements than the
+        parameter's on the data-parallel dims of ``dp_mesh_dims`` (kept as they are:
+        [Note: dp_mesh_dims])."""
         have = self._partial.get(qi)
         if have is not None and have.placements != spec.placements:
             raise AssertionError(
@@ -1007,50 +975,6 @@ class ChunkUnit(UnshardStates):
                 for i, (v, q) in enumerate(zip(views, self.params)))
         _core.attr_set(self._unsharded_t, "grad", views)
         self._unsharded_grads = True
-
-
-class _TPView(torch.autograd.Function):
-    """A TP parameter's forward view as the module sees it: a DTensor on the TP mesh over
-    the view of the unsharded buffer (``DTensor.from_local``'s forward).  Backward hands the
-    gradient's local tensor to the view, turned into the parameter's placements as
-    ``from_local`` does, except that a partial sum over TP ranks where the parameter is
-    replicated (same local shape) is left as it is and noted on the unit: it accumulates
-    as a partial sum and is redistributed once before the reduction, as torch's FSDP2
-    does (see [Note: tensor-parallel parameters])."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, unit_ref, qi: int):  # type: ignore[override]
-        unit = unit_ref()
-        q = unit.params[qi]
-        ctx.unit_ref, ctx.qi = unit_ref, qi
-        ctx.mesh, ctx.placements = q.tp_spec.mesh, q.tp_spec.placements
-        ctx.grad_placements = q.grad_placements
-        ctx.set_materialize_grads(False)
-        spec = _spec(q.tp_spec.mesh, q.tp_spec.placements, q.global_shape, q.global_stride,
-                     local.dtype)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad: Optional[DTensor]):  # type: ignore[override]
-        if grad is None:
-            return None, None, None
-        # the parameter's placements, but the gradient's own on dp_mesh_dims' data-parallel
-        # dims ([Note: dp_mesh_dims]); a placement other than the parameter's is noted
-        want = ctx.grad_placements(grad.placements)
-        unit = ctx.unit_ref()
-        if grad.placements == want:
-            if want != ctx.placements and unit is not None:
-                unit.note_partial(ctx.qi, grad._spec)
-            return grad._local_tensor, None, None
-        if unit is not None and all(
-                g == w or (g.is_partial() and getattr(g, "reduce_op", "sum") == "sum"
-                           and w.is_replicate()) for g, w in zip(grad.placements, want)):
-            unit.note_partial(ctx.qi, grad._spec)
-            return grad._local_tensor, None, None
-        target = DTensorSpec(ctx.mesh, want, tensor_meta=grad._spec.tensor_meta)
-        if want != ctx.placements and unit is not None:
-            unit.note_partial(ctx.qi, target)
-        return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None, None
 
 
 def _weak_note_grads(unit: "ChunkUnit"):

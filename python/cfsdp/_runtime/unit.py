@@ -36,7 +36,7 @@ stride).  What differs is what modules and
 users see, as torch FSDP1 shows it:
 
 * forward binds ``DTensor.from_local`` over each view (run_check=False, the global shape and
-  stride; :class:`~.base.FromLocalView`, its spec built once): its backward turns the
+  stride; :class:`~.views.TPView` without a sink, its spec built once): its backward turns the
   gradient into the parameter's placements (e.g. a partial
   sum over TP ranks into Replicate, one all-reduce per backward), as torch's;
 * summoned and state-dict parameters are DTensors on the TP mesh over the full views
@@ -64,12 +64,12 @@ from torch.distributed.tensor import DTensor
 
 from .. import _core
 from .._fqn import FLAT_PARAM, clean_tensor_name, full_name, join_fqn
-from .._torch.dtensor import DTensorSpec, TensorMeta
 from . import comm
-from .base import (FromLocalView, PendingReduce, TrainingState, UnshardStates, accumulate_sharded,
-                   all_none, alloc_storage, free_storage, hook_grad_ready, set_grad, views_or_none)
+from .base import (PendingReduce, TrainingState, UnshardStates, accumulate_sharded, all_none,
+                   alloc_storage, free_storage, set_grad, views_or_none)
 from .reduce import divide_factors, scale_cast_add
 from .replaced import WRAPPER, WRAPPER_TP, mark_replaced
+from .views import Bindings, TPOccurrence, as_tp, changed_mask, hook_flat_grad, split_views, tp_views
 
 # torch's FSDP1 aligns every original parameter to 16 bytes in the flat
 # buffer when use_orig_params=True (a TorchInductor requirement).
@@ -77,26 +77,8 @@ _ALIGN_BYTES = 16
 _ALIGN_PAD_VALUE = 42  # what torch's FSDP1 writes into those gaps
 
 
-# [Note: bulk binding]
-# Every step a unit rebinds its parameters' names several times: to forward views
-# (pre-forward, pre-backward), to the registered full or sharded parameters
-# (unshard, reshard), and publishes their gradients.  A unit builds the tuples
-# involved once (each occurrence's module ``__dict__`` / ``_parameters``, its name,
-# the objects to bind) and each pass is one call into the C core
-# (``_core.dict_set`` / ``dict_pop`` / ``attr_set`` / ``attr_get`` / ``attr_flags``):
-# no hook on the hot path runs Python per parameter.  Per-parameter Python is left
-# to what happens rarely: the first step, a change of requires_grad, a new buffer.
-#
-# [Note: forward views]
-# The views of the flat parameter that forward uses are made afresh every step
-# (one ``torch.split`` and one ``_core.shape_views`` call), on purpose.  Views kept
-# from an earlier step can be differentiated through again (split and view save no
-# tensors), but autograd's engine runs ready nodes in reverse order of creation: the
-# old split/view nodes would run after every node of the current step, so each
-# unit's flat gradient, and with it its reduce-scatter, would wait for the rest of
-# backward (measured: the collective order changed against torch's, one
-# reduce-scatter behind the next all-gather).  Made in this step's pre-forward, they
-# run right after the unit's own backward, as torch's FSDP1 views do.
+# The binding table, the forward views and the TP views are views.py's, shared with the
+# chunk units ([Note: bulk binding], [Note: forward views]).
 
 
 # [Note: strided parameters]
@@ -276,15 +258,6 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _core.storage_address(a) == _core.storage_address(b)
 
 
-def tp_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
-    """``local`` (a TP parameter's local tensor or a view with its shape) as a DTensor with
-    the parameter's ``spec`` (in ``local``'s dtype); no autograd edge, no communication."""
-    if spec.tensor_meta.dtype != local.dtype:
-        spec = DTensorSpec(spec.mesh, spec.placements,
-                           tensor_meta=TensorMeta(spec.shape, spec.stride, local.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
 class Unit(UnshardStates):
     """One unit's layout, buffers, state and gradient reduction (FSDP1's flat layout;
     meets ``base.UnitContract``)."""
@@ -392,15 +365,13 @@ class Unit(UnshardStates):
     def _init_binding(self) -> None:
         """The tuples of [Note: bulk binding]: every occurrence of an original
         parameter (tied ones have several), its module's ``__dict__``, its name."""
-        every = [*self.infos, *self.shared]
-        self._occ_index = tuple(range(len(self.infos))) + tuple(s.primary for s in self.shared)
-        self._occ_attrs = tuple(i.module.__dict__ for i in every)
-        self._occ_keys = tuple(i.name for i in every)
+        self._bind = Bindings([(i, info.module, info.name) for i, info in enumerate(self.infos)]
+                              + [(s.primary, s.module, s.name) for s in self.shared])
+        self._occ_index = self._bind.index
         self._orig_t = tuple(i.param for i in self.infos)
-        # [Note: writeback of original parameters]: each occurrence's registered parameters
-        # and the object it should hold; what the unit last set as data and gradients
-        self._occ_params_dicts = tuple(i.module._parameters for i in every)
-        self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
+        # [Note: writeback of original parameters]: the object each occurrence's registered
+        # parameters should hold; what the unit last set as data and gradients
+        self._occ_params = self._bind.per_occurrence(self._orig_t)
         self._idle_ptrs: tuple = ()
         self._shown_grads: tuple = (None,) * len(self.infos)
         self._grads_hidden = False  # the writeback showed a gradient set to None as None
@@ -423,14 +394,15 @@ class Unit(UnshardStates):
         self._param_index = tuple(range(len(self.infos)))
         self._grad_split: Optional[tuple] = None  # see _orig_grad_views
         self._rg_mask: Optional[bytes] = None
-        # occurrences of TP parameters, whose views the module sees as DTensors
-        # ([Note: tensor-parallel wrapper units]): (occurrence index, spec)
-        self._tp_occ = tuple((k, self.infos[i].tp_spec) for k, i in enumerate(self._occ_index)
-                             if self.infos[i].tp_spec is not None)
+        # occurrences of TP parameters, whose views the module sees as DTensors, their
+        # gradients redistributed at once as torch FSDP1's from_local does (no sink:
+        # [Note: tensor-parallel wrapper units])
+        self._tp_occ = tuple(
+            TPOccurrence(k, sp.mesh, sp.placements, sp.shape, sp.stride)
+            for k, sp in enumerate(self.infos[i].tp_spec for i in self._occ_index) if sp is not None)
         # summon/state dicts with use_orig_params=True: the DTensor parameters registered
         # over a TP parameter's full view while shown full (restored by params_as_sharded)
         self._shown_tp: dict[int, nn.Parameter] = {}
-        self._tp_view_specs: dict[tuple, DTensorSpec] = {}  # (occurrence, dtype) -> spec
 
     def _fill_alignment_padding(self) -> None:
         """torch's FSDP1 fills the gaps that align parameters (use_orig_params=True)
@@ -570,7 +542,7 @@ class Unit(UnshardStates):
         on its TP mesh ([Note: tensor-parallel wrapper units]), the others as they are."""
         if not self.tp:
             return views
-        return [v if i.tp_spec is None else tp_dtensor(v, i.tp_spec) for i, v in zip(self.infos, views)]
+        return [v if i.tp_spec is None else as_tp(v, i.tp_spec) for i, v in zip(self.infos, views)]
 
     def _full_views(self, buf: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Views with the original shapes of the current unsharded buffer (or of
@@ -798,7 +770,7 @@ class Unit(UnshardStates):
             else:
                 self.orig_grads_as_shard_views()
         else:
-            _core.dict_set(self._occ_attrs, self._occ_keys, tuple(views[i] for i in self._occ_index))
+            self._bind.show(self._bind.per_occurrence(views))
 
     def reshard_after_forward(self, for_backward: bool) -> None:
         """Post-forward reshard (the wrapper face frees everything); no_sync's unsharded
@@ -810,14 +782,12 @@ class Unit(UnshardStates):
         """With use_orig_params=True the flat parameter requires grad while any
         original parameter does (they may be frozen after wrapping, as torch)."""
         if self.use_orig_params:
-            mask = _core.attr_flags(self._orig_t, "requires_grad")
-            if mask != self._rg_mask:
+            mask = changed_mask(self._orig_t, self._rg_mask)
+            if mask is not None:
                 self._rg_mask = mask
                 self.requires_grad = any(mask)
                 self.flat_param.requires_grad_(self.requires_grad)
-        if self.requires_grad and not self._hooked:
-            hook_grad_ready(self)
-            self._hooked = True
+        hook_flat_grad(self, self.requires_grad)
 
     def use_forward_views(self) -> None:
         """Bind each original parameter name to its view of ``flat_param``
@@ -825,26 +795,15 @@ class Unit(UnshardStates):
         each step in one C pass: [Note: forward views].  Frozen parameters (use_orig_params=True)
         get detached views: no gradient is computed for them, so their part of the
         flat gradient stays zero."""
-        views = _core.shape_views(torch.split(self.flat_param, self._split_sizes), self._split_index,
-                                  self._shapes, self._rg_mask if self.use_orig_params else None,
-                                  self._occ_index)
+        _, views = split_views(self.flat_param, self._split_sizes, self._split_index, self._shapes,
+                               self._rg_mask if self.use_orig_params else None, self._occ_index)
         if self._strided_occ:
             views = self._restride(views, self._strided_occ)
         if self._tp_occ:  # [Note: tensor-parallel wrapper units]
-            views = list(views)
-            specs = self._tp_view_specs
-            for k, spec in self._tp_occ:
-                v = views[k]
-                vspec = specs.get((k, v.dtype))
-                if vspec is None:  # once per occurrence and dtype (mixed precision)
-                    vspec = specs[(k, v.dtype)] = DTensorSpec(
-                        spec.mesh, spec.placements,
-                        tensor_meta=TensorMeta(spec.shape, spec.stride, v.dtype))
-                views[k] = FromLocalView.apply(v, vspec)
-            views = tuple(views)
-        _core.dict_set(self._occ_attrs, self._occ_keys, views)
+            views = tp_views(views, self._tp_occ)
+        self._bind.show(views)
         if self.use_orig_params:  # registered too, as torch's: [Note: kept unsharded units]
-            _core.dict_set(self._occ_params_dicts, self._occ_keys, views)
+            self._bind.register(views)
             self._views_bound = True
 
     def end_forward_views(self) -> None:
@@ -859,8 +818,8 @@ class Unit(UnshardStates):
     def _unbind_views(self) -> None:
         """Unbind the forward's views (use_orig_params=True): the registered parameters show."""
         if self._views_bound:
-            _core.dict_pop(self._occ_attrs, self._occ_keys)
-            _core.dict_set(self._occ_params_dicts, self._occ_keys, self._occ_params)
+            self._bind.unshow()
+            self._bind.register(self._occ_params)
             self._views_bound = False
 
     def _show_unsharded_grad(self) -> None:
@@ -889,7 +848,7 @@ class Unit(UnshardStates):
                     continue
                 # a TP parameter shows as a DTensor over its full view; its gradient
                 # (with_grads) goes on that parameter too
-                dt = nn.Parameter(tp_dtensor(v, info.tp_spec), requires_grad=info.param.requires_grad)
+                dt = nn.Parameter(as_tp(v, info.tp_spec), requires_grad=info.param.requires_grad)
                 self._shown_tp[i] = dt
                 info.module._parameters[info.name] = dt
             for s in self.shared:
@@ -983,7 +942,7 @@ class Unit(UnshardStates):
                  else info.view(full[off : off + info.numel]))
             shown = self._shown_tp.get(i)
             if shown is not None:  # a TP parameter shown as a DTensor: a DTensor gradient
-                shown.grad = None if g is None else tp_dtensor(g, info.tp_spec)
+                shown.grad = None if g is None else as_tp(g, info.tp_spec)
             else:
                 info.param.grad = g
 
@@ -1226,7 +1185,7 @@ class Unit(UnshardStates):
             return False
         if self._unshard_work is not None or self._views_bound or self._shown_full:
             return False
-        if (all(map(operator.is_, map(dict.get, self._occ_params_dicts, self._occ_keys), self._occ_params))
+        if (all(map(operator.is_, self._bind.registered_now(), self._occ_params))
                 and all(map(operator.is_, _core.attr_get(self._orig_t, "grad"), self._shown_grads))
                 and (grads_only or tuple(map(torch.Tensor.data_ptr, self._orig_t)) == self._idle_ptrs)):
             return False
@@ -1265,7 +1224,7 @@ class Unit(UnshardStates):
                 self._write_grad(i, sl, g, fgrad, full_grad)
         if adopted:
             self._orig_t = tuple(i.param for i in self.infos)
-            self._occ_params = tuple(self._orig_t[i] for i in self._occ_index)
+            self._occ_params = self._bind.per_occurrence(self._orig_t)
             self._rg_mask = None
             self.refresh_requires_grad()
         if not grads_only:
