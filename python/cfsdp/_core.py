@@ -155,6 +155,21 @@ def c_tensor_ok(t: torch.Tensor) -> bool:
     return contiguous and t.dtype in DTYPE_CODES and not t.is_neg() and (n == 0 or t.data_ptr())
 
 
+def address(t: torch.Tensor) -> int:
+    """``t``'s address (``data_ptr()``), for comparing and laying out memory in Python:
+    identity, aliasing, offsets between buffers.  Outside this module an address is
+    never handed to C: what crosses goes through this module's entry points, which
+    check the tensors themselves (``c_tensor_ok``), but for the fused optimizer's
+    (``cfsdp.optim._fused``: see tests/unit/test_layers.py's allow-list)."""
+    return t.data_ptr()
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (``untyped_storage().data_ptr()``): two tensors
+    with the same one share memory (see ``address``)."""
+    return t.untyped_storage().data_ptr()
+
+
 def _c_ok(*tensors: torch.Tensor) -> bool:
     """C takes the call: the core is on and every tensor may cross (each is checked
     whatever the backend, so a broken storage fails the same way on the twins)."""

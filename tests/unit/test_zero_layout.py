@@ -63,7 +63,6 @@ def test_rank_major_layout(numels, world_size, dtype):
             off += p.numel()
 
 
-@NO_CORE
 def test_bucket_views_keep_values_and_strides():
     """Each parameter becomes a view of its place, with its values; a transposed one keeps
     its strides (DDP lays out its gradients by them)."""
