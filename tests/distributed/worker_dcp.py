@@ -37,7 +37,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import _harness as h
 import ckpt_common as cc
-from dcp_common import DSD, assert_equal, dcp_save, describe, reshard_save
+from dcp_common import DSD, assert_equal, dcp_save, describe
+from dcp_common import reshard_save as _reshard_save
 
 import cfsdp.checkpoint.state_dict as cfsdp_dsd
 from cfsdp.checkpoint.state_dict import StateDictOptions
@@ -243,6 +244,13 @@ def reshard_load(ctx):
         got = cc.train(ctx, model, opt, data[2:])
         cc.assert_same_losses(got, saved["losses"], f"use_orig_params={uop}: "
                               f"W={saved['world_size']} -> W={ctx.world_size}", rtol=RESHARD_RTOL)
+
+
+def reshard_save(ctx):
+    """This world size trains and saves (``dcp_common.reshard_save``, which worker_hosts.py
+    also runs); a subtest of this script, so the harness runs it (it runs only the launched
+    script's own)."""
+    _reshard_save(ctx)
 
 
 if PHASE:
