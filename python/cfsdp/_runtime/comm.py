@@ -926,34 +926,59 @@ class _Solo(Transport):
         return Pending(None)
 
 
-class _SharedMemory(Transport):
-    """Every rank of the group on one host: one segment (``_core.ShmView``), its ops on
-    the segment's C worker thread in issue order."""
+class _SharedBase(Transport):
+    """What shared memory carries, one level or two: the engine (``_core.ShmView`` or a
+    ``two_level.Lane``, which take the same calls) runs the group's eligible all-gathers,
+    reduce-scatters, all-reduces and broadcasts in issue order."""
 
-    def __init__(self, group: dist.ProcessGroup, view: _core.ShmView, transport: str):
+    def __init__(self, group: dist.ProcessGroup, engine: Any, transport: str):
         super().__init__(group, transport)
-        self.view = view
+        self.engine = engine
 
     def live(self) -> bool:
-        return not self.view.closed
+        return not self.engine.closed
 
     def drain(self) -> None:
         if self.live():
-            self.view.drain()
+            self.engine.drain()
 
     def close(self) -> None:
-        self.view.close()
+        self.engine.close()
 
     def all_gather(self, out, shard, async_op):
         if not self._carries(out, shard):
             return super().all_gather(out, shard, async_op)
-        _check_blocks("all_gather", "output", out, shard, self.view.world_size)
-        return _shm_done(self.view.all_gather(out, shard, _threads()), async_op, out, shard)
+        _check_blocks("all_gather", "output", out, shard, self.group.size())
+        return _shm_done(self.engine.all_gather(out, shard, _threads()), async_op, out, shard)
+
+    def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
+        if not self._carries(out, inp, op=op):
+            return super().reduce_scatter(out, inp, async_op, op=op, scale=scale)
+        _check_blocks("reduce_scatter", "input", inp, out, self.group.size())
+        s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
+        return _shm_done(self.engine.reduce_scatter(out, inp, s, _threads()), async_op, out, inp)
+
+    def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
+        if not self._carries(t, op=op):
+            return super().all_reduce(t, async_op, op=op, scale=scale)
+        s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
+        return _shm_done(self.engine.all_reduce(t, s, _threads()), async_op, t)
+
+    def broadcast(self, t, src, async_op):
+        if not self._carries(t):
+            return super().broadcast(t, src, async_op)
+        return _shm_done(self.engine.broadcast(t, int(src), _threads()), async_op, t)
+
+
+class _SharedMemory(_SharedBase):
+    """Every rank of the group on one host: one segment (``_core.ShmView``, the engine),
+    its ops on the segment's C worker thread in issue order; the chunk ops copy straight
+    between the slots and the unit's buffer."""
 
     def all_gather_unpack(self, natural, shard, plan, plan_bytes, async_op):
         if not self._carries(natural, shard):
             return super().all_gather_unpack(natural, shard, plan, plan_bytes, async_op)
-        work = self.view.all_gather_unpack(natural, shard, plan_bytes, _threads())
+        work = self.engine.all_gather_unpack(natural, shard, plan_bytes, _threads())
         return _shm_done(work, async_op, natural, shard)
 
     def reduce_scatter_pack(self, out, natural, plan, plan_bytes, divisor, async_op,
@@ -961,76 +986,23 @@ class _SharedMemory(Transport):
         if not self._carries(out, op=op, other=natural):
             return super().reduce_scatter_pack(out, natural, plan, plan_bytes, divisor,
                                                async_op, op=op)
-        scale = _shm_scale(self.view.world_size, _is_sum_or_avg(op), None)
-        work = self.view.reduce_scatter_pack(out, natural, divisor, scale, plan_bytes,
-                                             _threads())
+        scale = _shm_scale(self.group.size(), _is_sum_or_avg(op), None)
+        work = self.engine.reduce_scatter_pack(out, natural, divisor, scale, plan_bytes,
+                                               _threads())
         return _shm_done(work, async_op, out, natural)
 
-    def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
-        if not self._carries(out, inp, op=op):
-            return super().reduce_scatter(out, inp, async_op, op=op, scale=scale)
-        _check_blocks("reduce_scatter", "input", inp, out, self.view.world_size)
-        s = _shm_scale(self.view.world_size, _is_sum_or_avg(op), scale)
-        return _shm_done(self.view.reduce_scatter(out, inp, s, _threads()), async_op, out, inp)
 
-    def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
-        if not self._carries(t, op=op):
-            return super().all_reduce(t, async_op, op=op, scale=scale)
-        s = _shm_scale(self.view.world_size, _is_sum_or_avg(op), scale)
-        return _shm_done(self.view.all_reduce(t, s, _threads()), async_op, t)
-
-    def broadcast(self, t, src, async_op):
-        if not self._carries(t):
-            return super().broadcast(t, src, async_op)
-        return _shm_done(self.view.broadcast(t, int(src), _threads()), async_op, t)
-
-
-class _TwoLevel(Transport):
+class _TwoLevel(_SharedBase):
     """A group over several hosts with the same number of ranks on each: a segment per host
-    and the process group between hosts, run by the group's lane (two_level.py).  The
-    chunk ops take the base class's composition (an all-gather or reduce-scatter, which
-    the lane carries, and the chunk copy)."""
-
-    def __init__(self, group: dist.ProcessGroup, lane: two_level.Lane, transport: str):
-        super().__init__(group, transport)
-        self.lane = lane
-
-    def live(self) -> bool:
-        return not self.lane.closed
-
-    def drain(self) -> None:
-        if self.live():
-            self.lane.drain()
-
-    def close(self) -> None:
-        self.lane.close()
-
-    def all_gather(self, out, shard, async_op):
-        if not self._carries(out, shard):
-            return super().all_gather(out, shard, async_op)
-        _check_blocks("all_gather", "output", out, shard, self.group.size())
-        return _shm_done(self.lane.all_gather(out, shard, _threads()), async_op, out, shard)
-
-    def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
-        if not self._carries(out, inp, op=op):
-            return super().reduce_scatter(out, inp, async_op, op=op, scale=scale)
-        _check_blocks("reduce_scatter", "input", inp, out, self.group.size())
-        s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
-        return _shm_done(self.lane.reduce_scatter(out, inp, s, _threads()), async_op, out, inp)
-
-    def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
-        if not self._carries(t, op=op):
-            return super().all_reduce(t, async_op, op=op, scale=scale)
-        s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
-        return _shm_done(self.lane.all_reduce(t, s, _threads()), async_op, t)
+    and the process group between hosts, run by the group's lane (two_level.py, the
+    engine).  The chunk ops take the base class's composition (an all-gather or
+    reduce-scatter, which the lane carries, and the chunk copy)."""
 
     def broadcast(self, t, src, async_op):
-        if not self._carries(t):
-            return super().broadcast(t, src, async_op)
-        if not 0 <= src < self.group.size():
+        if self._carries(t) and not 0 <= src < self.group.size():
             raise ValueError(f"broadcast: source rank {src} is not a rank of "
                              f"the group (size {self.group.size()})")
-        return _shm_done(self.lane.broadcast(t, int(src), _threads()), async_op, t)
+        return super().broadcast(t, src, async_op)
 
 
 # --------------------------------------------------------------------------------------
