@@ -8,7 +8,8 @@ host 1, local rank 1) prints ``KILL rank=3 at=<t>`` and SIGKILLs itself, and the
 reduce-scatter again.  Each survivor learns it differently, which is the point:
 
 * rank 2 (its host-mate) waits for it in host 1's segment: the segment's liveness probe;
-* rank 1 (local rank 1 on host 0) exchanges with it over gloo: the broken connection;
+* rank 1 (local rank 1 on host 0) exchanges with it over gloo: the broken connection, seen
+  by the wait or, if it was already gone, by the post (``MODE`` picks which);
 * rank 0 waits over gloo for rank 2, which is alive but failed and will never send: only
   host 0's segment, where rank 1 recorded its failure, can tell it (the lane's waiter).
 
@@ -31,6 +32,11 @@ import torch.distributed as dist
 from cfsdp._runtime import comm
 
 TIMEOUT_S = float(os.environ.get("CFSDP_TEST_PG_TIMEOUT_S", "300"))
+# Which side of the race rank 1 is on (``CFSDP_TEST_DEAD_RANK_MODE``): "waited", the victim
+# dies while rank 1 waits for it (gloo's wait fails); "posted_late", it is gone before rank 1
+# posts its send/recv (gloo's post fails at once).  Both must name global rank 3.
+MODE = os.environ.get("CFSDP_TEST_DEAD_RANK_MODE", "waited")
+LATE_S = 1.0
 N = 4096  # elements per rank block
 
 
@@ -55,8 +61,12 @@ def main() -> None:
         assert torch.equal(reduce_scatter(world), torch.full((N,), float(world)))
     dist.barrier()
     if rank == world - 1:
+        if MODE == "waited":
+            time.sleep(LATE_S)  # the survivors have posted their exchanges and wait
         say(f"KILL rank={rank} at={time.monotonic():.4f}")
         os.kill(os.getpid(), signal.SIGKILL)
+    if MODE == "posted_late" and rank == 1:
+        time.sleep(LATE_S)  # its gloo connection to rank 3 is closed before it posts
     try:
         reduce_scatter(world)
         reduce_scatter(world)  # in case the first ended before the kill

@@ -217,12 +217,13 @@ class Lane:
         """Post every send ``(host, tensor)`` and receive ``(host, tensor)`` with the rank of
         this local index on that host, then wait for all of them; a failure names the peer."""
         posted = []
-        for h, t in sends:
-            if t.numel():
-                posted.append((h, self.group.send([t], self._peer(h), TAG)))
-        for h, t in recvs:
-            if t.numel():
-                posted.append((h, self.group.recv([t], self._peer(h), TAG)))
+        for op, pairs in ((self.group.send, sends), (self.group.recv, recvs)):
+            for h, t in pairs:
+                if t.numel():
+                    try:
+                        posted.append((h, op([t], self._peer(h), TAG)))
+                    except Exception as e:  # noqa: BLE001 - a peer already gone fails the post
+                        raise _PeerError(self.global_ranks[self._peer(h)], h, e) from e
         if not posted:
             return
         if self._waiter is None:
