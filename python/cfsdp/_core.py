@@ -497,18 +497,57 @@ def shm_available() -> bool:
     return _C is not None and bool(getattr(_C, "SHM_AVAILABLE", 0))
 
 
+class Admitted:
+    """What :func:`admit` returns: the tensors it checked, in order, and their dtype codes.
+    A segment op given it for the same tensor objects (``ShmView``'s ``admitted=``) does
+    not check them again; for any other tensors it checks them as always.  So a route
+    decision and the crossing share one check, and nothing unchecked crosses."""
+
+    __slots__ = ("tensors", "codes")
+
+    def __init__(self, tensors: tuple, codes: tuple):
+        self.tensors, self.codes = tensors, codes
+
+    def covers(self, tensors: tuple) -> bool:
+        mine = self.tensors
+        if len(mine) != len(tensors):
+            return False
+        for a, b in zip(mine, tensors):  # a loop, not all(...): this is on every op
+            if a is not b:
+                return False
+        return True
+
+
+def admit(tensors: tuple, other: Optional[torch.Tensor] = None,
+          dtypes=DTYPE_CODES) -> Optional[Admitted]:
+    """Whether ``tensors`` (one dtype, in ``dtypes``) and ``other`` (its own dtype in
+    ``dtypes``) may cross into a shared-memory segment op (``c_tensor_ok``): an
+    ``Admitted`` for ``tensors + (other,)``, else None.  ``ValueError`` as ``c_tensor_ok``."""
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if not c_tensor_ok(t) or t.dtype is not dtype or dtype not in dtypes:
+            return None  # c_tensor_ok first: its ValueError holds whatever the route
+    codes = (DTYPE_CODES[dtype],) * len(tensors)
+    if other is None:
+        return Admitted(tensors, codes)
+    if not c_tensor_ok(other) or other.dtype not in dtypes:
+        return None
+    return Admitted((*tensors, other), (*codes, DTYPE_CODES[other.dtype]))
+
+
 class ShmView:
     """This rank's view of one shared-memory segment of ``world`` ranks (``create``: make
     it, as the segment's rank 0; else attach to ``name``); see csrc/shm.c.  Raises what
     ``ShmGroup`` raises (``PermissionError`` for a file that is not this job's)."""
 
-    __slots__ = ("_g",)
+    __slots__ = ("_g", "_world")
 
     def __init__(self, name: str, create: bool, world: int, rank: int, slot: int,
                  timeout: float, label: str, global_ranks: Sequence[int]):
         if _C is None:
             raise RuntimeError("cfsdp: shared-memory segments need the C core (CFSDP_IMPL=c)")
         self._g = _C.ShmGroup(name, create, world, rank, slot, timeout, label, list(global_ranks))
+        self._world = int(self._g.world_size)  # read on every op (_blocks): fixed for life
 
     # -- the segment -----------------------------------------------------------------
     @property
@@ -517,7 +556,7 @@ class ShmView:
 
     @property
     def world_size(self) -> int:
-        return int(self._g.world_size)
+        return self._world
 
     @property
     def rank(self) -> int:
@@ -539,7 +578,11 @@ class ShmView:
         return self._g.failure(timeout)
 
     # -- the collectives (each returns a ShmWork: wait(), is_completed()) ----------------
-    def _code(self, op: str, *tensors: torch.Tensor) -> int:
+    def _code(self, op: str, *tensors: torch.Tensor, admitted: Optional[Admitted] = None) -> int:
+        """The dtype code of ``tensors`` (one dtype), each checked (``c_tensor_ok``) unless
+        ``admitted`` covers exactly these tensor objects."""
+        if admitted is not None and admitted.covers(tensors):
+            return admitted.codes[0]
         dtype = tensors[0].dtype
         for t in tensors:
             if not c_tensor_ok(t) or t.dtype != dtype:
@@ -550,44 +593,52 @@ class ShmView:
         return DTYPE_CODES[dtype]
 
     def _blocks(self, op: str, whole: torch.Tensor, block: torch.Tensor) -> None:
-        if whole.numel() != self.world_size * block.numel():
+        if whole.numel() != self._world * block.numel():
             raise ValueError(f"cfsdp: shared-memory {op}: {whole.numel()} elements are not "
                              f"{self.world_size} x {block.numel()}")
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, threads: int):
-        code = self._code("all_gather", out, shard)
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, threads: int,
+                   admitted: Optional[Admitted] = None):
+        code = self._code("all_gather", out, shard, admitted=admitted)
         self._blocks("all_gather", out, shard)
         return self._g.all_gather(out.data_ptr(), shard.data_ptr(), shard.numel(), code,
                                   threads, (out, shard))
 
     def all_gather_unpack(self, natural: torch.Tensor, shard: torch.Tensor, plan_bytes: bytes,
-                          threads: int):
-        code = self._code("all_gather_unpack", natural, shard)
+                          threads: int, admitted: Optional[Admitted] = None):
+        code = self._code("all_gather_unpack", natural, shard, admitted=admitted)
         return self._g.all_gather_unpack(natural.data_ptr(), natural.numel(), shard.data_ptr(),
                                          shard.numel(), code, plan_bytes, threads,
                                          (natural, shard, plan_bytes))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float, threads: int):
-        code = self._code("reduce_scatter", out, inp)
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float, threads: int,
+                       admitted: Optional[Admitted] = None):
+        code = self._code("reduce_scatter", out, inp, admitted=admitted)
         self._blocks("reduce_scatter", inp, out)
         return self._g.reduce_scatter(out.data_ptr(), inp.data_ptr(), out.numel(), code,
                                       float(scale), threads, (out, inp))
 
     def reduce_scatter_pack(self, out: torch.Tensor, natural: torch.Tensor, divisor: float,
-                            scale: float, plan_bytes: bytes, threads: int):
-        out_code = self._code("reduce_scatter_pack", out)
-        nat_code = self._code("reduce_scatter_pack", natural)
+                            scale: float, plan_bytes: bytes, threads: int,
+                            admitted: Optional[Admitted] = None):
+        if admitted is not None and admitted.covers((out, natural)):
+            out_code, nat_code = admitted.codes
+        else:
+            out_code = self._code("reduce_scatter_pack", out)
+            nat_code = self._code("reduce_scatter_pack", natural)
         return self._g.reduce_scatter_pack(out.data_ptr(), out.numel(), out_code,
                                            natural.data_ptr(), natural.numel(), nat_code,
                                            float(divisor), float(scale), plan_bytes, threads,
                                            (out, natural, plan_bytes))
 
-    def all_reduce(self, t: torch.Tensor, scale: float, threads: int):
-        code = self._code("all_reduce", t)
+    def all_reduce(self, t: torch.Tensor, scale: float, threads: int,
+                   admitted: Optional[Admitted] = None):
+        code = self._code("all_reduce", t, admitted=admitted)
         return self._g.all_reduce(t.data_ptr(), t.data_ptr(), t.numel(), code, float(scale),
                                   threads, (t,))
 
-    def broadcast(self, t: torch.Tensor, root: int, threads: int):
-        code = self._code("broadcast", t)
+    def broadcast(self, t: torch.Tensor, root: int, threads: int,
+                  admitted: Optional[Admitted] = None):
+        code = self._code("broadcast", t, admitted=admitted)
         return self._g.broadcast(t.data_ptr(), t.numel(), code, int(root), threads, (t,))
 

@@ -506,7 +506,7 @@ def test_core_routes_tensors_that_must_not_cross(kind, monkeypatch):
                                       "scale_cast_add", "sgd_step", "shard_fill", "shm_reduce"]
     else:
         assert calls == []
-    assert comm._shm_ok(_make(kind, a)) == (kind == "plain")
+    assert (_core.admit((_make(kind, a),), dtypes=comm._SHM_DTYPES) is not None) == (kind == "plain")
 
 
 def test_core_refuses_fake_meta_and_functorch_tensors(monkeypatch):
@@ -545,7 +545,7 @@ def test_shrunk_storage_is_an_error_on_every_path(monkeypatch):
         calls = _calls(monkeypatch)
     assert calls == []
     with pytest.raises(ValueError, match="storage"):
-        comm._shm_ok(t)
+        _core.admit((t,), dtypes=comm._SHM_DTYPES)  # the route decision of comm
 
 
 class _Sub(torch.Tensor):
@@ -573,3 +573,44 @@ def test_fused_optimizer_gradient_that_may_not_cross(when, kind, opt):
         mine.step()
         theirs.step()
     torch.testing.assert_close(p.detach(), want.detach(), rtol=1e-6, atol=0)
+
+
+def _core_pair():
+    """Two ``_core.ShmView``s of one fresh segment (ranks 0 and 1 in this process)."""
+    name = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
+    views = [_core.ShmView(name, r == 0, 2, r, 4096, 30.0, "boundary", [0, 1]) for r in range(2)]
+    for v in views:
+        v.wait_attached()
+    return views
+
+
+def test_admission_is_the_check_and_covers_only_its_tensors():
+    """comm decides a shared-memory route with ``_core.admit`` and hands the ``Admitted``
+    to the segment op, which then does not check the same tensors again; given other
+    tensors, the op checks them as always (a non-contiguous one is refused, not read)."""
+    a, b = torch.ones(8), torch.ones(8)
+    adm = _core.admit((a,))
+    assert adm is not None and adm.covers((a,)) and not adm.covers((b,))
+    assert _core.admit((a, torch.ones(8, dtype=torch.float64))) is None  # two dtypes
+    assert _core.admit((torch.ones(8, dtype=torch.int64),)) is None  # not a segment dtype
+    assert _core.admit((a,), other=torch.ones(4, 4).t()) is None  # other not contiguous
+    both = _core.admit((a,), other=torch.ones(4, dtype=torch.float64))
+    assert both is not None and both.codes == (_core.DTYPE_CODES[torch.float32],
+                                               _core.DTYPE_CODES[torch.float64])
+    shrunk = torch.ones(8, dtype=torch.int64)
+    shrunk.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="needs 64 bytes of storage"):
+        _core.admit((shrunk,))  # the storage check holds whatever the dtype
+    views = _core_pair()
+    try:
+        xs = [torch.ones(16) for _ in range(2)]
+        works = [v.all_reduce(x, 1.0, 1, admitted=_core.admit((x,))) for v, x in zip(views, xs)]
+        for w in works:
+            w.wait()
+        assert all(torch.equal(x, torch.full((16,), 2.0)) for x in xs)
+        strided = torch.ones(4, 8).t()
+        with pytest.raises(ValueError, match="contiguous CPU tensor"):
+            views[0].all_reduce(strided, 1.0, 1, admitted=adm)  # adm is a's, not strided's
+    finally:
+        for v in views:
+            v.close()

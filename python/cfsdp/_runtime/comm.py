@@ -719,10 +719,6 @@ def _is_sum_or_avg(op) -> Optional[bool]:
     return None
 
 
-def _shm_ok(t: torch.Tensor) -> bool:
-    return _core.c_tensor_ok(t) and t.dtype in _SHM_DTYPES
-
-
 def _dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (e.g. ``CommDebugMode``) is on: see Visibility."""
     return _torch_core.dispatch_mode_active()
@@ -832,18 +828,17 @@ class Transport:
         return once
 
     def _carries(self, *tensors: torch.Tensor, op=dist.ReduceOp.SUM,
-                 other: Optional[torch.Tensor] = None) -> bool:
+                 other: Optional[torch.Tensor] = None) -> Optional[_core.Admitted]:
         """Whether this call goes through the transport's own path (rules 4 to 6):
         ``tensors`` of one eligible dtype, ``other`` eligible in its own, ``op`` SUM or
-        AVG, no dispatch mode; then after the group's last process-group op."""
-        if not self.live() or _dispatch_mode_active():
-            return False
-        dtype = tensors[0].dtype
-        if (all(_shm_ok(t) and t.dtype == dtype for t in tensors)
-                and (other is None or _shm_ok(other)) and _is_sum_or_avg(op) is not None):
+        AVG, no dispatch mode; then after the group's last process-group op.  The answer
+        is ``_core.admit``'s (None: not carried), which the segment op takes as its check."""
+        if not self.live() or _dispatch_mode_active() or _is_sum_or_avg(op) is None:
+            return None
+        admitted = _core.admit(tensors, other, _SHM_DTYPES)
+        if admitted is not None:
             self._wait_last_pg()
-            return True
-        return False
+        return admitted
 
     # -- the collectives -------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Pending:
@@ -934,9 +929,16 @@ class _SharedBase(Transport):
     def __init__(self, group: dist.ProcessGroup, engine: Any, transport: str):
         super().__init__(group, transport)
         self.engine = engine
+        # a segment op takes ``_carries``'s check as its own; a lane checks the pieces it
+        # hands its segment itself
+        self._checks_once = isinstance(engine, _core.ShmView)
 
     def live(self) -> bool:
         return not self.engine.closed
+
+    def _run(self, name: str, admitted: _core.Admitted, *args: Any) -> Any:
+        fn = getattr(self.engine, name)
+        return fn(*args, admitted=admitted) if self._checks_once else fn(*args)
 
     def drain(self) -> None:
         if self.live():
@@ -946,28 +948,34 @@ class _SharedBase(Transport):
         self.engine.close()
 
     def all_gather(self, out, shard, async_op):
-        if not self._carries(out, shard):
+        adm = self._carries(out, shard)
+        if adm is None:
             return super().all_gather(out, shard, async_op)
         _check_blocks("all_gather", "output", out, shard, self.group.size())
-        return _shm_done(self.engine.all_gather(out, shard, _threads()), async_op, out, shard)
+        return _shm_done(self._run("all_gather", adm, out, shard, _threads()), async_op,
+                         out, shard)
 
     def reduce_scatter(self, out, inp, async_op, op=dist.ReduceOp.SUM, scale=None):
-        if not self._carries(out, inp, op=op):
+        adm = self._carries(out, inp, op=op)
+        if adm is None:
             return super().reduce_scatter(out, inp, async_op, op=op, scale=scale)
         _check_blocks("reduce_scatter", "input", inp, out, self.group.size())
         s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
-        return _shm_done(self.engine.reduce_scatter(out, inp, s, _threads()), async_op, out, inp)
+        return _shm_done(self._run("reduce_scatter", adm, out, inp, s, _threads()), async_op,
+                         out, inp)
 
     def all_reduce(self, t, async_op, op=dist.ReduceOp.SUM, scale=None):
-        if not self._carries(t, op=op):
+        adm = self._carries(t, op=op)
+        if adm is None:
             return super().all_reduce(t, async_op, op=op, scale=scale)
         s = _shm_scale(self.group.size(), _is_sum_or_avg(op), scale)
-        return _shm_done(self.engine.all_reduce(t, s, _threads()), async_op, t)
+        return _shm_done(self._run("all_reduce", adm, t, s, _threads()), async_op, t)
 
     def broadcast(self, t, src, async_op):
-        if not self._carries(t):
+        adm = self._carries(t)
+        if adm is None:
             return super().broadcast(t, src, async_op)
-        return _shm_done(self.engine.broadcast(t, int(src), _threads()), async_op, t)
+        return _shm_done(self._run("broadcast", adm, t, int(src), _threads()), async_op, t)
 
 
 class _SharedMemory(_SharedBase):
@@ -976,19 +984,22 @@ class _SharedMemory(_SharedBase):
     between the slots and the unit's buffer."""
 
     def all_gather_unpack(self, natural, shard, plan, plan_bytes, async_op):
-        if not self._carries(natural, shard):
+        adm = self._carries(natural, shard)
+        if adm is None:
             return super().all_gather_unpack(natural, shard, plan, plan_bytes, async_op)
-        work = self.engine.all_gather_unpack(natural, shard, plan_bytes, _threads())
+        work = self.engine.all_gather_unpack(natural, shard, plan_bytes, _threads(),
+                                             admitted=adm)
         return _shm_done(work, async_op, natural, shard)
 
     def reduce_scatter_pack(self, out, natural, plan, plan_bytes, divisor, async_op,
                             op=dist.ReduceOp.SUM):
-        if not self._carries(out, op=op, other=natural):
+        adm = self._carries(out, op=op, other=natural)
+        if adm is None:
             return super().reduce_scatter_pack(out, natural, plan, plan_bytes, divisor,
                                                async_op, op=op)
         scale = _shm_scale(self.group.size(), _is_sum_or_avg(op), None)
         work = self.engine.reduce_scatter_pack(out, natural, divisor, scale, plan_bytes,
-                                               _threads())
+                                               _threads(), admitted=adm)
         return _shm_done(work, async_op, out, natural)
 
 
@@ -999,7 +1010,7 @@ class _TwoLevel(_SharedBase):
     reduce-scatter, which the lane carries, and the chunk copy)."""
 
     def broadcast(self, t, src, async_op):
-        if self._carries(t) and not 0 <= src < self.group.size():
+        if self._carries(t) is not None and not 0 <= src < self.group.size():
             raise ValueError(f"broadcast: source rank {src} is not a rank of "
                              f"the group (size {self.group.size()})")
         return super().broadcast(t, src, async_op)
