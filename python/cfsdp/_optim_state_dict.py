@@ -55,7 +55,8 @@ from ._state_dict import as_tp_value, get_state_dict_type, root_mesh_value
 from .api import OptimStateKeyType, StateDictType
 from ._runtime import comm
 from ._runtime.base import TrainingState, wrappers_in
-from ._runtime.unit import ParamInfo, Unit
+from ._runtime.flat.layout import ParamInfo
+from ._runtime.flat.unit import Unit
 from ._runtime.views import as_tp
 from ._torch.checkpoint import ShardedTensor, gather_state_dict
 from ._torch.fsdp1 import create_chunk_dtensor, create_chunk_sharded_tensor

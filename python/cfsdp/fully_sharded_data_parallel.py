@@ -35,7 +35,8 @@ from ._runtime.hooks import (
 )
 from ._runtime.replaced import check_plain_param, replaced_fqn
 from ._runtime.base import TrainingState, wrappers_in
-from ._runtime.unit import Unit, flatten_error, scalar_param_message
+from ._runtime.flat.layout import flatten_error, scalar_param_message
+from ._runtime.flat.unit import Unit
 from ._compile import dynamo_disable, dynamo_skip_frame
 from ._docs import adopt_class_docs
 from ._fqn import CHECKPOINT_WRAPPED_MODULE, FSDP_PREFIX, clean_tensor_name, full_name, join_fqn
@@ -459,7 +460,7 @@ def tp_root_mesh(device_mesh, strategy: ShardingStrategy):
 
 def _check_tp_param(p: DTensor, fqn: str, device_mesh, strategy: ShardingStrategy) -> None:
     """A tensor-parallel parameter the wrapper can shard ([Note: tensor-parallel wrapper units]
-    in ``_runtime/unit.py``): ``device_mesh`` is the dp slice of a 2-D (dp, tp) mesh whose tp
+    in ``_runtime/flat/unit.py``): ``device_mesh`` is the dp slice of a 2-D (dp, tp) mesh whose tp
     slice the parameter lives on, with Shard/Replicate placements, materialised."""
     what = (f"FullyShardedDataParallel: parameter '{fqn}' is a DTensor (placements {p.placements} "
             f"on {p.device_mesh}), e.g. from tensor parallelism (parallelize_module)")
@@ -804,7 +805,7 @@ class FullyShardedDataParallel(nn.Module):
             unit.flat_param._fqns = tuple(join_fqn(prefix, i.fqn) for i in unit.infos)
         reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self._state = UnitState(unit, type(module).__name__, reshard_after_forward)
-        # [Note: kept unsharded units] in _runtime/unit.py
+        # [Note: kept unsharded units] in _runtime/flat/lifecycle.py
         self._state.keeps_views_for_backward = strategy in (
             ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
 

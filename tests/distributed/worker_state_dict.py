@@ -47,7 +47,7 @@ import parity_common as pc
 import cfsdp
 from cfsdp import FullyShardedDataParallel as CFSDP
 from cfsdp._runtime.hooks import SummonStateError
-from cfsdp._runtime.unit import Unit
+from cfsdp._runtime.flat.unit import Unit
 
 warnings.filterwarnings("ignore", message=".*FSDP.state_dict_type.*")
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*")

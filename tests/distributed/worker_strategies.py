@@ -460,7 +460,7 @@ def writes_inside_no_sync(ctx, strategy, write: str):
       unshard, as torch FSDP1's ``_writeback_orig_params``.  A unit no_sync() keeps unsharded
       (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2) computes the rest of the step with the parameters it
       holds, as torch's: the write shows from the next all-gather, after the synchronising
-      backward ([Note: kept unsharded units] in _runtime/unit.py);
+      backward ([Note: kept unsharded units] in _runtime/flat/lifecycle.py);
     * ``data_state_dict``: the same, then a FULL state dict: a kept unit gives the values it
       holds and keeps them, as torch's;
     * ``grad_inplace``: ``p.grad.mul_(3)`` on no_sync's unsharded gradient (each parameter's

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from .unit import Unit
+from .flat.unit import Unit
 
 
 class ClipResult(NamedTuple):

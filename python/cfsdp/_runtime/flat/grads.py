@@ -1,0 +1,266 @@
+"""A wrapper unit's gradient path (torch FSDP1's post-backward, FSDP2's gradient
+ownership), a part of ``unit.Unit``.  The forward views are views of ``flat_param``, so every
+parameter's gradient lands in one flat gradient:
+
+* before backward an existing sharded gradient is moved aside (``take_grad_for_backward``,
+  into ``saved_grad``) so the new unsharded one accumulates alone; under ``no_sync()`` the
+  unsharded gradient stays on ``flat_param`` unreduced (``keep_unsharded_grad``,
+  ``grad_unsharded``);
+* ``reduce_grad``: cast to ``reduce_dtype`` and pre-divided as torch's, then the
+  reduce-scatter of the padded flat gradient (an all-reduce with NO_SHARD), or the user's
+  communication hook; the finished reduction (``accumulate_reduced``) is post-divided, cast
+  and folded into ``saved_grad`` (``base.accumulate_sharded``, HSDP's all-reduce across
+  replicas included);
+* ``publish_grad``: the reduced gradient becomes ``flat_param.grad`` (sharded; full with
+  NO_SHARD; in ``param_dtype`` with ``keep_low_precision_grads``).  With
+  ``use_orig_params=True`` each original parameter's ``.grad`` is a view of its part of it
+  (``orig_grads_as_shard_views``, one C pass), or a full-shape view of no_sync()'s unsharded
+  gradient (``publish_unsharded_grad``), and a ``zero_grad`` of every original parameter drops
+  the flat gradient;
+* summon_full_params(with_grads=True): the sharded gradient all-gathered (``unshard_grad``)
+  and shown on the full parameters (``grads_as_full`` / ``grads_as_sharded``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ... import _core
+from .. import comm
+from ..base import PendingReduce, accumulate_sharded, all_none, set_grad, views_or_none
+from ..reduce import scale_cast_add
+from ..views import as_tp
+
+
+class FlatGrads:
+    """The flat gradient: its reduction, its accumulation, and what the optimizer and the
+    original parameters see of it.  A part of ``unit.Unit``."""
+
+    def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
+        """Pre-divide and issue the reduction of the unsharded flat gradient:
+        a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
+        post-divides and folds the result into the unit's gradient."""
+        lay = self.layout
+        if grad.numel() != lay.flat_numel:
+            raise AssertionError(
+                f"unsharded grad has {grad.numel()} elements, expected {lay.flat_numel}"
+            )
+        if grad.dtype != self.reduce_dtype and not self.comm_hook_low_precision:
+            grad = grad.to(self.reduce_dtype)  # torch casts before dividing
+        if self.comm_hook is not None:
+            return self._reduce_with_hook(grad)
+        if not self.sharded:
+            if self.pre_divide > 1:
+                scale_cast_add(grad, grad, self.pre_divide, False)
+            return PendingReduce(self, comm.all_reduce(grad, self.group, True), grad)
+        if lay.flat_numel == lay.padded_numel and grad.is_contiguous():
+            inp = grad
+            if self.pre_divide > 1:
+                scale_cast_add(inp, inp, self.pre_divide, False)
+        else:
+            inp = torch.empty(lay.padded_numel, dtype=grad.dtype, device=grad.device)
+            scale_cast_add(inp[: lay.flat_numel], grad.contiguous(), self.pre_divide, False)
+            inp[lay.flat_numel :].zero_()
+        out = torch.empty(lay.shard_numel, dtype=grad.dtype, device=grad.device)
+        return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True), out)
+
+    def _reduce_with_hook(self, grad: torch.Tensor) -> PendingReduce:
+        """The user's communication hook does the reduction (synchronously), as
+        torch's FSDP1 calls it: ``hook(state, padded_grad, output)`` for sharded
+        strategies, ``hook(state, grad)`` (in place) for NO_SHARD."""
+        lay = self.layout
+        if not self.sharded:
+            self.comm_hook(self.comm_hook_state, grad)
+            return PendingReduce(self, comm.Pending(None), grad, divided=True)
+        if lay.flat_numel == lay.padded_numel:
+            inp = grad.contiguous()
+        else:
+            inp = torch.zeros(lay.padded_numel, dtype=grad.dtype, device=grad.device)
+            inp[: lay.flat_numel].copy_(grad)
+        out_dtype = self.dtype if self.comm_hook_low_precision else grad.dtype
+        out = torch.empty(lay.shard_numel, dtype=out_dtype, device=grad.device)
+        self.comm_hook(self.comm_hook_state, inp, out)
+        return PendingReduce(self, comm.Pending(None, inp), out, divided=True)
+
+    def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None:
+        """A finished reduction: NO_SHARD's all-reduced gradient is the gradient
+        (post-divided, cast unless low-precision gradients are kept); a sharded
+        one is folded into ``saved_grad`` (``base.accumulate_sharded``)."""
+        if self.sharded:
+            accumulate_sharded(self, out, divided)
+            return
+        if self.post_divide > 1 and not divided:
+            scale_cast_add(out, out, self.post_divide, False)
+        if out.dtype != self.dtype and not self.keep_low_precision_grads:
+            out = out.to(self.dtype)
+        set_grad(self.flat_param, out)
+
+    def new_grad_buffer(self) -> torch.Tensor:
+        """A buffer for a new sharded gradient (the parameters' dtype)."""
+        return torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+
+    def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
+        """no_sync(): keep the local unsharded gradient (accumulating) unreduced.  It may
+        be of another dtype than the parameter's data (NO_SHARD with mixed precision: the
+        reduced full-precision gradient of an earlier backward, to which autograd added
+        this one, as torch's FSDP1 accumulates it)."""
+        set_grad(self.flat_param, grad)
+        self.grad_unsharded = True
+
+    def take_grad_for_backward(self) -> None:
+        """Before backward: move an existing *sharded* gradient aside so the
+        new unsharded one can accumulate, and fold it back in ``finish``.  An
+        unsharded gradient from no_sync() (or NO_SHARD's full gradient) stays
+        in place and keeps accumulating."""
+        g = self.flat_param.grad
+        if g is None or self.grad_unsharded or not self.sharded:
+            return
+        if self.saved_grad is not None:
+            raise AssertionError("cfsdp unit already holds a saved gradient")
+        # accumulate in the parameters' dtype even if the optimizer was shown a
+        # low-precision gradient (keep_low_precision_grads)
+        self.saved_grad = g if g.dtype == self.dtype else g.to(self.dtype)
+        self.flat_param.grad = None
+
+    def publish_grad(self) -> None:
+        """After a synchronising backward: expose the reduced gradient to the
+        optimizer (sharded for sharded strategies, full for NO_SHARD)."""
+        if self.saved_grad is not None:
+            g = self.saved_grad
+            if self.keep_low_precision_grads and g.dtype != self.param_dtype:
+                g = g.to(self.param_dtype)
+            set_grad(self.flat_param, g)
+            self.saved_grad = None
+        self.grad_unsharded = False
+        if self.use_orig_params:
+            self.orig_grads_as_shard_views()
+
+    def _grad_views(self, g: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        if g is None:
+            return [None] * len(self.infos)
+        return [
+            i.view(g[off : off + i.numel]) for off, i in zip(self.layout.offsets, self.infos)
+        ]
+
+    def publish_unsharded_grad(self) -> None:
+        """After a no_sync() backward with use_orig_params=True: each original
+        parameter's ``.grad`` is a full-shape view of the unsharded gradient
+        (as torch does, although the parameter itself is sharded)."""
+        if not self.use_orig_params:
+            return
+        for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):
+            set_grad(info.param, v if info.param.requires_grad else None)
+        self._note_grads()
+
+    # ---------------------------------------------- the original parameters' .grad
+    def drop_grad_if_orig_grads_cleared(self) -> None:
+        """With use_orig_params=True the optimizer sees the original parameters:
+        when every one of their ``.grad`` was set to None (``zero_grad``), the
+        flat gradient goes too."""
+        if self.use_orig_params and self.flat_param.grad is not None:
+            if all_none(_core.attr_get(self._orig_t, "grad")):
+                self.flat_param.grad = None
+                self.grad_unsharded = False
+                self._note_grads()
+
+    # ------------------------------------------- summon(with_grads=True)
+    def unshard_grad(self) -> Optional[torch.Tensor]:
+        """All-gather the sharded gradient (torch FSDP1's ``unshard_grad``).
+
+        Collective: every rank of the unit calls it.  Returns the padded full
+        gradient, or None when no rank has one; a rank without a gradient
+        contributes zeros.  Unit must be idle (``flat_param.grad`` sharded)."""
+        g = self.flat_param.grad
+        if not self.sharded:  # NO_SHARD: the gradient is already full
+            return g
+        none = torch.tensor([int(g is None)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(none, group=self.group)
+        if int(none.item()) == self.world_size:
+            return None
+        if g is None:
+            g = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        full = torch.empty(self.layout.padded_numel, dtype=g.dtype, device=self.device)
+        comm.all_gather(full, g.contiguous(), self.group, async_op=False)
+        return full
+
+    def grads_as_full(self, full: Optional[torch.Tensor]) -> None:
+        """use_orig_params=True, after :meth:`params_as_full`: each original
+        parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
+        for i, (off, info) in enumerate(zip(self.layout.offsets, self.infos)):
+            g = (None if full is None or not info.param.requires_grad
+                 else info.view(full[off : off + info.numel]))
+            shown = self._shown_tp.get(i)
+            if shown is not None:  # a TP parameter shown as a DTensor: a DTensor gradient
+                shown.grad = None if g is None else as_tp(g, info.tp_spec)
+            else:
+                info.param.grad = g
+
+    def grads_as_sharded(self, full: Optional[torch.Tensor], writeback: bool) -> None:
+        """Undo :meth:`grads_as_full` (call before :meth:`params_as_sharded`).
+
+        With ``writeback``, this rank's unpadded part of ``full`` is copied
+        into the existing sharded gradient (none is created, as torch)."""
+        for info in self.infos:
+            info.param.grad = None
+        g = self.flat_param.grad
+        if writeback and full is not None and g is not None and self.sharded:
+            lo, hi = self.layout.shard_range(self.rank)
+            hi = min(hi, self.layout.flat_numel)
+            if hi > lo:
+                g[: hi - lo].copy_(full[lo:hi])
+
+    def orig_grads_as_shard_views(self) -> None:
+        """use_orig_params=True: each original parameter's ``.grad`` is its
+        part of the flat gradient: its slice of this rank's shard (None outside
+        it), or its full-shape view with NO_SHARD; None for frozen parameters."""
+        g = self.flat_param.grad
+        if g is None:
+            _core.attr_set(self._orig_t, "grad", None)
+        elif g.dtype == self.dtype:  # one C pass (see [Note: bulk binding])
+            _core.attr_set(self._orig_t, "grad", self._orig_grad_views(g))
+        elif not self.sharded:  # keep_low_precision_grads: set_grad's dtype side-step
+            for info, v in zip(self.infos, self._grad_views(g)):
+                set_grad(info.param, v if info.param.requires_grad else None)
+        else:
+            for info, sl in zip(self.infos, self.layout.slices[self.rank]):
+                if sl.numel == 0 or not info.param.requires_grad:
+                    info.param.grad = None
+                else:
+                    set_grad(info.param, g[sl.shard_offset : sl.shard_offset + sl.numel])
+        self._note_grads()
+
+    def _orig_grad_views(self, g: torch.Tensor) -> tuple:
+        """Each original parameter's gradient as a view of the flat gradient ``g``
+        (its shard slice, or its full shape with NO_SHARD), None where it has no
+        element on this rank or is frozen."""
+        mask = self._rg_mask
+        cached = self._grad_split
+        if cached is None or cached[0] != mask:
+            sizes, index, pos = [], [], 0
+            if not self.sharded:
+                sizes, index = list(self._split_sizes), list(self._split_index)
+                shapes = self._shapes
+            else:
+                shapes = (None,) * len(self.infos)  # 1-D slices of the shard
+                for sl in self.layout.slices[self.rank]:
+                    if sl.numel == 0:
+                        index.append(-1)
+                        continue
+                    if sl.shard_offset > pos:
+                        sizes.append(sl.shard_offset - pos)
+                    index.append(len(sizes))
+                    sizes.append(sl.numel)
+                    pos = sl.shard_offset + sl.numel
+                if self.layout.shard_numel > pos:
+                    sizes.append(self.layout.shard_numel - pos)
+            index, shapes = views_or_none(index, shapes, mask, len(sizes))
+            cached = self._grad_split = (mask, sizes, index, shapes)
+        _, sizes, index, shapes = cached
+        views = _core.shape_views((*torch.split(g, sizes), None), index, shapes, None,
+                                  self._param_index)
+        if self._strided_params and not self.sharded:
+            views = self._restride(views, self._strided_params)
+        return views
