@@ -8,7 +8,7 @@ are unchanged), turns each parameter it manages into a ``DTensor``
 into the unit's shard buffer, and registers forward hooks that
 drive the runtime shared with the wrapper face (``_runtime.hooks``).  The unit
 itself (the per-parameter chunk layout, copy-in/copy-out in C) is
-``_runtime.chunk_unit.ChunkUnit``.
+``_runtime.chunk.unit.ChunkUnit``.
 
 What is not implemented raises ``NotImplementedError`` naming it (and is
 listed in README.md).
@@ -41,8 +41,9 @@ from ._torch.fsdp2 import STATE_KEY as _STATE_KEY
 from ._torch.fsdp2 import RegistryItem as _RegistryItem
 from ._torch.fsdp2 import ShardPlacementResult
 from ._torch.fsdp2 import get_registry as _get_registry
-from ._runtime.chunk_group import chunk_units
-from ._runtime.chunk_unit import ChunkUnit, DPMesh, local_data
+from ._runtime.chunk.group import chunk_units
+from ._runtime.chunk.param import DPMesh, local_data
+from ._runtime.chunk.unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
 from ._runtime.replaced import FULLY_SHARD, check_plain_param, mark_replaced
 from ._runtime.base import TrainingState, wrappers_in

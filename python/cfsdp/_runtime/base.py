@@ -2,8 +2,8 @@
 
 [Note: unit contract]
 A *unit* is the set of parameters communicated together: one wrapped module
-(``unit.Unit``: torch FSDP1's flat layout) or one ``fully_shard`` call
-(``chunk_unit.ChunkUnit``: FSDP2's per-parameter dim-0 chunks).  The hooks
+(``flat.unit.Unit``: torch FSDP1's flat layout) or one ``fully_shard`` call
+(``chunk.unit.ChunkUnit``: FSDP2's per-parameter dim-0 chunks).  The hooks
 (``hooks.UnitState``) drive a unit through one training step with the calls listed
 in :class:`UnitContract`, and nothing else:
 

@@ -1,7 +1,7 @@
 """What the modules show of a unit's parameters: the per-parameter presentation both
 unit kinds share.
 
-A unit (``unit.Unit``, the wrapper's flat layout; ``chunk_unit.ChunkUnit``,
+A unit (``flat.unit.Unit``, the wrapper's flat layout; ``chunk.unit.ChunkUnit``,
 ``fully_shard``'s per-parameter chunks) owns a buffer engine: the layout, the shard,
 unshard/reshard and the gradient reduction.  What the modules and the user see of
 its parameters is this module's, the same for both kinds:
@@ -166,7 +166,7 @@ def as_tp(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
 class GradSink:
     """Where a :class:`TPView`'s backward notes a gradient it leaves in other placements
     than the parameter's (the FSDP2 face, [Note: tensor-parallel parameters] in
-    chunk_unit.py): ``grad_placements(arrived)`` gives the placements the gradient
+    chunk/param.py): ``grad_placements(arrived)`` gives the placements the gradient
     should have; ``unit_ref()`` the unit (held weakly: the sink lives on autograd nodes),
     whose ``note_partial(qi, spec)`` records parameter ``qi``'s."""
 

@@ -18,7 +18,7 @@ parameters sit in (a unit's flat shard: one buffer per state kind per
 cluster of neighbouring parameters, each parameter's state a view at the
 parameter's offset; for DTensor parameters the state is a DTensor with the
 parameter's mesh, placements, shape and stride whose local tensor aliases the
-buffer through ``torch.from_dlpack``, as ``chunk_unit`` builds parameters).
+buffer through ``torch.from_dlpack``, as ``chunk.param`` builds parameters).
 Parameters whose gradient and every state tensor sit at the same address
 offset from the parameter (``grad.data_ptr() - param.data_ptr()`` the same
 for all of them, and likewise per state kind) form a bucket that ONE C call

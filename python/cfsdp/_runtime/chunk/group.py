@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from .chunk_unit import ChunkUnit
+from .unit import ChunkUnit
 
 # settings the call's API sets on "the unit": every member takes them
 _SHARED_SETTINGS = frozenset((

@@ -1,0 +1,319 @@
+"""A ``fully_shard`` unit's gradients (torch FSDP2's ``foreach_reduce`` and the gradient
+side of ``FSDPParamGroup``): the divide factors and reduce ops (``gradient_divide``), the
+reduce-scatter of a backward's flat gradient, no-sync accumulation, the partial sums of
+tensor-parallel parameters, and who owns a published gradient ([Note: gradient ownership],
+[Note: unused parameters], [Note: no-sync accumulation]).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ... import _core
+from ..._torch.dtensor import DTensorSpec, redistribute_local_tensor
+from .. import comm
+from ..base import PendingReduce, accumulate_sharded, all_none, views_or_none
+from ..reduce import divide_factors
+
+
+def gradient_divide(
+    dp_size: int, shard_size: int, reduce_dtype: torch.dtype, factor: Optional[float], force_sum: bool
+) -> tuple[float, float, object, object]:
+    """``(pre, post, reduce_scatter_op, all_reduce_op)`` by torch 2.13 FSDP2's rules:
+    fp32/bf16 average in the collective itself (``AVG``); fp16/fp64 (overflow risk)
+    and ``force_sum`` sum and divide around it, fp16/fp64 by about ``sqrt(W)`` on
+    each side.  A custom ``factor`` is a premultiplied sum (gloo has no
+    ``PREMUL_SUM``: cfsdp divides in the pack pass)."""
+    SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            if dp_size == 1:
+                return 1.0, 1.0, SUM, SUM
+            return 1.0, 1.0, AVG, AVG
+        if factor == shard_size:
+            return 1.0, 1.0, AVG, SUM
+        return float(factor), 1.0, SUM, SUM
+    f = float(dp_size) if factor is None else float(factor)
+    if overflow_risk:  # torch FSDP1's split into a pre- and a post-divide factor
+        pre, post = divide_factors(f)
+        return pre, post, SUM, SUM
+    return 1.0, f, SUM, SUM
+
+
+class ChunkGrads:
+    """The gradient path of a ``ChunkUnit`` (a part of it, sharing its state): from the
+    flat gradient autograd hands the unit to the sharded DTensor gradients the parameters
+    show."""
+
+    def update_divide_factors(self) -> None:
+        dp = self.world_size * (self.replicate_group.size() if self.replicate_group is not None else 1)
+        self.pre_divide, self.post_divide, self.reduce_op, self.replicate_op = gradient_divide(
+            dp, self.world_size, self.reduce_dtype, self.gradient_divide_factor, self.force_sum_reduction
+        )
+
+    # [Note: gradient ownership]
+    # Publishing a gradient means one DTensor per parameter, viewing this rank's rows
+    # of the unit's sharded gradient buffer.  Who owns that memory is decided by one
+    # explicit rule, torch's FSDP2 rule, and never by counting references:
+    #
+    # * While the parameters still hold exactly the DTensors the unit published (an
+    #   identity check, ``take_grad_for_backward``), the user left them in place
+    #   (``zero_grad(set_to_none=False)``, gradient accumulation): the next reduction
+    #   adds to that buffer, as torch adds to ``param.grad``.
+    # * Once the parameters hold anything else (``zero_grad()`` set them to None, or
+    #   the user assigned other gradients), the published gradients are the user's:
+    #   the unit forgets them (``before_forward``) and never writes to them again; the
+    #   next reduction gets a new buffer.  Gradients the user assigned are copied into
+    #   it first, so they accumulate as torch's would.
+    #
+    # So a gradient a user kept (``g = p.grad``) stays intact whatever they do, and the
+    # memory of dropped gradients is freed by Python as soon as nobody holds them.
+
+    # [Note: unused parameters]
+    # Every forward binds the parameters to views of one ``torch.split`` of the flat
+    # parameter, so backward produces one flat gradient with zeros where a parameter took
+    # no part in the forward.  torch's FSDP2 leaves such a parameter's ``.grad`` None
+    # (optimizers then skip it: no weight decay, no step).  The split node's pre-hook sees
+    # a None gradient for each view that received none (``note_grads``; one check per
+    # backward when every view got one).  At publish, a trainable parameter that got no
+    # gradient on this rank keeps ``.grad`` None if its reduced rows here are all zero,
+    # i.e. no rank's gradient reached them; otherwise (another rank used it) its gradient
+    # is published, so no gradient value is ever dropped.  The reduce-scatter itself is
+    # unchanged (the zeros take part, as torch's padding does).
+
+    def note_grads(self, grad_outputs: tuple) -> None:
+        """The split node's pre-hook: record which parameters' views got a gradient."""
+        if not any(g is None for g in grad_outputs):
+            return
+        if self._all_got_grad:
+            self._all_got_grad = False
+            self._got_grad[:] = bytes(len(self.params))
+        for i, g in enumerate(grad_outputs):
+            if g is not None:
+                self._got_grad[i] = 1
+
+    def _unused(self, grad: torch.Tensor) -> list[int]:
+        """Indices of trainable parameters that got no gradient on this rank since the
+        last publish and whose reduced rows here are all zero (no rank's gradient
+        reached them): their ``.grad`` stays None, as torch's FSDP2 leaves it."""
+        if self._all_got_grad:
+            return []
+        out = [i for i, q in enumerate(self.params)
+               if q.requires_grad and not self._got_grad[i]
+               and not bool(q.local_view(grad).any())]
+        self._all_got_grad = True
+        return out
+
+    def _forget_dropped_grads(self) -> None:
+        """The parameters no longer hold the published gradients: they are the user's
+        now ([Note: gradient ownership])."""
+        pub = self._pub
+        if pub is not None and self.saved_grad is not pub.buf and not all(
+                map(operator.is_, _core.attr_get(self._sharded_t, "grad"), pub.shown)):
+            self._pub = None
+
+    def new_grad_buffer(self) -> torch.Tensor:
+        """A new shard-sized buffer of the parameters' dtype for a new sharded gradient."""
+        return torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+
+    def take_grad_for_backward(self) -> None:
+        """Before backward: collect the sharded gradients the user's parameters hold
+        (they may have been cleared or replaced since they were published) into one
+        shard-sized buffer that the reduced gradient is added to."""
+        if self.saved_grad is not None:
+            return
+        grads = _core.attr_get(self._sharded_t, "grad")
+        pub = self._pub
+        if pub is not None and all(map(operator.is_, grads, pub.shown)):
+            if not all_none(grads):
+                self.saved_grad = pub.buf  # the gradients as published: add to them
+            return
+        self._pub = None  # dropped or replaced: the user's ([Note: gradient ownership])
+        if all_none(grads):
+            return
+        # gradients the user assigned: copied into a new buffer the reduction adds to
+        buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for g, q in zip(grads, self.params):
+                if g is not None and q.local_numel:
+                    q.local_view(buf).copy_(g.to_local())
+        self.saved_grad = buf
+
+    def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None:
+        accumulate_sharded(self, out, divided)
+
+    # [Note: no-sync accumulation]
+    # With gradient sync off, torch's FSDP2 keeps a backward's unsharded gradient where
+    # autograd accumulates the next one (``unsharded_param.grad``, in the gradient's dtype),
+    # unless ``reduce_dtype`` (after its clamping, see ``_set_dtypes``) differs from that
+    # dtype: then post-backward moves it off the parameter, cast to ``reduce_dtype``
+    # (``unsharded_accumulated_grad``: fp32 from bf16, but bf16 from fp32 with only
+    # ``reduce_dtype=bf16``), and adds every later backward's gradient to it in place
+    # (``acc += grad``, computed in the wider dtype and rounded to ``acc``'s); the
+    # synchronising backward adds its own the same way, then reduces the sum.  The unit
+    # does exactly that on its flat gradient (elementwise the same ops): ``acc_grad``.
+    # So a bf16 gradient accumulated with fp32 reduction is summed in fp32, not in bf16.
+
+    def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
+        """No gradient sync: accumulate the natural gradient, unreduced, in torch's dtype
+        ([Note: no-sync accumulation])."""
+        acc = self.acc_grad
+        if acc is not None:
+            acc += grad
+            return
+        if grad.dtype != self.reduce_dtype:
+            self.acc_grad = grad.to(self.reduce_dtype)
+            return
+        self.flat_param.grad = grad
+        self.grad_unsharded = True
+
+    def _redistribute_partial(self, grad: torch.Tensor) -> None:
+        """The TP parameters whose gradient arrived as a partial sum over TP ranks (e.g.
+        a sequence-parallel norm's): their accumulated local gradients, in ``grad``, become
+        the parameters' own placements now, once, as torch's FSDP2 redistributes the
+        accumulated gradient before reducing it."""
+        for qi, spec in self._partial.items():
+            q = self.params[qi]
+            want = q.grad_placements(spec.placements)  # [Note: dp_mesh_dims]
+            if want == spec.placements:
+                continue  # as it arrived on the data-parallel dims, its own elsewhere
+            view = grad[q.nat_off : q.nat_off + q.numel].view(q.shape)
+            target = DTensorSpec(q.tp_spec.mesh, want, tensor_meta=spec.tensor_meta)
+            out = redistribute_local_tensor(view, spec, target)
+            if out is not view:
+                view.copy_(out)
+        self._partial.clear()
+
+    def note_partial(self, qi: int, spec: Any) -> None:
+        """A TP view's backward (``views.TPView`` with this unit's ``GradSink``): parameter
+        ``qi``'s local gradient is a partial sum, or has other placements than the
+        parameter's on the data-parallel dims of ``dp_mesh_dims`` (kept as they are:
+        [Note: dp_mesh_dims])."""
+        have = self._partial.get(qi)
+        if have is not None and have.placements != spec.placements:
+            raise AssertionError(
+                f"cfsdp: the gradient of '{self.params[qi].fqn}' arrived as {spec.placements} "
+                f"after {have.placements} in the same accumulation")
+        self._partial[qi] = spec
+
+    def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
+        """Pack the natural gradient into the rank-major reduce-scatter input (cast
+        to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
+        acc = self.acc_grad
+        if acc is not None:  # [Note: no-sync accumulation]
+            acc += grad
+            grad, self.acc_grad = acc, None
+        if self._partial:  # (a partial sum is redistributed once it is complete)
+            self._redistribute_partial(grad)
+        if self.saved_grad is None and self.reduce_dtype == self.dtype:
+            out = self.new_grad_buffer()  # reduce straight into the gradient
+        else:
+            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        self.grad_unsharded = False
+        # on shared memory the pack runs piece by piece into the shared slots (no
+        # rank-major buffer); on the process group it is chunk_pack, then the collective
+        pending = comm.reduce_scatter_pack(out, grad.contiguous(), self._plan, self._plan_bytes,
+                                           self.pre_divide, self.group, True, op=self.reduce_op)
+        return PendingReduce(self, pending, out)
+
+    def publish_grad(self) -> None:
+        """Expose the reduced gradient: each parameter's ``.grad`` is a DTensor
+        whose local tensor views this rank's rows of the sharded gradient."""
+        g = self.saved_grad
+        self.saved_grad = None
+        self.grad_unsharded = False
+        if g is None:
+            return
+        pub = self._pub
+        if pub is None or pub.buf is not g:
+            pub = self._pub = self._new_published(g)
+        unused = self._unused(g)
+        if unused:
+            shown = list(pub.dts_all)
+            for i in unused:
+                shown[i] = None
+            pub.shown = tuple(shown)
+        else:
+            pub.shown = pub.dts_all
+        _core.attr_set(self._sharded_t, "grad", pub.shown)
+
+    def _new_published(self, g: torch.Tensor) -> "_Published":
+        locals_, dts_all = [], []
+        with torch.no_grad():
+            for q in self.params:
+                if q.requires_grad:
+                    local = q.local_view(g)
+                    locals_.append(local)
+                    dts_all.append(q.dtensor(local))
+                else:
+                    dts_all.append(None)
+        return _Published(g, tuple(locals_), tuple(dts_all))
+
+    def publish_unsharded_grad(self) -> None:
+        """No gradient sync: the unreduced gradient stays with the unit until a
+        synchronising backward.  A unit left unsharded (``reshard_after_backward``
+        False) shows it as the full-size gradient of each registered parameter,
+        as torch does; the sharded parameters keep their sharded gradients."""
+        g = self.flat_param.grad
+        if self._buf is None or g is None:
+            return
+        if self._all_got_grad:
+            plan = self._grad_view_plan
+            if plan is None or plan[0] != self._rg_mask:
+                plan = self._grad_view_plan = (
+                    self._rg_mask, *views_or_none(self._param_index, self._shapes, self._rg_mask,
+                                                  len(self.params)))
+            _, index, shapes = plan
+        else:  # parameters without a local gradient keep None (not cached: rare)
+            mask = bytes(a and b for a, b in zip(self._rg_mask, self._got_grad))
+            index, shapes = views_or_none(self._param_index, self._shapes, mask, len(self.params))
+        views = _core.shape_views((*torch.split(g, self._split_sizes), None), index, shapes, None,
+                                  self._param_index)
+        if self._tp:  # a TP parameter's full-size gradient is a DTensor (a partial sum
+            # over TP ranks while not yet redistributed, as torch's shows it)
+            views = tuple(
+                v if v is None or q.tp_spec is None else
+                DTensor(v, self._partial[i], requires_grad=False) if i in self._partial else
+                q.tp_dtensor(v)
+                for i, (v, q) in enumerate(zip(views, self.params)))
+        _core.attr_set(self._unsharded_t, "grad", views)
+        self._unsharded_grads = True
+
+
+
+def _weak_note_grads(unit: ChunkGrads):
+    """``unit.note_grads`` holding the unit weakly: the hook lives on autograd nodes that
+    the views in the modules' ``__dict__`` keep alive, out of the garbage collector's
+    sight (see ``hook_grad_ready``)."""
+    ref = weakref.ref(unit)
+
+    def hook(grad_outputs: tuple) -> None:
+        u = ref()
+        if u is not None:
+            u.note_grads(grad_outputs)
+
+    return hook
+
+
+class _Published:
+    """A unit's published sharded gradient: its buffer, the local views of it, the
+    DTensor gradients over them (None for a frozen parameter) and what the parameters
+    were given; see [Note: gradient ownership]."""
+
+    __slots__ = ("buf", "locals", "dts_all", "shown")
+
+    def __init__(self, buf: torch.Tensor, locals_: tuple, dts_all: tuple):
+        self.buf = buf
+        self.locals = locals_
+        self.dts_all = dts_all
+        self.shown = dts_all  # what the parameters were given: dts_all, None where unused
+
+
+__all__ = ["ChunkGrads", "gradient_divide"]

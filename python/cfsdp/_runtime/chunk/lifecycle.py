@@ -1,0 +1,166 @@
+"""A ``fully_shard`` unit's parameter lifecycle (torch FSDP2's unshard / reshard of an
+``FSDPParamGroup``): the unsharded buffer and flat parameter, the all-gather into it (the
+post-forward group's too), the registered unsharded parameters, the views forward binds
+each step, and the requires_grad refresh.
+
+The layout is [Note: chunk layout] in ``unit.py``; what the modules show is shared with the
+wrapper's unit in ``views.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ... import _core
+from .. import comm
+from ..base import UnshardStates, alloc_storage, free_storage
+from ..views import changed_mask, hook_flat_grad, split_views, tp_views
+
+
+class ChunkLifecycle(UnshardStates):
+    """Unshard and reshard of a ``ChunkUnit`` (a part of it, sharing its state) and what the
+    modules hold on the way: the registered unsharded parameters while unsharded, the
+    forward views during forward, the sharded parameters otherwise."""
+
+    def _new_natural(self) -> None:
+        """The unsharded buffer (storage freed) and the flat parameter over it."""
+        self.natural = torch.empty(self.natural_numel, dtype=self.param_dtype, device=self.shard.device)
+        free_storage(self.natural)
+        self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
+        self._hooked = False
+        for q in self.params:
+            q.unsharded = None
+        self._unsharded_t = None
+
+    def _register_unsharded(self) -> None:
+        """While unsharded, the modules hold full-size parameters (views of the
+        unsharded buffer), as torch's FSDP2 registers its unsharded parameters.
+        They are built once per unsharded buffer and kept (with the requires_grad
+        of their sharded parameters, refreshed when that changes)."""
+        if self._unsharded_t is None:
+            for q in self.params:
+                if q.unsharded is None:
+                    v = self.natural[q.nat_off : q.nat_off + q.numel].view(q.shape)
+                    if q.tp_spec is not None:
+                        v = q.tp_dtensor(v)
+                    q.unsharded = nn.Parameter(v, requires_grad=q.requires_grad)
+                elif q.unsharded.requires_grad != q.requires_grad:
+                    q.unsharded.requires_grad_(q.requires_grad)
+            self._unsharded_t = tuple(q.unsharded for q in self.params)
+            self._unsharded_occ = self._bind.per_occurrence(self._unsharded_t)
+        self._bind.register(self._unsharded_occ)
+
+    def _start_unshard(self):
+        gathered = self._post_forward_shard_gather()
+        if gathered is not None:
+            return gathered
+        src = self.shard
+        if self.uses_mp:  # the all-gather input: the shard cast in one C pass
+            src = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+            _core.scale_cast_add(src, self.shard, 1.0, False)
+        # straight into the natural buffer: on shared memory the copy-out from the
+        # peers' slots is the chunk copy-out (no rank-major buffer); nothing reads
+        # ``natural`` before wait_unshard
+        alloc_storage(self.natural)
+        work = comm.all_gather_unpack(self.natural.data, src, self._plan, self._plan_bytes,
+                                      self.group, async_op=True)
+        return work, None
+
+    def reshard_after_forward(self, for_backward: bool) -> None:
+        """Post-forward reshard.  With a post-forward group (``reshard_after_forward``
+        an int k: groups of k consecutive ranks), keep this rank's 1/k of the gathered
+        buffer (the rank-major shards of the W/k ranks at its position in the group)
+        so backward all-gathers over the k ranks only; else free everything."""
+        if self.post_forward_group is None or not for_backward or self._buf is None:
+            self.reshard()
+            return
+        k = self.post_forward_group.size()
+        per = self.world_size // k
+        j = self.post_forward_group.rank()
+        kept = torch.empty(per * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        _core.chunk_pack(kept, self.natural.detach(), self._plan, self.world_size, self.shard_numel,
+                         ranks=(j * per, (j + 1) * per))
+        self.reshard()
+        self._post_forward_shard = kept
+
+    def _post_forward_shard_gather(self):
+        """With a post-forward shard kept, the all-gather over the post-forward group
+        (``(work, gathered)``, copied out by ``_finish_unshard``); else None."""
+        kept = self._post_forward_shard
+        if kept is None:
+            return None
+        self._post_forward_shard = None
+        out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        return comm.all_gather(out, kept, self.post_forward_group, async_op=True), out
+
+    def _finish_unshard(self, gathered: Optional[torch.Tensor]) -> None:
+        if gathered is not None:  # gathered over the post-forward group: copy it out
+            alloc_storage(self.natural)
+            # through ``.data``: refilling the buffer must not bump the version counter
+            # of the views autograd saved in forward (they see the same values again)
+            _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size,
+                               self.shard_numel)
+        self._buf = self.natural
+        self._register_unsharded()
+
+    def reshard(self) -> None:
+        self._post_forward_shard = None
+        self.wait_unshard()
+        if self._buf is None:
+            return
+        free_storage(self.natural)
+        self._buf = None
+        self._bind.unshow()
+        if self._unsharded_grads:
+            _core.attr_set(self._unsharded_t, "grad", None)
+        self._bind.register(self._sharded_occ)
+        self._unsharded_grads = False
+
+    def use_forward_views(self) -> None:
+        """Bind each parameter name to its view of ``flat_param`` (through autograd;
+        frozen parameters get detached views), made in one C pass (see
+        [Note: forward views] in views.py)."""
+        if self._rg_mask is None:  # parameters replaced since the last forward
+            self.refresh_requires_grad()
+        parts, views = split_views(self.flat_param, self._split_sizes, self._param_index,
+                                   self._shapes, self._rg_mask, self._bind.index)
+        node = parts[0].grad_fn if parts else None
+        if node is not None:  # which parameters get a gradient: [Note: unused parameters]
+            node.register_prehook(self._note_grads_hook)
+        if self._tp_occ:  # [Note: tensor-parallel parameters]
+            views = tp_views(views, self._tp_occ)
+        self._bind.show(views)
+
+    def end_forward_views(self) -> None:
+        """A unit left unsharded after backward: unbind the forward views, so attribute
+        access shows the registered unsharded parameters (and their gradients) until the
+        next forward, as torch's FSDP2 shows them."""
+        if self._buf is not None:
+            self._bind.unshow()
+
+    def refresh_requires_grad(self) -> None:
+        """Follow the sharded parameters' requires_grad (the user may freeze or
+        unfreeze them between steps): one C read per step, the per-parameter
+        work only when it changed."""
+        mask = changed_mask(self._sharded_t, self._rg_mask)
+        if mask is None:
+            return
+        self._rg_mask = mask
+        for q, rg in zip(self.params, mask):
+            q.requires_grad = bool(rg)
+        self._unsharded_t = None  # their requires_grad follows on the next unshard
+        self._pub = None
+        self.refresh_requires_grad_flat()
+        if self._buf is not None:
+            self._register_unsharded()
+
+    def refresh_requires_grad_flat(self) -> None:
+        rg = any(q.requires_grad for q in self.params)
+        self.flat_param.requires_grad_(rg)
+        hook_flat_grad(self, rg)
+
+
+__all__ = ["ChunkLifecycle"]
