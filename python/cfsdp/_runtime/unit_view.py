@@ -12,10 +12,12 @@ value.  The engine behind a unit (``Unit``'s fields, its buffers, its move betwe
 thus change freely as long as these names keep their meaning; a state-dict feature that needs
 more adds it here, with its one line.
 
-The views forward every read to the live unit (nothing is copied or cached but the tuples of
-parameter views, whose parameters are still read live): a state-dict call sees the unit as it
-is at that moment, exactly as a direct read would.  They are made where the state-dict code
-fetches a unit (``unit_of``), once per use; state dicts are not per-step hot paths.
+The views forward every read to the live unit: a state-dict call sees the unit as it is at
+that moment, exactly as a direct read would.  The one thing kept is the tuple of parameter
+views, made at the first read of ``infos`` / ``shared`` (a unit's parameter lists are fixed
+when it is built; each view still reads its parameter's fields live).  Views are made where
+the state-dict code fetches a unit (``unit_of``): per hook call in ``_state_dict.py``, one per
+unit per call in ``_optim_state_dict.py``; state dicts are not per-step hot paths.
 
 The layout a view gives is the unit's ``cfsdp._core.Layout`` (a value of the bottom layer,
 read-only): offsets, flat / shard / padded sizes, per-rank shard slices, ``shard_range``.
