@@ -36,6 +36,9 @@ Loading (``optim_state_dict_to_load``, ``shard_full_optim_state_dict``,
 ``scatter_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``) does
 the reverse for this rank and re-keys the result by this rank's optimizer
 parameter ids, so that ``optim.load_state_dict`` takes it.
+
+Units are read only through ``_runtime.unit_view.UnitView`` ([Note: unit view]): one view per
+unit per call, made in ``_View``, so ``e.unit`` is the same object for every entry of a unit.
 """
 
 from __future__ import annotations
@@ -55,8 +58,7 @@ from ._state_dict import as_tp_value, get_state_dict_type, root_mesh_value
 from .api import OptimStateKeyType, StateDictType
 from ._runtime import comm
 from ._runtime.base import TrainingState, wrappers_in
-from ._runtime.flat.layout import ParamInfo
-from ._runtime.flat.unit import Unit
+from ._runtime.unit_view import ParamView, UnitView, unit_of
 from ._runtime.views import as_tp
 from ._torch.checkpoint import ShardedTensor, gather_state_dict
 from ._torch.fsdp1 import create_chunk_dtensor, create_chunk_sharded_tensor
@@ -84,7 +86,7 @@ class _Entry:
 
     param: nn.Parameter
     fqns: list[str]  # clean FQNs: all of a flat parameter's, else one
-    unit: Optional[Unit]  # None: no unit manages it (ignored)
+    unit: Optional[UnitView]  # None: no unit manages it (ignored)
     index: int = -1  # use_orig_params=True: the parameter's index in unit.infos
 
 
@@ -120,7 +122,7 @@ class _View:
                     f"{w._state.training_state} (inside forward/backward or summon_full_params); "
                     "call it between training steps, outside those contexts."
                 )
-        units = [w._state.unit for w in self.wrappers if w._state.unit is not None]
+        units = [u for u in (unit_of(w._state) for w in self.wrappers) if u is not None]
         groups = {id(u.group): u.group for u in units}
         if len(groups) > 1:
             raise NotImplementedError(
@@ -266,7 +268,7 @@ class _Out:
     def __init__(self, view: _View, shard: bool, offload: bool):
         self.view, self.shard, self.offload = view, shard, offload
 
-    def finish(self, full: torch.Tensor, unit: Unit, spec: Any = None) -> Any:
+    def finish(self, full: torch.Tensor, unit: UnitView, spec: Any = None) -> Any:
         """``full`` (a parameter's whole state; for a tensor-parallel parameter of TP spec
         ``spec``, its local whole state) as the state dict holds it."""
         if self.shard:
@@ -275,7 +277,7 @@ class _Out:
         out = out.cpu() if self.offload else out
         return out if spec is None else as_tp(out, spec)
 
-    def _chunk(self, full: torch.Tensor, unit: Unit, spec: Any) -> Any:
+    def _chunk(self, full: torch.Tensor, unit: UnitView, spec: Any) -> Any:
         if self.view.root is not None:
             return root_mesh_value(self.view.root, full.detach(), spec, offload_to_cpu=self.offload)
         if self.view.mesh is not None:
@@ -297,7 +299,7 @@ class _Out:
         return out
 
 
-def _gather_flat(unit: Unit, shard_state: torch.Tensor, fqn: str, name: str) -> torch.Tensor:
+def _gather_flat(unit: UnitView, shard_state: torch.Tensor, fqn: str, name: str) -> torch.Tensor:
     """The unit's unpadded flat value of one state (all-gathered when sharded)."""
     lay = unit.layout
     want = lay.shard_numel if unit.sharded else lay.flat_numel
@@ -313,7 +315,7 @@ def _gather_flat(unit: Unit, shard_state: torch.Tensor, fqn: str, name: str) -> 
     return full[: lay.flat_numel]
 
 
-def _unit_views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
+def _unit_views(unit: UnitView, flat: torch.Tensor) -> list[torch.Tensor]:
     return [i.view(flat[off : off + i.numel]) for off, i in zip(unit.layout.offsets, unit.infos)]
 
 
@@ -337,7 +339,7 @@ def _keys_everywhere(view: _View, local: list[_Key], merge: bool, what: str) -> 
     return first
 
 
-def _save_flat_unit(unit: Unit, fqns: list[str], state: dict[str, Any], out: _Out, to_save: bool) -> dict:
+def _save_flat_unit(unit: UnitView, fqns: list[str], state: dict[str, Any], out: _Out, to_save: bool) -> dict:
     """use_orig_params=False: one flat parameter's state, per original parameter."""
     tensors, zeros, others = _by_kind(state)
     per_param: list[dict[str, Any]] = [{} for _ in fqns]
@@ -361,7 +363,7 @@ def _save_flat_unit(unit: Unit, fqns: list[str], state: dict[str, Any], out: _Ou
     return dict(zip(fqns, per_param))
 
 
-def _save_orig_unit(unit: Unit, fqns: list[str], idxs: list[int], states: list[Optional[dict]],
+def _save_orig_unit(unit: UnitView, fqns: list[str], idxs: list[int], states: list[Optional[dict]],
                     infos: list[dict], out: _Out, to_save: bool, what: str) -> dict:
     """use_orig_params=True: the states of one unit's original parameters.
 
@@ -467,7 +469,7 @@ def _save(model, optim, osd: Optional[dict], group, *, shard: bool, rank0_only: 
         infos: list[Any] = [None] * dist.get_world_size(view.group)
         dist.all_gather_object(infos, infos_local, group=view.group)
         per_unit: dict[int, list[_Key]] = {}
-        order: list[Unit] = []
+        order: list[UnitView] = []
         for k in keys:
             if k.managed:
                 e = view.by_fqn[k.fqns[0]]
@@ -537,7 +539,7 @@ def _to_full(v: Any, fqn: str, name: str) -> Any:
     return v
 
 
-def _load_value(v: Any, fqn: str, name: str, info: Optional[ParamInfo]) -> Any:
+def _load_value(v: Any, fqn: str, name: str, info: Optional[ParamView]) -> Any:
     """A saved state value as the unit flattens it: whole (gathered when sharded), and for a
     tensor-parallel parameter its TP-local part ([Note: tensor-parallel wrapper units])."""
     v = _to_full(v, fqn, name)

@@ -3,7 +3,8 @@ hooks that make every wrapper's ``state_dict`` / ``load_state_dict`` give and ta
 
 FQNs follow ``cfsdp._fqn`` (clean names, as torch).  A state-dict call keeps its own state
 per wrapper in one object this module owns (``SDState``, ``w._sd``), and moves a wrapper's
-unit into and out of the SUMMON state through the unit state's own methods.
+unit into and out of the SUMMON state through the unit state's own methods.  It reads a unit
+only through ``_runtime.unit_view.UnitView`` ([Note: unit view]).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ._torch.checkpoint import (
 )
 from ._runtime.base import TrainingState
 from ._runtime.hooks import check_can_summon
+from ._runtime.unit_view import UnitView, unit_of
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -217,8 +219,9 @@ def install_hooks(w: nn.Module) -> None:
     w.register_load_state_dict_post_hook(_post_load_hook)
 
 
-def _unit(w):
-    return w._state.unit
+def _unit(w) -> Optional[UnitView]:
+    """``w``'s unit as the state-dict code reads it ([Note: unit view]); None without one."""
+    return unit_of(w._state)
 
 
 def _rank(w) -> int:
@@ -949,7 +952,7 @@ def optimizer_param_fqns(model, wrappers: list) -> dict:
     module_names = {id(m): n for n, m in model.named_modules()}
     out: dict = {}
     for w in wrappers:
-        unit = w._state.unit
+        unit = unit_of(w._state)
         if unit is None:
             continue
         prefix = module_names[id(unit.module)]
