@@ -377,7 +377,7 @@ def _adam_addrs(
     weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
 ) -> None:
     """One Adam/AdamW step of fp32 CPU memory at addresses this module took from checked
-    tensors (``adam_step``, ``FusedBucket``), in C; see ``_C.adam_step``."""
+    tensors (``adam_step``), in C; see ``_C.adam_step``."""
     _C.adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, ranges, DTYPE_CODES[torch.float32],
                  float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                  float(step), decoupled, amsgrad, maximize, torch.get_num_threads())
@@ -471,6 +471,7 @@ def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> array.array:
 
 
 _F32 = torch.float32
+_F32_CODE = DTYPE_CODES[_F32]
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
 
@@ -525,26 +526,31 @@ class FusedBucket:
                         + [self.base + d for d in self.state_deltas])
         return all(s2 - s1 >= hi - lo for s1, s2 in zip(starts, starts[1:]))
 
-    def adam_step(self, *, step: float, amsgrad: bool, **hp) -> None:
+    def adam_step(self, *, step: float, lr: float, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool) -> None:
         """One Adam/AdamW step of the bucket in C (states: exp_avg, exp_avg_sq[,
-        max_exp_avg_sq]); see ``_C.adam_step``."""
+        max_exp_avg_sq]); see ``_C.adam_step``.  One call per bucket per step: no layer
+        between it and C."""
         base, d = self.base, self.state_deltas
         if _C is None or len(d) != 2 + bool(amsgrad):
             raise AssertionError(f"FusedBucket.adam_step: C core {_C is not None}, "
                                  f"{len(d)} states for amsgrad={amsgrad}")
-        _adam_addrs(base, base + self.grad_delta, base + d[0], base + d[1],
-                    base + d[2] if amsgrad else None, self.ranges, step=step,
-                    amsgrad=amsgrad, **hp)
+        _C.adam_step(base, base + self.grad_delta, base + d[0], base + d[1],
+                     base + d[2] if amsgrad else None, self.ranges, _F32_CODE, float(lr),
+                     float(beta1), float(beta2), float(eps), float(weight_decay), float(step),
+                     decoupled, amsgrad, maximize, torch.get_num_threads())
 
-    def sgd_step(self, *, momentum: float, **hp) -> None:
+    def sgd_step(self, *, lr: float, momentum: float, dampening: float, weight_decay: float,
+                 nesterov: bool, maximize: bool) -> None:
         """One SGD step of the bucket in C (state: momentum_buffer when ``momentum``); see
         ``_C.sgd_step``."""
         base, d = self.base, self.state_deltas
         if _C is None or len(d) != (momentum != 0):
             raise AssertionError(f"FusedBucket.sgd_step: C core {_C is not None}, "
                                  f"{len(d)} states for momentum={momentum}")
-        _sgd_addrs(base, base + self.grad_delta, base + d[0] if d else None, self.ranges,
-                   first_step=self.first, momentum=momentum, **hp)
+        _C.sgd_step(base, base + self.grad_delta, base + d[0] if d else None, self.ranges,
+                    _F32_CODE, float(lr), float(momentum), float(dampening), float(weight_decay),
+                    nesterov, maximize, self.first, torch.get_num_threads())
 
 
 class FusedPlan:
