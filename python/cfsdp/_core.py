@@ -16,7 +16,11 @@ functorch/functional wrapper, and real storage that holds it.  Anything else
 takes the twins' torch ops, so the result is the same either way (or torch's
 own error).  Any address is fine (the C loops load and store alignment-safe),
 but the fused optimizer steps' take fp32-aligned buffers only
-(``_optim_c_ok``).  A CPU tensor whose storage cannot hold it (freed or shrunk
+(``_optim_c_ok``; ``FusedPlan`` makes one bucket per parameter of an odd
+offset, and C refuses a misaligned address).  The fused optimizer
+(``cfsdp.optim``) crosses through ``FusedPlan``, a plan built once from tensors
+checked in full and stepped many times, with only what can change between
+steps checked per step.  A CPU tensor whose storage cannot hold it (freed or shrunk
 with ``untyped_storage().resize_()``) is a ``ValueError`` on every path:
 torch's own ops would read past the storage too.
 Calls that may split a large copy across threads (``chunk_pack``,
@@ -159,8 +163,7 @@ def address(t: torch.Tensor) -> int:
     """``t``'s address (``data_ptr()``), for comparing and laying out memory in Python:
     identity, aliasing, offsets between buffers.  Outside this module an address is
     never handed to C: what crosses goes through this module's entry points, which
-    check the tensors themselves (``c_tensor_ok``), but for the fused optimizer's
-    (``cfsdp.optim._fused``: see tests/unit/test_layers.py's allow-list)."""
+    check the tensors themselves (``c_tensor_ok``; tests/unit/test_layers.py)."""
     return t.data_ptr()
 
 
@@ -368,28 +371,24 @@ def optim_c_available() -> bool:
     return _C is not None
 
 
-def adam_step_addrs(
+def _adam_addrs(
     param: int, grad: int, exp_avg: int, exp_avg_sq: int, max_exp_avg_sq: Optional[int],
     ranges, *, step: float, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
 ) -> None:
-    """One Adam/AdamW step of fp32 CPU memory given by addresses, in C (the
-    caller owns every range of every buffer); see ``_C.adam_step``."""
-    if _C is None:
-        raise AssertionError("adam_step_addrs: the C core is off (CFSDP_IMPL=python)")
+    """One Adam/AdamW step of fp32 CPU memory at addresses this module took from checked
+    tensors (``adam_step``), in C; see ``_C.adam_step``."""
     _C.adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, ranges, DTYPE_CODES[torch.float32],
                  float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                  float(step), decoupled, amsgrad, maximize, torch.get_num_threads())
 
 
-def sgd_step_addrs(
+def _sgd_addrs(
     param: int, grad: int, momentum_buffer: Optional[int], ranges, *, lr: float,
     momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
     first_step: bool,
 ) -> None:
-    """One SGD step of fp32 CPU memory given by addresses, in C; see ``_C.sgd_step``."""
-    if _C is None:
-        raise AssertionError("sgd_step_addrs: the C core is off (CFSDP_IMPL=python)")
+    """One SGD step of fp32 CPU memory at checked addresses, in C; see ``_C.sgd_step``."""
     _C.sgd_step(param, grad, momentum_buffer, ranges, DTYPE_CODES[torch.float32], float(lr),
                 float(momentum), float(dampening), float(weight_decay), nesterov, maximize,
                 first_step, torch.get_num_threads())
@@ -414,9 +413,9 @@ def adam_step(
     ams = max_exp_avg_sq if hp.get("amsgrad") else None
     ranges = _check_optim_ranges(ranges, param, grad, exp_avg, exp_avg_sq, ams)
     if _optim_c_ok(param, grad, exp_avg, exp_avg_sq, ams):
-        adam_step_addrs(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                        exp_avg_sq.data_ptr(), ams.data_ptr() if ams is not None else None,
-                        ranges, **hp)
+        _adam_addrs(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                    exp_avg_sq.data_ptr(), ams.data_ptr() if ams is not None else None,
+                    ranges, **hp)
     else:
         _ref.adam_step(param, grad, exp_avg, exp_avg_sq, ams, ranges, **hp)
 
@@ -429,8 +428,8 @@ def sgd_step(
     buf = momentum_buffer if hp.get("momentum") else None
     ranges = _check_optim_ranges(ranges, param, grad, buf)
     if _optim_c_ok(param, grad, buf):
-        sgd_step_addrs(param.data_ptr(), grad.data_ptr(),
-                       buf.data_ptr() if buf is not None else None, ranges, **hp)
+        _sgd_addrs(param.data_ptr(), grad.data_ptr(),
+                   buf.data_ptr() if buf is not None else None, ranges, **hp)
     else:
         _ref.sgd_step(param, grad, buf, ranges, **hp)
 
@@ -469,6 +468,194 @@ def _check_optim_ranges(ranges, *bufs: Optional[torch.Tensor]) -> array.array:
         if t is not None and end > t.numel():
             raise ValueError(f"ranges end at element {end}, past a buffer of {t.numel()} elements")
     return flat
+
+
+_F32 = torch.float32
+_F32_CODE = DTYPE_CODES[_F32]
+_STRIDED = torch.strided
+_Tensor = torch.Tensor
+
+
+def fused_ok(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a local tensor) may be stepped in place by the fused optimizer loops:
+    fp32 and :func:`c_tensor_ok` in full.  ``cfsdp.optim`` routes by it; ``FusedPlan``
+    checks every tensor it is built from with it."""
+    return t.dtype is _F32 and c_tensor_ok(t)
+
+
+class FusedBucket:
+    """Parameters that ONE fused C call steps (see ``FusedPlan``): each one's gradient and
+    each of its states sit at the same byte offset from the parameter, so the call takes one
+    base address per buffer and ``(start, len)`` element ranges from it (adjacent parameters
+    merged): padding, frozen parameters and other groups' parameters in between are never
+    touched.  ``entries`` are the caller's tags of its parameters, by address;
+    ``grad_delta`` is this step's gradient offset, set by ``FusedPlan.refresh``."""
+
+    __slots__ = ("entries", "_idx", "_ptrs", "_numels", "ranges", "base", "state_deltas",
+                 "first", "grad_delta")
+
+    def __init__(self, entries: list, idx: list, ptrs: list, numels: list, state_deltas: tuple,
+                 first: bool, grad_delta: int = 0):
+        self.entries, self._idx, self._ptrs, self._numels = entries, idx, ptrs, numels
+        base = ptrs[0]
+        flat: list[int] = []
+        for ptr, n in zip(ptrs, numels):
+            start = (ptr - base) // 4
+            if flat and flat[-2] + flat[-1] == start:
+                flat[-1] += n
+            else:
+                flat += [start, n]
+        self.ranges = array.array("q", flat)
+        self.base, self.state_deltas, self.first = base, state_deltas, first
+        self.grad_delta = grad_delta
+
+    def part(self, positions: Sequence[int]) -> "FusedBucket":
+        """The bucket of the members at ``positions`` (ascending indices into ``entries``),
+        with this bucket's offsets (this step's gradient offset included)."""
+        return FusedBucket([self.entries[j] for j in positions],
+                           [self._idx[j] for j in positions],
+                           [self._ptrs[j] for j in positions],
+                           [self._numels[j] for j in positions],
+                           self.state_deltas, self.first, self.grad_delta)
+
+    def spans_disjoint(self, grad_delta: int) -> bool:
+        """The C core's restrict contract: param, grad and state spans do not overlap."""
+        r = self.ranges
+        lo, hi = 4 * r[0], 4 * (r[-2] + r[-1])
+        starts = sorted([self.base, self.base + grad_delta]
+                        + [self.base + d for d in self.state_deltas])
+        return all(s2 - s1 >= hi - lo for s1, s2 in zip(starts, starts[1:]))
+
+    def adam_step(self, *, step: float, lr: float, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool) -> None:
+        """One Adam/AdamW step of the bucket in C (states: exp_avg, exp_avg_sq[,
+        max_exp_avg_sq]); see ``_C.adam_step``.  One call per bucket per step: no layer
+        between it and C."""
+        base, d = self.base, self.state_deltas
+        if _C is None or len(d) != 2 + bool(amsgrad):
+            raise AssertionError(f"FusedBucket.adam_step: C core {_C is not None}, "
+                                 f"{len(d)} states for amsgrad={amsgrad}")
+        _C.adam_step(base, base + self.grad_delta, base + d[0], base + d[1],
+                     base + d[2] if amsgrad else None, self.ranges, _F32_CODE, float(lr),
+                     float(beta1), float(beta2), float(eps), float(weight_decay), float(step),
+                     decoupled, amsgrad, maximize, torch.get_num_threads())
+
+    def sgd_step(self, *, lr: float, momentum: float, dampening: float, weight_decay: float,
+                 nesterov: bool, maximize: bool) -> None:
+        """One SGD step of the bucket in C (state: momentum_buffer when ``momentum``); see
+        ``_C.sgd_step``."""
+        base, d = self.base, self.state_deltas
+        if _C is None or len(d) != (momentum != 0):
+            raise AssertionError(f"FusedBucket.sgd_step: C core {_C is not None}, "
+                                 f"{len(d)} states for momentum={momentum}")
+        _C.sgd_step(base, base + self.grad_delta, base + d[0] if d else None, self.ranges,
+                    _F32_CODE, float(lr), float(momentum), float(dampening), float(weight_decay),
+                    nesterov, maximize, self.first, torch.get_num_threads())
+
+
+class FusedPlan:
+    """The fused optimizer step's crossing into C (``cfsdp.optim``; [Note: flat-shard fusion]
+    in ``cfsdp.optim._fused``), checked once and stepped many times.
+
+    Built from the C-path parameters of a param group: per entry the caller's tag, the
+    parameter's local tensor, its local gradient and its local state tensors (the same
+    kinds, in the same order, for every entry) and whether its states are still unset (SGD's
+    first step).  Every tensor is checked here in full (``fused_ok``: ``c_tensor_ok``,
+    fp32; states and gradient the parameter's numel; an empty parameter's states are in no
+    bucket and not checked), and the entries are grouped into
+    ``buckets`` (``FusedBucket``) of equal gradient and state offsets; an entry whose memory
+    overlaps another's, or every entry of a run whose merged spans would overlap, gets a
+    bucket of its own.  The plan keeps the tensors, so the addresses it holds stay valid.
+
+    Each step, ``refresh`` checks what can change between steps, cheaply: every
+    parameter tensor is still where it was (``p.data = t`` moves it), and every gradient (a new
+    tensor each step, possibly) is a plain fp32 CPU tensor, strided, contiguous, not lazily
+    negated (C would read it un-negated: a wrong step), of the parameter's numel, at the
+    same offset as its bucket's others, with the bucket's spans disjoint.  False: the caller
+    builds a new plan (or steps the tensors with torch ops).  The states are not checked
+    again: the caller rebuilds the plan when they may have been replaced."""
+
+    __slots__ = ("_params", "_states", "_ptrs", "_numels", "buckets")
+
+    def __init__(self, entries: Sequence, params: Sequence[torch.Tensor],
+                 grads: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
+                 firsts: Sequence[bool]):
+        if not len(entries) == len(params) == len(grads) == len(states) == len(firsts):
+            raise AssertionError("FusedPlan: entries, params, grads, states, firsts differ "
+                                 "in length")
+        ptrs, numels, deltas = [], [], []
+        for p, g, sts in zip(params, grads, states):
+            n = p.numel()
+            for t in (p, g, *sts) if n else (p, g):  # an empty one crosses no memory
+                if not fused_ok(t) or t.numel() != n:
+                    raise AssertionError(
+                        f"FusedPlan: a {type(t).__name__} {t.dtype} tensor of shape "
+                        f"{tuple(t.shape)} may not be stepped in C beside a parameter of "
+                        f"{n} elements (the caller routes by fused_ok)")
+            ptr = p.data_ptr()
+            ptrs.append(ptr)
+            numels.append(n)
+            deltas.append((g.data_ptr() - ptr, tuple(s.data_ptr() - ptr for s in sts)))
+        self._params, self._states = list(params), [tuple(s) for s in states]
+        self._ptrs, self._numels = ptrs, numels
+        groups: dict = {}
+        for i, ((gd, sd), first) in enumerate(zip(deltas, firsts)):
+            if numels[i]:
+                groups.setdefault((gd, sd, bool(first)), []).append(i)
+        self.buckets: list[FusedBucket] = []
+        for (gd, sd, first), idx in groups.items():
+            idx.sort(key=ptrs.__getitem__)
+            base = ptrs[idx[0]]
+            if any((ptrs[i] - base) % 4 for i in idx) or any(d % 4 for d in sd):
+                self.buckets += [self._bucket(entries, [i], sd, first) for i in idx]
+                continue
+            run, end = [], None
+            for i in idx:
+                if end is not None and ptrs[i] < end:  # aliasing: step it on its own
+                    self.buckets.append(self._bucket(entries, [i], sd, first))
+                    continue
+                run.append(i)
+                end = ptrs[i] + 4 * numels[i]
+            merged = self._bucket(entries, run, sd, first)
+            if len(run) > 1 and not merged.spans_disjoint(gd):
+                # entries of different units can share a gradient offset by coincidence
+                # (the allocator often hands back the same addresses); merged, the param
+                # span may overlap the gradient span though no entry's own memory does
+                self.buckets += [self._bucket(entries, [i], sd, first) for i in run]
+            else:
+                self.buckets.append(merged)
+
+    def _bucket(self, entries: Sequence, idx: list, state_deltas: tuple,
+                first: bool) -> FusedBucket:
+        return FusedBucket([entries[i] for i in idx], idx, [self._ptrs[i] for i in idx],
+                           [self._numels[i] for i in idx], state_deltas, first)
+
+    def refresh(self, grads: Sequence[torch.Tensor]) -> bool:
+        """This step's check (see the class doc) of the entries' parameters (the local
+        tensors the plan was built from: the caller checks that they are still its
+        parameters') and of ``grads``, their current local gradients in entry order; sets
+        every bucket's ``grad_delta``."""
+        if len(grads) != len(self._ptrs):
+            return False
+        deltas = []
+        for p, g, ptr, n in zip(self._params, grads, self._ptrs, self._numels):
+            if not (
+                type(g) is _Tensor and p.data_ptr() == ptr and g.dtype is _F32
+                and g.layout is _STRIDED and g.is_cpu and g.is_contiguous() and not g.is_neg()
+                and g.numel() == n
+            ):
+                return False
+            deltas.append(g.data_ptr() - ptr)
+        for b in self.buckets:
+            idx = b._idx
+            d = deltas[idx[0]]
+            for i in idx:
+                if deltas[i] != d:
+                    return False
+            b.grad_delta = d
+            if not b.spans_disjoint(d):
+                return False
+        return True
 
 
 # Bulk binding (C: csrc/bind_bulk.c, twin: cfsdp._ref.bind): one

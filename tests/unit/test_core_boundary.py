@@ -614,3 +614,41 @@ def test_admission_is_the_check_and_covers_only_its_tensors():
     finally:
         for v in views:
             v.close()
+
+
+def test_fused_plan_checks_in_full_once_and_cheaply_per_step():
+    """cfsdp.optim's crossing, ``_core.FusedPlan``: every tensor it is built from is checked
+    in full (a shrunk storage is the door's ValueError; a tensor that may not cross, an
+    AssertionError: the caller routes by ``fused_ok``), and each step's ``refresh`` refuses
+    what can change between steps: a gradient that may not cross (subclass, lazily negated,
+    strided, fp64, another numel) or at another offset than its bucket's, and a parameter
+    whose memory moved."""
+    flat, gbuf, m, v = torch.randn(24), torch.randn(24), torch.zeros(24), torch.zeros(24)
+    ps, gs = [flat[0:8], flat[8:16]], [gbuf[0:8], gbuf[8:16]]
+    states = [(m[0:8], v[0:8]), (m[8:16], v[8:16])]
+    plan = _core.FusedPlan(["a", "b"], ps, gs, states, [False, False])
+    assert [(b.entries, list(b.ranges)) for b in plan.buckets] == [(["a", "b"], [0, 16])]
+    assert plan.refresh(gs) and plan.buckets[0].grad_delta == gbuf.data_ptr() - flat.data_ptr()
+    g2 = torch.randn(16)
+    assert plan.refresh([g2[0:8], g2[8:16]])  # a new gradient buffer, same relative layout
+    assert plan.buckets[0].grad_delta == g2.data_ptr() - flat.data_ptr()
+    # at the gradient's own address (all but the last: another offset than the bucket's)
+    odd = [gs[0].as_subclass(_Sub), torch._neg_view(gs[0]), gbuf[0:16:2],
+           gbuf.view(torch.float64)[0:8], gbuf[0:7], torch.randn(8)]
+    assert all(g.data_ptr() == gs[0].data_ptr() for g in odd[:-1])
+    for g in odd:
+        assert not plan.refresh([g, gs[1]]), g
+    assert plan.refresh(gs)
+    ps[1].data = ps[1].clone()  # the parameter moved (as ZeRO rebuilding its buckets)
+    assert not plan.refresh(gs)
+    bad = [(ps[0], gs[0].as_subclass(_Sub), states[0]),
+           (ps[0], gs[0], (m[0:8].double(), v[0:8])),
+           (ps[0], gs[0], (m[0:8], torch._neg_view(v[0:8]))),
+           (ps[0], gs[0], (m[0:7], v[0:8]))]
+    for p, g, st in bad:
+        with pytest.raises(AssertionError, match="may not be stepped in C"):
+            _core.FusedPlan(["a"], [p], [g], [st], [False])
+    shrunk = torch.zeros(8)
+    shrunk.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="storage"):
+        _core.FusedPlan(["a"], [ps[0]], [gs[0]], [(shrunk, v[0:8])], [False])

@@ -176,13 +176,6 @@ def test_the_resolver_follows_every_form():
     assert f"{PKG}._C" in GRAPH[CORE_DOOR]  # ``from . import _C`` inside a try block
 
 
-# modules allowed to cross outside _core while they move behind it.  issue 25: the fused
-# optimizer (optim/_fused.py) still passes addresses it computed to _core's *_addrs entry
-# points with its own per-step gradient check; checking every tensor at the door on every
-# step (tried, reverted) made a step of 200 small tensors 2x slower than before
-C_DOOR_ALLOWLIST = {f"{PKG}.optim._fused"}
-
-
 def c_crossings(source: str, filename: str = "<source>") -> list[str]:
     """Every use of cfsdp's C module and every ``.data_ptr()`` call in ``source``, as
     ``line: code``, read from the AST (comments and docstrings do not count).  A use of
@@ -207,10 +200,6 @@ def test_only_core_crosses_into_c(name):
     hits = c_crossings(MODULES[name].read_text(), str(MODULES[name]))
     if name == CORE_DOOR or name.startswith(f"{PKG}._ref"):
         return
-    if name in C_DOOR_ALLOWLIST:
-        assert hits, (f"{name} no longer uses _C or data_ptr(): remove it from "
-                      "C_DOOR_ALLOWLIST")
-        return
     assert not hits, (f"{name} reaches the C core or reads addresses outside cfsdp._core: "
                       f"{hits}; go through a _core entry point (addresses: _core.address)")
 
@@ -230,7 +219,6 @@ def test_the_crossing_checker_sees_a_crossing():
         "    return _core._C\n"
     )
     assert c_crossings(src) == ["7: _C", "7: t.data_ptr()", "8: _core._C"]
-    assert all(name in MODULES for name in C_DOOR_ALLOWLIST)
 
 
 pytestmark = pytest.mark.no_core

@@ -40,7 +40,17 @@ dict is still the same object (``opt.state[p] = {...}``, as torch's
 ``ZeroRedundancyOptimizer.load_state_dict`` does); either rebuilds the plan.
 State tensors replaced by hand inside a state dict
 (``opt.state[p]["exp_avg"] = t``) are not noticed until the next
-``load_state_dict``; in-place edits are fine.
+``load_state_dict``; in-place edits are fine (the plan keeps the tensors it
+was built from, so the old buffers are what C steps, never freed memory).
+
+The crossing itself is ``cfsdp._core.FusedPlan`` (the one door to C): the
+plan hands it every C parameter's local tensor, gradient and states when it
+is built, and the door checks each in full (``c_tensor_ok``, fp32), groups
+the buckets and keeps their addresses; each step it checks only what can
+change between steps (the parameters' addresses, each new gradient's cheap
+form: a plain fp32 CPU tensor, contiguous, not lazily negated, the
+parameter's numel, at its bucket's offset).  This module reads addresses
+only through ``_core.address``, to lay out the state buffers.
 
 What the C core does not take (fp64/bf16/fp16 parameters, non-CPU or strided
 tensors, DTensor gradients with placements other than the parameter's,
@@ -72,7 +82,6 @@ complex parameters and sparse gradients.  ``foreach=None/False`` and
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -86,7 +95,6 @@ from .._torch.core import scalar_dtype as _get_scalar_dtype
 __all__ = ["Adam", "AdamW", "SGD"]
 
 _F32 = torch.float32
-_STRIDED = torch.strided
 _ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 _AMS_KIND = "max_exp_avg_sq"
 _SGD_KIND = "momentum_buffer"
@@ -98,13 +106,6 @@ _CLUSTER_GAP_BYTES = 4096
 
 def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _fusible(t: Tensor) -> bool:
-    """A local tensor the C core can step in place: fp32 and ``_core.c_tensor_ok`` (the
-    door's one rule; checked when a plan is built, then each step's gradient again in
-    ``_cf_refresh``'s cheap form)."""
-    return t.dtype is _F32 and _core.c_tensor_ok(t)
 
 
 def _reject_options(name: str, foreach, fused, capturable, differentiable) -> None:
@@ -152,26 +153,12 @@ class _Entry:
     index: int  # in group["params"]
     param: Tensor
     local: Tensor  # the parameter's local tensor
-    ptr: int
+    ptr: int  # the local tensor's address (_core.address), for packing its states
     numel: int
     placements: Optional[tuple]  # a DTensor parameter's placements, else None
-    grad_delta: int  # at build: grad address - param address (bytes)
-    cur_delta: int = 0  # this step's
     states: dict = field(default_factory=dict)  # kind -> local state tensor
     first: bool = False  # SGD: no momentum buffer yet
     state_obj: Optional[dict] = None  # the optimizer's state dict of the parameter at build
-
-
-@dataclass(eq=False)
-class _Bucket:
-    """Parameters one C call steps: the same address offsets to grad and states."""
-
-    entries: list  # of _Entry, by address
-    ranges: array.array  # merged (start, len) pairs, int64
-    base: int  # address of element 0 of the param ranges
-    state_deltas: tuple  # per state kind: state address - param address (bytes)
-    grad_delta: int = 0  # refreshed every step
-    first: bool = False  # SGD: momentum buffers are set, not updated
 
 
 @dataclass(eq=False)
@@ -181,9 +168,14 @@ class _Plan:
     kind: list  # per param: None (no grad at build), an _Entry, or "torch"
     key: tuple  # options the layout depends on (amsgrad / momentum != 0)
     version: int
-    buckets: list
+    core: _core.FusedPlan  # the entries' checked crossing into C (tags: the _Entry objects)
     entries: list  # every C-path _Entry (steps[i] is entries[i]'s step)
     steps: Optional[Tensor] = None  # Adam: the entries' step tensors, flat
+
+    @property
+    def buckets(self) -> list:
+        """The ``_core.FusedBucket``s: one C call each (``b.entries``: its _Entry objects)."""
+        return self.core.buckets
 
 
 class _FusedStep:
@@ -256,12 +248,14 @@ class _FusedStep:
 
     def _cf_refresh(self, plan: _Plan, grads: list) -> bool:
         """Check this step's gradients against the plan (cheaply: one pass over
-        the parameters) and record each bucket's gradient offset.  A parameter
-        whose memory moved (``p.data = ...``, e.g. a ZeroRedundancyOptimizer
-        rebuilding its buckets) or whose state dict was replaced
+        the parameters, then ``_core.FusedPlan.refresh``'s over the C entries, which
+        records each bucket's gradient offset).  A parameter whose memory moved
+        (``p.data = ...``, e.g. a ZeroRedundancyOptimizer rebuilding its buckets; a
+        DTensor parameter given another local tensor) or whose state dict was replaced
         (``opt.state[p] = {...}``, as torch's ZeroRedundancyOptimizer loads a
         checkpoint) also fails the check: the plan's addresses are stale."""
         state = self.state
+        gls = []
         for kind, g in zip(plan.kind, grads):
             if kind is None:
                 if g is not None:
@@ -269,34 +263,16 @@ class _FusedStep:
                 continue
             if kind is _TORCH:
                 continue
-            if g is None:
+            if g is None or state.get(kind.param) is not kind.state_obj:
                 return False
-            if _local(kind.param).data_ptr() != kind.ptr or state.get(kind.param) is not kind.state_obj:
+            if kind.placements is None:
+                gls.append(g)  # a DTensor gradient fails the door's type check
+            elif (not isinstance(g, DTensor) or g.placements != kind.placements
+                  or kind.param._local_tensor is not kind.local):
                 return False
-            if kind.placements is not None:
-                if not isinstance(g, DTensor) or g.placements != kind.placements:
-                    return False
-                g = g._local_tensor
-            elif isinstance(g, DTensor):
-                return False
-            # c_tensor_ok's per-step part (cheap): a plain tensor (no subclass: a wrapper's
-            # address is not its data), not lazily negated (C would read it un-negated: a
-            # wrong step), fp32, strided, CPU, contiguous, the parameter's numel
-            if not (
-                type(g) is Tensor and g.dtype is _F32 and g.layout is _STRIDED and g.is_cpu
-                and g.is_contiguous() and not g.is_neg() and g.numel() == kind.numel
-            ):
-                return False
-            kind.cur_delta = g.data_ptr() - kind.ptr
-        for b in plan.buckets:
-            d = b.entries[0].cur_delta
-            for e in b.entries:
-                if e.cur_delta != d:
-                    return False
-            b.grad_delta = d
-            if not _spans_disjoint(b, d):
-                return False
-        return True
+            else:
+                gls.append(g._local_tensor)
+        return plan.core.refresh(gls)
 
     def _cf_build(self, gi: int, group: dict, params: list, grads: list) -> _Plan:
         kinds: list = []
@@ -333,9 +309,13 @@ class _FusedStep:
         steps = self._cf_home_steps(entries) if self._cf_uses_step else None
         for e in entries:
             e.state_obj = self.state.get(e.param)
+        state_kinds = self._cf_kinds_of(group)
+        core = _core.FusedPlan(
+            entries, [e.local for e in entries], [_local(grads[e.index]) for e in entries],
+            [tuple(e.states[k] for k in state_kinds) for e in entries],
+            [e.first for e in entries])
         plan = _Plan(params, tuple(map(id, params)), kinds, self._cf_layout_key(group),
-                     self._cf_version, _buckets(entries, self._cf_kinds_of(group)), entries,
-                     steps)
+                     self._cf_version, core, entries, steps)
         if not self._cf_refresh(plan, grads):
             raise AssertionError("cfsdp.optim: a freshly built plan does not fit its gradients")
         self._cf_plans[gi] = plan
@@ -352,10 +332,9 @@ class _FusedStep:
             if isinstance(g, DTensor):
                 return None
             pl, gl, placements = p, g, None
-        if not (_fusible(pl) and _fusible(gl) and gl.numel() == pl.numel()):
+        if not (_core.fused_ok(pl) and _core.fused_ok(gl) and gl.numel() == pl.numel()):
             return None
-        ptr = pl.data_ptr()
-        return _Entry(i, p, pl, ptr, pl.numel(), placements, gl.data_ptr() - ptr)
+        return _Entry(i, p, pl, _core.address(pl), pl.numel(), placements)
 
     # ----------------------------------------------------------- packing
     def _cf_pack(self, entries: list, group: dict) -> None:
@@ -392,9 +371,9 @@ class _FusedStep:
                 if e.placements is not None and s.placements != e.placements:
                     return False
                 sl = _local(s)
-                if not (_fusible(sl) and sl.shape == e.local.shape):
+                if not (_core.fused_ok(sl) and sl.shape == e.local.shape):
                     return False
-                d = sl.data_ptr() - e.ptr
+                d = _core.address(sl) - e.ptr
                 if delta is None:
                     delta = d
                 elif d != delta:
@@ -475,63 +454,6 @@ def _clusters(entries: list) -> list:
     return out
 
 
-def _buckets(entries: list, kinds: tuple) -> list:
-    """Entries with equal gradient and state offsets (and SGD first-step flag),
-    by address, as buckets of merged ranges; entries whose memory overlaps
-    another's in the bucket get a bucket of their own, and so does every entry of
-    a run whose merged spans would overlap (``_spans_disjoint``)."""
-    groups: dict = {}
-    for e in entries:
-        if e.numel == 0:
-            continue
-        deltas = tuple(e.states[k].data_ptr() - e.ptr for k in kinds)
-        groups.setdefault((e.grad_delta, deltas, e.first), []).append(e)
-    out = []
-    for (_, deltas, first), es in groups.items():
-        es.sort(key=lambda e: e.ptr)
-        base = es[0].ptr
-        if any((e.ptr - base) % 4 for e in es) or any(d % 4 for d in deltas):
-            for e in es:
-                out.append(_bucket([e], deltas, first))
-            continue
-        run, end = [], None
-        for e in es:
-            if end is not None and e.ptr < end:  # aliasing: step it on its own
-                out.append(_bucket([e], deltas, first))
-                continue
-            run.append(e)
-            end = e.ptr + 4 * e.numel
-        merged = _bucket(run, deltas, first)
-        if len(run) > 1 and not _spans_disjoint(merged, run[0].grad_delta):
-            # entries of different units can share a gradient offset by coincidence
-            # (the allocator often hands back the same addresses); merged, the param
-            # span may overlap the gradient span though no entry's own memory does
-            out += [_bucket([e], deltas, first) for e in run]
-        else:
-            out.append(merged)
-    return out
-
-
-def _bucket(es: list, deltas: tuple, first: bool) -> _Bucket:
-    base = es[0].ptr
-    flat: list[int] = []
-    for e in es:
-        start = (e.ptr - base) // 4
-        if flat and flat[-2] + flat[-1] == start:
-            flat[-1] += e.numel
-        else:
-            flat += [start, e.numel]
-    return _Bucket(es, array.array("q", flat), base, deltas, first=first)
-
-
-def _spans_disjoint(b: _Bucket, grad_delta: int) -> bool:
-    """The C core's restrict contract: param, grad and state spans do not overlap."""
-    r = b.ranges
-    lo, hi = 4 * r[0], 4 * (r[-2] + r[-1])
-    starts = sorted([b.base, b.base + grad_delta] + [b.base + d for d in b.state_deltas])
-    return all(s2 - s1 >= hi - lo for s1, s2 in zip(starts, starts[1:]))
-
-
 class Adam(_FusedStep, torch.optim.Adam):
     __doc__ = (
         "``torch.optim.Adam`` with cfsdp's fused step (see ``cfsdp.optim``).\n\n"
@@ -591,23 +513,18 @@ class Adam(_FusedStep, torch.optim.Adam):
                     self._cf_adam_bucket(b, vals[0], hp)
                 else:  # parameters at different steps: one call per step value
                     by_step: dict = {}
-                    for e in b.entries:
-                        by_step.setdefault(vals[where[id(e)]], []).append(e)
-                    for s, es in by_step.items():
-                        part = _bucket(es, b.state_deltas, b.first)
-                        part.grad_delta = b.grad_delta
-                        self._cf_adam_bucket(part, s, hp)
+                    for j, e in enumerate(b.entries):
+                        by_step.setdefault(vals[where[id(e)]], []).append(j)
+                    for s, positions in by_step.items():
+                        self._cf_adam_bucket(b.part(positions), s, hp)
         kinds = self._cf_kinds_of(group)
         for i, kind in enumerate(plan.kind):
             if kind is _TORCH:
                 self._cf_adam_torch(params[i], grads[i], kinds, hp)
 
-    def _cf_adam_bucket(self, b: _Bucket, step: float, hp: dict) -> None:
+    def _cf_adam_bucket(self, b: _core.FusedBucket, step: float, hp: dict) -> None:
         if _core.optim_c_available():
-            base, d = b.base, b.state_deltas
-            _core.adam_step_addrs(base, base + b.grad_delta, base + d[0], base + d[1],
-                                  base + d[2] if hp["amsgrad"] else None, b.ranges,
-                                  step=step, **hp)
+            b.adam_step(step=step, **hp)
             return
         for e in b.entries:  # CFSDP_IMPL=python: the twin, tensor by tensor
             g = _plan_grad(e)
@@ -711,9 +628,7 @@ class SGD(_FusedStep, torch.optim.SGD):
         for b in plan.buckets:
             any_first |= b.first
             if _core.optim_c_available():
-                base, d = b.base, b.state_deltas
-                _core.sgd_step_addrs(base, base + b.grad_delta, base + d[0] if momentum else None,
-                                     b.ranges, first_step=b.first, **hp)
+                b.sgd_step(**hp)
             else:
                 for e in b.entries:
                     _core.sgd_tensor(e.local, _plan_grad(e), e.states.get(_SGD_KIND),
