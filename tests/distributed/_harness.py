@@ -18,6 +18,11 @@ Contract
   env, runs every subtest (optionally filtered by ``--only SUBSTR``, or ``--only A|B`` for
   either), destroys the process
   group and exits 0 only if every subtest passed on every rank.
+* A worker with many subtests keeps them in *feature modules* (e.g. ``fully_shard/parity.py``)
+  and runs them in one launch: ``main(modules=["fully_shard.parity", ...])`` imports them in
+  that order and runs their subtests after the script's own; ``--modules A,B`` runs only those
+  modules' subtests, ``--subtests NAME,...`` only the subtests registered under those names
+  (every point of a grid). Subtests registered by any other module never run.
 * Each subtest gets a fresh gloo group ``ctx.pg`` over all ranks (created by all ranks at the
   same point, between subtests). Subtests pass it as ``process_group`` to the code under test,
   so a subtest that fails half-way through its collectives (one rank raised, the others are
@@ -37,6 +42,7 @@ Contract
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import os
 import sys
@@ -44,7 +50,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +78,7 @@ class Context:
 class _Subtest:
     name: str
     fn: Callable[..., None]
+    base: str  # the registered name without its grid point (``--subtests`` selects by it)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,7 +104,7 @@ def subtest(fn: Callable | None = None, *, grid: dict[str, list] | None = None, 
             label = base + (
                 "[" + ",".join(f"{k}={_fmt(v)}" for k, v in kwargs.items()) + "]" if kwargs else ""
             )
-            _REGISTRY.append(_Subtest(label, f, kwargs))
+            _REGISTRY.append(_Subtest(label, f, base, kwargs))
         return f
 
     if fn is not None:
@@ -131,18 +138,37 @@ def _agree(store: dist.Store, run_id: str, idx: int, rank: int, world: int, stat
     return statuses
 
 
-def run_subtests(only: str | None = None) -> tuple[int, bool]:
+def select(only: str | None = None, modules: Sequence[str] = (),
+           subtests: Sequence[str] | None = None) -> list[_Subtest]:
+    """The registered subtests a run takes, in registration order: those of the launched script
+    and of the feature ``modules`` it names (a guard: workers import only helper modules, which
+    register none, and feature modules; tests/unit/test_harness_imports.py checks it), whose
+    registered name (without the grid point) is one of ``subtests`` (all when None), and whose
+    full name contains ``only`` (``A|B``: A or B; all when None)."""
+    owners = {"__main__", *modules}
+    wanted = None if only is None else [w for w in only.split("|") if w]
+    return [st for st in _REGISTRY if st.fn.__module__ in owners
+            and (subtests is None or st.base in subtests)
+            and (wanted is None or any(w in st.name for w in wanted))]
+
+
+def run_subtests(only: str | None = None, modules: Sequence[str] = (),
+                 subtests: Sequence[str] | None = None) -> tuple[int, bool]:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store()
     # all ranks share the run id (torchrun's run id is the same on all ranks of one launch)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    wanted = None if only is None else [w for w in only.split("|") if w]
-    # only the launched script's own subtests (a guard: workers import only helper modules,
-    # which register none; tests/unit/test_harness_imports.py checks both)
-    selected = [st for st in _REGISTRY if st.fn.__module__ == "__main__"
-                and (wanted is None or any(w in st.name for w in wanted))]
+    if subtests is not None:
+        missing = sorted(set(subtests) - {st.base for st in select(None, modules)})
+        if missing:
+            print(f"[rank {rank}] --subtests {missing}: no such subtest registered by "
+                  f"{sorted({'__main__', *modules})} at world size {world}", flush=True)
+            return 1, False
+    selected = select(only, modules, subtests)
     if not selected:
-        print(f"[rank {rank}] no subtest matches --only {only!r}", flush=True)
+        print(f"[rank {rank}] no subtest matches --only {only!r}"
+              + ("" if subtests is None else f" and --subtests {','.join(subtests)!r}")
+              + f" among the subtests of {sorted({'__main__', *modules})}", flush=True)
         return 1, False
     results: list[tuple[str, dict[int, str], float]] = []
     aborted_at: int | None = None
@@ -187,14 +213,35 @@ def run_subtests(only: str | None = None) -> tuple[int, bool]:
     return (0 if not failed and aborted_at is None else 1), aborted_at is not None
 
 
-def main() -> None:
+def _names(arg: str) -> list[str]:
+    return [n for n in arg.split(",") if n]
+
+
+def main(modules: Sequence[str] = ()) -> None:
+    """Run the launched script's subtests and those of the feature ``modules`` (imported here,
+    in order: their subtests run in registration order); ``--modules`` names a subset of
+    them."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None,
                         help="run only subtests whose name contains this (A|B: either)")
+    parser.add_argument("--modules", type=_names, default=None,
+                        help="comma-separated: run only the subtests of these of the script's "
+                             f"feature modules {list(modules)}")
+    parser.add_argument("--subtests", type=_names, default=None,
+                        help="comma-separated registered names (a grid's every point): run only "
+                             "these subtests")
     args = parser.parse_args()
+    if args.modules is not None:
+        unknown = sorted(set(args.modules) - set(modules))
+        if unknown:
+            parser.error(f"--modules {unknown}: not feature modules of this worker; "
+                         f"choose among {list(modules)}")
+        modules = [m for m in modules if m in args.modules]
+    for m in modules:
+        importlib.import_module(m)
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo", timeout=PG_TIMEOUT)
-    rc, aborted = run_subtests(args.only)
+    rc, aborted = run_subtests(args.only, modules, args.subtests)
     if not aborted:
         # every rank reported on every subtest, so every rank gets here: safe to tear down.
         # The barrier first: torch 2.13 gloo can abort a rank at teardown ("terminate

@@ -1,0 +1,186 @@
+"""Gradient accumulation without communication (set_requires_gradient_sync and friends) under
+every dtype policy, and the lifetimes of gradients between steps."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import _harness as h
+import parity_common as pc
+from fs_common import (
+    CFSDP,
+    Scenario,
+    TORCH,
+    batches,
+    local,
+    loss_fn,
+    make_model,
+    mesh_1d,
+    reg_state,
+    run_scenario,
+)
+from fully_shard.common import BF16
+
+
+# --------------------------------------------------------------------------------------------
+# 4. gradient accumulation without communication
+# --------------------------------------------------------------------------------------------
+
+
+@h.subtest(grid={"kind": ["mlp", "lm"]})
+def grad_accum(ctx, kind: str):
+    """3 micro-batches a step: ``set_requires_gradient_sync(False)`` for the first two, True for
+    the last. After each no-sync backward the registered parameters and their ``.grad`` must be
+    what torch shows (torch: sharded DTensors, ``.grad`` None: the accumulated unsharded
+    gradient is internal); after the last, gradients and the next step's losses as torch and
+    the reference (the sum over micro-batches of the rank-averaged gradients)."""
+
+    def before(impl, model, s, m, notes):
+        model.set_requires_gradient_sync(m == 2)
+
+    def after(impl, model, s, m, notes):
+        if m < 2:
+            notes.append((f"after no-sync micro-batch {m} of step {s}", reg_state(model)))
+
+    run_scenario(ctx, Scenario(kind=kind, steps=2, micro=3, before_micro=before, after_micro=after))
+
+
+# Every dtype policy's accumulation: torch's FSDP2 keeps a no-sync gradient in
+# ``unsharded_param.grad`` (param dtype; autograd adds the next backward's to it) unless
+# ``reduce_dtype`` differs from the gradient's dtype: then it moves it to
+# ``unsharded_accumulated_grad`` cast to ``reduce_dtype`` (fp32 from bf16, but bf16 from fp32
+# when only ``reduce_dtype=bf16`` is given) and adds every later backward's gradient to that.
+FP16 = torch.float16
+ACCUM_POLICIES: dict[str, MixedPrecisionPolicy | None] = {
+    "fp32": None,
+    "bf16_reduce_fp32": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32),
+    "bf16_reduce_bf16": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16),
+    "bf16": MixedPrecisionPolicy(param_dtype=BF16),
+    "fp16_reduce_fp32": MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32),
+    "fp16": MixedPrecisionPolicy(param_dtype=FP16),
+    "fp32_reduce_bf16": MixedPrecisionPolicy(reduce_dtype=BF16),
+    # a bf16 model (its shards, gradients and optimizer in bf16): the reduced fp32 gradient is
+    # cast to bf16 before it is added to the sharded gradient
+    "bf16_model_reduce_fp32": MixedPrecisionPolicy(reduce_dtype=torch.float32),
+    "bf16_model": None,
+}
+
+
+def _accum_sync(path: str, last: int):
+    """``before_micro`` for ``accumulation``'s paths: which units sync on micro-batch ``m``."""
+
+    def before(impl, model, s, m, notes):
+        sync = m == last
+        if path == "all":  # every unit accumulates (recurse)
+            model.set_requires_gradient_sync(sync)
+        elif path == "all_keep_unsharded":  # and stays unsharded until the sync backward
+            model.set_requires_gradient_sync(sync)
+            model.set_reshard_after_backward(sync)
+        elif path == "root":  # the root's unit only (the output head): torchtitan's chunked loss
+            model.set_requires_gradient_sync(sync, recurse=False)
+        elif path == "block":  # one inner unit; the others reduce every micro-batch
+            model.blocks[1].set_requires_gradient_sync(sync, recurse=False)
+        else:
+            raise AssertionError(path)
+
+    return before
+
+
+def _accum_notes(impl, model, s, m, notes):
+    notes.append((f"after backward {m} of step {s}", reg_state(model)))
+    notes.append((f"gradient values after backward {m} of step {s}",
+                  [None if p.grad is None else local(p.grad).detach().clone()
+                   for p in model.parameters()]))
+
+
+def accumulation(ctx, policy: str, path: str, reshard_after_forward: bool = True,
+                 offload: bool = False):
+    """3 micro-batches a step (2 steps), gradient sync off on ``path``'s units for the first two:
+    losses, the gradients (and what is registered) after every backward, and the parameters
+    bitwise as torch's, for every dtype policy.  Units that keep syncing accumulate their
+    reduced gradients into the sharded gradient.  Without mixed precision also as the
+    reference (the mixed-precision reference takes one micro-batch a step).  ``offload``:
+    both with ``CPUOffloadPolicy(pin_memory=False)`` (torch runs it on a CPU mesh)."""
+    pol = ACCUM_POLICIES[policy]
+    kw: dict = {"reshard_after_forward": reshard_after_forward}
+    if pol is not None:
+        kw["mp_policy"] = pol
+    if offload:
+        kw["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
+    bf16_model = policy.startswith("bf16_model")
+    run_scenario(ctx, Scenario(kind="mlp", optim="adamw", steps=2, micro=3, unit_kw=kw,
+                               before_micro=_accum_sync(path, 2), after_micro=_accum_notes,
+                               prepare=(lambda m: m.to(BF16)) if bf16_model else None,
+                               ref=pol is None and not bf16_model))
+
+
+h.subtest(grid={"policy": list(ACCUM_POLICIES), "path": ["all", "root", "block", "all_keep_unsharded"]},
+          name="accumulation")(accumulation)
+h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32", "fp32_reduce_bf16"], "path": ["all", "root"],
+                "reshard_after_forward": [False]}, name="accumulation")(accumulation)
+h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32"], "path": ["all", "root"], "offload": [True]},
+          name="accumulation")(accumulation)
+
+
+def _grad_step(s: int, params: list, opt) -> list | None:
+    """What the user does with the gradients before step ``s`` of ``grad_lifetimes``; returns
+    the gradients the user keeps (step 2)."""
+    if s == 1:
+        opt.zero_grad(set_to_none=False)  # zeroed in place: the same tensors accumulate
+    elif s == 2:
+        kept = [p.grad for p in params]
+        opt.zero_grad(set_to_none=True)
+        return kept
+    elif s == 3:
+        params[0].grad = None  # one cleared, the others accumulate
+    elif s != 4:  # step 4: no zero_grad, everything accumulates
+        opt.zero_grad(set_to_none=True)
+    return None
+
+
+@h.subtest
+def grad_lifetimes(ctx):
+    """Sharded gradients across steps as users handle them: zeroed in place, kept by the user
+    and cleared, cleared for one parameter, accumulated, cleared: losses and gradients bit for
+    bit as torch's.  Ownership follows [Note: gradient ownership]: gradients the user kept keep
+    their values; after a plain ``zero_grad()`` the unit forgets the old gradients by the next
+    forward (their memory goes with the last reference) and the next backward's are new."""
+    mesh = mesh_1d(ctx)
+    mm = pc.Mismatches(ctx)
+    data = batches("mlp", 6, ctx.world_size)
+    runs = {}
+    for impl in (TORCH, CFSDP):
+        model = make_model(impl, Scenario(kind="mlp"), mesh)
+        opt = pc.make_optim("sgd", model.parameters())
+        names, params = zip(*model.named_parameters())
+        rec, kept, kept_vals = [], None, None
+        for s, step_data in enumerate(data):
+            k = _grad_step(s, list(params), opt)
+            if k is not None:
+                kept, kept_vals = k, [local(g).clone() for g in k]
+            x, y = step_data[0][ctx.rank]
+            loss = loss_fn("mlp", model(x), y)
+            loss.backward()
+            rec.append((loss.detach().clone(), [local(p.grad).clone() for p in params]))
+            opt.step()
+        for n, g, v in zip(names, kept, kept_vals):
+            mm.tensors(f"{impl.name}: gradient of {n} the user kept at step 2", local(g), v)
+        if impl is CFSDP:
+            refs = [weakref.ref(p.grad) for p in params]
+            opt.zero_grad()
+            x, y = data[0][0][ctx.rank]
+            out = model(x)
+            alive = [r() is not None for r in refs]
+            mm.check(not any(alive), f"gradients kept alive by the forward after zero_grad(): {alive}")
+            loss_fn("mlp", out, y).backward()
+            mm.check(all(p.grad is not None for p in params), "no gradients after the backward")
+        runs[impl.name] = rec
+    for s, ((lc, gc), (lt, gt)) in enumerate(zip(runs["cfsdp"], runs["torch"])):
+        mm.tensors(f"loss at step {s}", lc, lt)
+        for n, a, b in zip(names, gc, gt):
+            mm.tensors(f"gradient of {n} at step {s}", a, b)
+    mm.raise_if_any()

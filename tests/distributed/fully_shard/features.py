@@ -1,0 +1,280 @@
+"""Features of FSDPModule (prefetching, explicit unshard, hooks, divide factors, meta init,
+compile, ...), each run as a Scenario against torch and the single process."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import distribute_tensor
+
+import _harness as h
+import parity_common as pc
+from fs_common import (
+    CFSDP,
+    Impl,
+    InjectedFailure,
+    ROWS,
+    SELFTEST,
+    STEPS,
+    Scenario,
+    TORCH,
+    build,
+    local,
+    mesh_1d,
+    reg_state,
+    run_scenario,
+)
+from fully_shard.common import WORLD, assert_all_sharded, fsdp_modules
+
+
+# --------------------------------------------------------------------------------------------
+# 5. features
+# --------------------------------------------------------------------------------------------
+
+
+def _every_block(fn):
+    def prepare(model):
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = fn(blk)
+    return prepare
+
+
+def _ckpt_in_forward(blk):
+    blk.ckpt = True
+    return blk
+
+
+def _eval_forward(require_sharded: Callable[[Impl], bool]):
+    """After each step, an eval-mode no_grad forward; its output is compared with torch's.
+
+    With the root's default reshard_after_forward (False for the root), torch 2.13 leaves the
+    root's unsharded parameters registered after it (until the next forward); cfsdp must not
+    leak them: every parameter is a sharded DTensor again (as its wrapper face frees every unit
+    after a no_grad forward, README). With reshard_after_forward=True everywhere, torch too."""
+
+    def after_step(impl, model, s, step_data, notes):
+        model.eval()
+        with torch.no_grad():
+            out = model(step_data[0][0][0])
+        model.train()
+        notes.append((f"eval output after step {s}", out.clone()))
+        if require_sharded(impl):
+            assert_all_sharded(model, f"{impl.name}: after a no_grad eval forward")
+
+    return after_step
+
+
+def _explicit_unshard(async_op: bool):
+    def before(impl, model, s, m, notes):
+        handles = [mod.unshard(async_op=async_op) for mod in fsdp_modules(impl, model)]
+        if async_op:
+            bad = [type(hd).__name__ for hd in handles if not isinstance(hd, impl.UnshardHandle)]
+            if bad:
+                raise AssertionError(f"{impl.name}: unshard(async_op=True) returned {bad}, not UnshardHandle")
+            for hd in handles:
+                hd.wait()
+        elif any(hd is not None for hd in handles):
+            raise AssertionError(f"{impl.name}: unshard() returned {handles}, expected None")
+        notes.append((f"after unshard(async_op={async_op}), step {s}", reg_state(model)))
+
+    def after(impl, model, s, m, notes):
+        for mod in fsdp_modules(impl, model):
+            mod.reshard()
+        notes.append((f"after reshard(), step {s}", reg_state(model)))
+        assert_all_sharded(model, f"{impl.name}: after reshard()")
+
+    return before, after
+
+
+def _prefetch(impl, model):
+    b0, b1 = model.blocks
+    model.set_modules_to_forward_prefetch([b0, b1])
+    b0.set_modules_to_forward_prefetch([b1])
+    b1.set_modules_to_backward_prefetch([b0])
+
+
+def _no_reshard_after_backward(impl, model, s, m, notes):
+    model.set_requires_gradient_sync(m == 1)
+    model.set_reshard_after_backward(m == 1)
+
+
+def _divide_factor(factor_of_w: Callable[[int], float]):
+    def configure(impl, model):
+        k = factor_of_w(WORLD)
+        for mod in fsdp_modules(impl, model):
+            mod.set_gradient_divide_factor(k)
+            if impl is TORCH or SELFTEST:  # gloo has no PREMUL_SUM (see the module docstring)
+                mod.set_force_sum_reduction_for_comms(True)
+    return configure
+
+
+def _is_last_backward(impl, model, s, m, notes):
+    model.set_is_last_backward(m == 1)
+
+
+def _fail_then_reset(impl, model, s, m, notes):
+    if s != 1:
+        return
+    model.blocks[1].fail = True
+    failed = False
+    try:
+        model(torch.zeros(ROWS // WORLD, 7))
+    except InjectedFailure:
+        failed = True  # expected: the forward aborts mid-flight
+    if not failed:
+        raise AssertionError("the injected failure did not propagate")
+    model.reset_iter_state()
+    notes.append(("after reset_iter_state", reg_state(model)))
+
+
+def _force_sum(impl, model):
+    for mod in fsdp_modules(impl, model):
+        mod.set_force_sum_reduction_for_comms(True)
+
+
+def _halve_in_hook(impl, model):
+    for mod in fsdp_modules(impl, model):
+        mod.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
+
+
+def _compile_body(blk):
+    # aot_eager: the compiled graph runs the same aten ops as eager (inductor would
+    # fuse differently and takes minutes to compile on 2 cores)
+    blk._body = torch.compile(blk._body, backend="aot_eager")
+    return blk
+
+
+def _register_generate(impl, model):
+    impl.register_fsdp_forward_method(model, "generate")
+
+
+def _meta_build(kind, seed):
+    with torch.device("meta"):
+        return build(kind, seed)
+
+
+def _materialise_in_place(impl, model):
+    """torchtitan's order: to_empty, then initialise the local shards in place (here with the
+    rows of an eagerly built model), then the optimizer (built by the scenario after this):
+    the optimizer must step the parameters the units use from the first forward on."""
+    model.to_empty(device="cpu")
+    ref = build("mlp").state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local(p).copy_(distribute_tensor(ref[name], p.device_mesh, p.placements).to_local())
+        model.shift.copy_(ref["shift"])
+
+
+def _materialise_as(kind: str):
+    def configure(impl, model):
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, build(kind).state_dict(), options=StateDictOptions(full_state_dict=True))
+        assert_all_sharded(model, f"{impl.name}: after to_empty + set_model_state_dict")
+    return configure
+
+
+_materialise = _materialise_as("mlp")
+
+
+FEATURES: dict[str, Callable[[], Scenario]] = {
+    "called_twice": lambda: Scenario(kind="mlp_twice"),
+    "called_twice_apart": lambda: Scenario(kind="mlp_apart"),
+    "eval_between_steps": lambda: Scenario(
+        after_step=_eval_forward(lambda impl: impl is CFSDP and not SELFTEST)),
+    "eval_between_steps_reshard_root": lambda: Scenario(
+        unit_kw={"reshard_after_forward": True}, after_step=_eval_forward(lambda impl: True)),
+    "checkpoint_in_forward": lambda: Scenario(prepare=_every_block(_ckpt_in_forward)),
+    "checkpoint_wrapper": lambda: Scenario(prepare=_every_block(checkpoint_wrapper)),
+    "ignored_params": lambda: Scenario(
+        root_kw=lambda model: {"ignored_params": {model.out.weight, model.out.bias}},
+        ref=False),  # ignored grads are not reduced: ranks diverge, torch is the only oracle
+    "unshard_reshard": lambda: Scenario(steps=2, before_micro=_explicit_unshard(False)[0],
+                                        after_micro=_explicit_unshard(False)[1]),
+    "unshard_async": lambda: Scenario(steps=2, before_micro=_explicit_unshard(True)[0],
+                                      after_micro=_explicit_unshard(True)[1]),
+    "prefetch_lists": lambda: Scenario(configure=_prefetch),
+    "reshard_after_backward_false": lambda: Scenario(
+        steps=2, micro=2, before_micro=_no_reshard_after_backward,
+        after_micro=lambda impl, model, s, m, notes: notes.extend([
+            (f"after backward {m} of step {s}", reg_state(model)),
+            (f"gradient values after backward {m} of step {s}",
+             [None if p.grad is None else local(p.grad).detach().clone()
+              for p in model.parameters()])])),
+    "gradient_divide_factor_1": lambda: Scenario(
+        optim="sgd", configure=_divide_factor(lambda w: 1.0), ref_grad_scale=float(WORLD)),
+    "gradient_divide_factor_2w": lambda: Scenario(
+        optim="sgd", configure=_divide_factor(lambda w: 2.0 * w), ref_grad_scale=0.5),
+    "is_last_backward": lambda: Scenario(steps=2, micro=2, before_micro=_is_last_backward),
+    # torch 2.13+ (2.11's FSDPModule has no reset_iter_state, nor has cfsdp's there)
+    **({"reset_iter_state": lambda: Scenario(steps=3, before_micro=_fail_then_reset)}
+       if hasattr(torch_fsdp.FSDPModule, "reset_iter_state") else {}),
+    "register_fsdp_forward_method": lambda: Scenario(configure=_register_generate,
+                                                     call=lambda model, x: model.generate(x)),
+    "meta_init": lambda: Scenario(build=_meta_build, configure=_materialise),
+    "meta_init_in_place": lambda: Scenario(build=_meta_build, configure=_materialise_in_place),
+    # torch leaves .grad None for a parameter forward never used (AdamW then skips it)
+    "unused_params": lambda: Scenario(kind="mlp_unused"),
+    "unused_params_accumulate": lambda: Scenario(kind="mlp_unused", steps=2, micro=2),
+    "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),
+    "compiled_block": lambda: Scenario(prepare=_every_block(_compile_body)),
+    "force_sum_reduction": lambda: Scenario(configure=_force_sum),
+    "grouped_modules": lambda: Scenario(kind="mlp_grouped"),
+}
+if WORLD == 4:  # reshard to a group of 2 after forward (at W=2 the int 2 means True)
+    FEATURES["reshard_after_forward_int"] = lambda: Scenario(unit_kw={"reshard_after_forward": 2})
+
+
+class EmbNet(nn.Module):
+    """An embedding unit whose backward needs no weight values (set_unshard_in_backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(idx)))
+
+
+@h.subtest
+def unshard_in_backward_false(ctx):
+    """emb.set_unshard_in_backward(False): backward skips the embedding's all-gather; losses,
+    local gradients and parameters equal torch's (which skips it too) bitwise."""
+    mm = pc.Mismatches(ctx)
+    mesh = mesh_1d(ctx)
+    out = {}
+    for impl in (TORCH, CFSDP):
+        torch.manual_seed(0)
+        m = EmbNet()
+        impl.fully_shard(m.emb, mesh=mesh)
+        impl.fully_shard(m, mesh=mesh)
+        m.emb.set_unshard_in_backward(False)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 + step)
+            idx = torch.randint(0, 11, (ROWS, 3), generator=g).chunk(ctx.world_size)[ctx.rank]
+            loss = m(idx).pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+            grads = {n: local(p.grad).clone() for n, p in m.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        out[impl.name] = (losses, grads, {n: local(p).clone() for n, p in m.named_parameters()})
+    (cl, cg, cp), (tl, tg, tp) = out["cfsdp"], out["torch"]
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss {i}", a, b)
+    for n in tg:
+        mm.tensors(f"grad {n}", cg[n], tg[n])
+        mm.tensors(f"param {n}", cp[n], tp[n])
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"feature": list(FEATURES)})
+def features(ctx, feature: str):
+    run_scenario(ctx, FEATURES[feature]())
