@@ -65,6 +65,7 @@ from typing import Any, Callable
 
 import torch
 import torch._dynamo
+import torch._inductor.config as inductor_config
 import torch._dynamo.compiled_autograd as _compiled_autograd
 import torch.nn as nn
 from torch._dynamo.backends.registry import lookup_backend
@@ -284,7 +285,12 @@ def activation_checkpointing(ctx, face: str):
 
 @h.subtest(grid={"face": ["fully_shard", "wrapper_orig"]})
 def max_autotune(ctx, face: str):
-    pair(ctx, face, "whole", "inductor", mode="max-autotune-no-cudagraphs")
+    """max-autotune picks each GEMM's kernel (ATen's or inductor's C++ template) by timing it,
+    so two compiles of one model may round differently (a CI run saw cfsdp and torch 1e-8
+    apart after training, with no cfsdp change): the candidates are limited to ATen's, so
+    the mode's compile path runs and the comparison stays bitwise."""
+    with inductor_config.patch(max_autotune_gemm_backends="ATEN"):
+        pair(ctx, face, "whole", "inductor", mode="max-autotune-no-cudagraphs")
 
 
 @h.subtest(grid={"face": ["fully_shard", "wrapper_orig"]})
