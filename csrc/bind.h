@@ -50,6 +50,7 @@
 typedef struct {
     PyObject *shm_group_type;
     PyObject *shm_work_type;
+    PyObject *shm_segment_type;
 } cf_py_state;
 
 /* ------------------------------------------------------------------ errors */
@@ -171,7 +172,6 @@ CF_PY_DECLARE(norm_partial);
 CF_PY_DECLARE(shm_reduce);
 CF_PY_DECLARE(shm_memcpy);
 CF_PY_DECLARE(shm_segment_bytes);
-CF_PY_DECLARE(shm_check_fd);
 
 /*
  * module.c's exec slot, for bind_shm.c: make the ShmWork and ShmGroup types

@@ -1,9 +1,12 @@
 /*
  * bind_shm.c -- the shared-memory collectives of cfsdp._C (csrc/shm.c on the
  * ordered work queue of csrc/queue.c): the kernels shm_reduce, shm_memcpy and
- * shm_segment_bytes, the check shm_check_fd (before any mapping), and the types ShmGroup (one rank's view of a segment plus
- * its worker thread) and ShmWork (one queued collective).  Kernel twins:
- * cfsdp._ref.shm; transport twin: the process group (cfsdp._runtime.comm).
+ * shm_segment_bytes, and the types
+ * ShmGroup (one rank's view of a segment plus its worker thread), ShmWork (one
+ * queued collective) and ShmSegment (a checked host-shared file mapping,
+ * cf_shm_map_file, exported through the buffer protocol: ZeRO's shared
+ * bucket).  Kernel twins: cfsdp._ref.shm (ShmSegment's: cfsdp._ref.ShmSegment);
+ * transport twin: the process group (cfsdp._runtime.comm).
  *
  * Design.  A collective method parses its arguments into a cf_shm_args,
  * validates it with cf_shm_check (so a bad call raises and queues nothing),
@@ -19,11 +22,14 @@
  */
 #include "bind.h" /* first: it includes Python.h */
 
+#include <errno.h>
 #include <limits.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "chunk.h"
 #include "queue.h"
@@ -140,47 +146,6 @@ PyObject *cf_py_shm_segment_bytes(PyObject *module, PyObject *const *args, Py_ss
     if (cf_py_parse("shm_segment_bytes", args, nargs, table, CF_PY_COUNT(table)) < 0)
         return NULL;
     return PyLong_FromSize_t(cf_shm_segment_bytes(w, s));
-}
-
-CF_PY_DOC(shm_check_fd,
-"shm_check_fd($module, fd, path, /)\n"
-"--\n"
-"\n"
-"Refuse to map the open file fd unless it is a regular file owned by this\n"
-"process's effective uid with no group or other permission bits: None, or\n"
-"PermissionError naming path (for the message only), the file's type, owner\n"
-"(uid and user name) and mode, and what to do.  Every mapping of cfsdp is\n"
-"checked so before mmap (ShmGroup does it itself).  Twin:\n"
-"cfsdp._ref.shm_check_fd (the same message).  ValueError for fd outside\n"
-"[0, 2**31); RuntimeError if fstat fails (e.g. fd is not open).");
-
-PyObject *cf_py_shm_check_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    int64_t fd;
-    PyObject *path_obj;
-    const char *path;
-    cf_err err;
-    cf_status st;
-    const cf_py_arg table[] = {{"fd", CF_PY_I64, &fd}, {"path", CF_PY_STR, &path_obj}};
-
-    (void)module;
-    cf_err_init(&err);
-    if (cf_py_parse("shm_check_fd", args, nargs, table, CF_PY_COUNT(table)) < 0)
-        return NULL;
-    if (fd < 0 || fd > INT_MAX) {
-        PyErr_Format(PyExc_ValueError, "fd must be in [0, %d], got %lld", INT_MAX,
-                     (long long)fd);
-        return NULL;
-    }
-    path = PyUnicode_AsUTF8(path_obj);
-    if (path == NULL)
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = cf_shm_check_fd((int)fd, path, &err);
-    Py_END_ALLOW_THREADS
-    if (st != CF_OK)
-        return cf_py_raise(&err);
-    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ types */
@@ -925,10 +890,166 @@ static int cf_py_add_type(PyObject *m, PyType_Spec *spec, const char *name, PyOb
     return PyModule_AddObjectRef(m, name, type);
 }
 
+/* ------------------------------------------------------------ ShmSegment */
+
+/* A mapping made by cf_shm_map_file; unmapped when the object dies.  Its memory is
+ * lent through the buffer protocol, and whoever keeps it past a PyBuffer_Release
+ * (torch.frombuffer) keeps a reference to the object instead, so the mapping lives as
+ * long as any view of it. */
+typedef struct {
+    PyObject_HEAD
+    void *base;
+    size_t bytes;
+    PyObject *path; /* str */
+} cf_py_shm_segment;
+
+static PyObject *cf_py_shm_segment_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"path", "create", "nbytes", NULL};
+    PyObject *path_obj;
+    const char *path;
+    Py_ssize_t path_len;
+    int create;
+    long long nbytes;
+    void *base = NULL;
+    cf_py_shm_segment *self;
+    cf_err err;
+    cf_status st;
+
+    cf_err_init(&err);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "UpL:ShmSegment", kwlist, &path_obj, &create,
+                                     &nbytes))
+        return NULL;
+    if (nbytes < 1) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be positive, got %lld", nbytes);
+        return NULL;
+    }
+    path = PyUnicode_AsUTF8AndSize(path_obj, &path_len);
+    if (path == NULL)
+        return NULL;
+    if (strlen(path) != (size_t)path_len) {
+        PyErr_SetString(PyExc_ValueError, "path must not contain a NUL character");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_shm_map_file(path, create != 0, (size_t)nbytes, &base, &err);
+    Py_END_ALLOW_THREADS
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    self = (cf_py_shm_segment *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        munmap(base, (size_t)nbytes);
+        return NULL;
+    }
+    self->base = base;
+    self->bytes = (size_t)nbytes;
+    Py_INCREF(path_obj);
+    self->path = path_obj;
+    return (PyObject *)self;
+}
+
+static void cf_py_shm_segment_dealloc(PyObject *obj)
+{
+    cf_py_shm_segment *self = (cf_py_shm_segment *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (self->base != NULL)
+        munmap(self->base, self->bytes);
+    Py_XDECREF(self->path);
+    tp->tp_free(obj);
+    Py_DECREF(tp);
+}
+
+static int cf_py_shm_segment_getbuffer(PyObject *obj, Py_buffer *view, int flags)
+{
+    cf_py_shm_segment *self = (cf_py_shm_segment *)obj;
+    return PyBuffer_FillInfo(view, obj, self->base, (Py_ssize_t)self->bytes, 0, flags);
+}
+
+PyDoc_STRVAR(cf_py_shm_segment_unlink_doc,
+"unlink($self, /)\n"
+"--\n"
+"\n"
+"Remove the segment's name (the mapping stays valid): None, also if the\n"
+"name is already gone; RuntimeError naming the path for another failure.");
+
+static PyObject *cf_py_shm_segment_unlink(PyObject *obj, PyObject *unused)
+{
+    cf_py_shm_segment *self = (cf_py_shm_segment *)obj;
+    const char *path = PyUnicode_AsUTF8(self->path);
+    int rc, e = 0;
+    (void)unused;
+    if (path == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = unlink(path);
+    if (rc != 0)
+        e = errno;
+    Py_END_ALLOW_THREADS
+    if (rc != 0 && e != ENOENT)
+        return PyErr_Format(PyExc_RuntimeError, "cfsdp shm: unlink(\"%s\") failed: %s (errno %d)",
+                            path, strerror(e), e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cf_py_shm_segment_get_nbytes(PyObject *obj, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSize_t(((cf_py_shm_segment *)obj)->bytes);
+}
+
+static PyObject *cf_py_shm_segment_get_path(PyObject *obj, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(((cf_py_shm_segment *)obj)->path);
+}
+
+static PyMethodDef cf_py_shm_segment_methods[] = {
+    {"unlink", cf_py_shm_segment_unlink, METH_NOARGS, cf_py_shm_segment_unlink_doc},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef cf_py_shm_segment_getset[] = {
+    {"nbytes", cf_py_shm_segment_get_nbytes, NULL, "Bytes of the mapping.", NULL},
+    {"path", cf_py_shm_segment_get_path, NULL, "The file it maps (its name may be gone).", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+PyDoc_STRVAR(cf_py_shm_segment_doc,
+"ShmSegment(path, create, nbytes)\n"
+"--\n"
+"\n"
+"A host-shared segment: the file `path` mapped MAP_SHARED, read-write,\n"
+"nbytes long, lent through the buffer protocol (torch.frombuffer(seg,\n"
+"dtype=torch.uint8)); unmapped when the last reference dies.  create=True\n"
+"makes the file (O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600, its pages\n"
+"reserved); create=False attaches to it (O_NOFOLLOW, never creating it) and\n"
+"requires exactly nbytes.  Either way the file is refused unless it is a\n"
+"regular file of this process's effective uid with no group or other\n"
+"permission bits (PermissionError naming its path, type, owner and mode, a\n"
+"symbolic link too), before it is sized or mapped.  ValueError for\n"
+"nbytes < 1 or a size that does not match; RuntimeError naming the system\n"
+"call, path and errno otherwise.  See cf_shm_map_file in csrc/shm.h; twin:\n"
+"cfsdp._ref.ShmSegment.");
+
+static PyType_Slot cf_py_shm_segment_slots[] = {
+    {Py_tp_new, cf_py_shm_segment_new},
+    {Py_tp_dealloc, cf_py_shm_segment_dealloc},
+    {Py_tp_methods, cf_py_shm_segment_methods},
+    {Py_tp_getset, cf_py_shm_segment_getset},
+    {Py_tp_doc, (void *)cf_py_shm_segment_doc},
+    {Py_bf_getbuffer, cf_py_shm_segment_getbuffer},
+    {0, NULL}};
+
+static PyType_Spec cf_py_shm_segment_spec = {
+    .name = "cfsdp._C.ShmSegment",
+    .basicsize = sizeof(cf_py_shm_segment),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = cf_py_shm_segment_slots,
+};
+
 int cf_py_shm_exec(PyObject *m, cf_py_state *state)
 {
     if (cf_py_add_type(m, &cf_py_shm_work_spec, "ShmWork", &state->shm_work_type) < 0 ||
-        cf_py_add_type(m, &cf_py_shm_group_spec, "ShmGroup", &state->shm_group_type) < 0)
+        cf_py_add_type(m, &cf_py_shm_group_spec, "ShmGroup", &state->shm_group_type) < 0 ||
+        cf_py_add_type(m, &cf_py_shm_segment_spec, "ShmSegment", &state->shm_segment_type) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "SHM_OP_ALL_GATHER", CF_SHM_ALL_GATHER) < 0 ||
         PyModule_AddIntConstant(m, "SHM_OP_REDUCE_SCATTER", CF_SHM_REDUCE_SCATTER) < 0 ||

@@ -8,7 +8,7 @@
  *   functions (cf_py_methods below; Python callers: cfsdp/_core.py)
  *     bind_core.c   plan_layout, shard_fill, chunk_unpack, chunk_pack,
  *                   scale_cast_add, norm_partial
- *     bind_shm.c    shm_reduce, shm_memcpy, shm_segment_bytes, shm_check_fd
+ *     bind_shm.c    shm_reduce, shm_memcpy, shm_segment_bytes
  *     bind_optim.c  adam_step, sgd_step, optim_uses_avx2
  *     bind_bulk.c   dict_set, dict_pop, attr_flags, attr_set, attr_get,
  *                   shape_views
@@ -18,6 +18,8 @@
  *                   reduce_scatter, all_reduce, broadcast, drain, fail,
  *                   failure, close; closed, rank, world_size, nbytes
  *     ShmWork       one queued collective: wait, is_completed, op
+ *     ShmSegment    a checked host-shared file mapping (the buffer protocol):
+ *                   unlink; nbytes, path
  *   constants
  *     here          DTYPE_FP32, DTYPE_FP64, DTYPE_BF16, DTYPE_FP16,
  *                   CHUNK_PARALLEL_BYTES, MAX_THREADS, OPTIM_PARALLEL_BYTES,
@@ -54,7 +56,6 @@ static PyMethodDef cf_py_methods[] = {
     CF_PY_FASTCALL(shm_reduce),
     CF_PY_FASTCALL(shm_memcpy),
     CF_PY_FASTCALL(shm_segment_bytes),
-    CF_PY_FASTCALL(shm_check_fd),
     /* bind_optim.c: the fused optimizer steps */
     CF_PY_FASTCALL(adam_step),
     CF_PY_FASTCALL(sgd_step),
@@ -95,6 +96,7 @@ static int cf_py_traverse(PyObject *m, visitproc visit, void *arg)
     if (state != NULL) {
         Py_VISIT(state->shm_group_type);
         Py_VISIT(state->shm_work_type);
+        Py_VISIT(state->shm_segment_type);
     }
     return 0;
 }
@@ -105,6 +107,7 @@ static int cf_py_clear(PyObject *m)
     if (state != NULL) {
         Py_CLEAR(state->shm_group_type);
         Py_CLEAR(state->shm_work_type);
+        Py_CLEAR(state->shm_segment_type);
     }
     return 0;
 }

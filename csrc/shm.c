@@ -580,6 +580,55 @@ cf_status cf_shm_check_fd(int fd, const char *path, cf_err *err)
     return cf_shm_check_stat(&sb, path, err);
 }
 
+cf_status cf_shm_map_file(const char *path, bool create, size_t bytes, void **out, cf_err *err)
+{
+    struct stat sb;
+    void *base;
+    cf_status st = CF_OK;
+    int fd;
+
+    *out = NULL;
+    if (bytes == 0 || bytes > (size_t)INT64_MAX)
+        return cf_err_set(err, CF_EINVAL, "cfsdp shm: a segment of %zu bytes (1 to 2**63-1)",
+                          bytes);
+    fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0), 0600);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ELOOP && lstat(path, &sb) == 0)
+            st = cf_shm_check_stat(&sb, path, err); /* names the link's owner and mode */
+        if (st == CF_OK) {
+            errno = e;
+            st = cf_shm_sys_err(err, "open", path);
+        }
+        return st;
+    }
+    /* before anything reads, writes or maps it: see "Trust" in the file comment */
+    st = cf_shm_check_fd(fd, path, err);
+    if (st == CF_OK && create) {
+        if (ftruncate(fd, (off_t)bytes) != 0)
+            st = cf_shm_sys_err(err, "ftruncate", path);
+        else if ((errno = posix_fallocate(fd, 0, (off_t)bytes)) != 0)
+            st = cf_shm_sys_err(err, "posix_fallocate", path); /* its pages, or ENOSPC now */
+    } else if (st == CF_OK) {
+        if (fstat(fd, &sb) != 0)
+            st = cf_shm_sys_err(err, "fstat", path);
+        else if ((uint64_t)sb.st_size != (uint64_t)bytes)
+            st = cf_err_set(err, CF_EINVAL, "cfsdp shm: %s has %lld bytes, expected %zu", path,
+                            (long long)sb.st_size, bytes);
+    }
+    if (st == CF_OK) {
+        base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (base == MAP_FAILED)
+            st = cf_shm_sys_err(err, "mmap", path);
+        else
+            *out = base;
+    }
+    close(fd);
+    if (st != CF_OK && create)
+        unlink(path); /* ours (O_EXCL): nothing half-made is left */
+    return st;
+}
+
 /* Unlink the segment's name (the creator's, or any rank's on failure). */
 static void cf_shm_unlink(cf_shm_group *g)
 {
@@ -717,8 +766,7 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
     cf_shm_group *g = NULL;
     size_t bytes;
     char path[sizeof CF_SHM_DIR + CF_SHM_NAME_LEN];
-    int fd = -1;
-    void *base = MAP_FAILED;
+    void *base = NULL;
     cf_status st = CF_OK;
 
     *out = NULL;
@@ -762,53 +810,10 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
     pthread_cond_init(&g->keep_cv, NULL);
 #endif
     snprintf(path, sizeof path, "%s%s", CF_SHM_DIR, name);
-    /* O_NOFOLLOW: glibc's shm_open adds it too; a symbolic link is refused below */
-    fd = shm_open(name, (create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR) | O_NOFOLLOW, 0600);
-    if (fd < 0) {
-        int e = errno;
-        struct stat sb;
-        if (e == ELOOP && lstat(path, &sb) == 0)
-            st = cf_shm_check_stat(&sb, path, err); /* names the link's owner and mode */
-        if (st == CF_OK) {
-            errno = e;
-            st = cf_shm_sys_err(err, "shm_open", name);
-        }
-        goto fail;
-    }
+    /* the name is opened as shm_open does (O_NOFOLLOW | O_CLOEXEC in CF_SHM_DIR), checked
+     * before it is sized or mapped ("Trust" in the file comment) */
+    CF_CHECK_GOTO(cf_shm_map_file(path, create, bytes, &base, err), st, fail);
     g->creator = g->linked = create;
-    /* before anything reads, writes or maps it: see "Trust" in the file comment */
-    CF_CHECK_GOTO(cf_shm_check_fd(fd, path, err), st, fail);
-    if (create && ftruncate(fd, (off_t)bytes) != 0) {
-        st = cf_shm_sys_err(err, "ftruncate", name);
-        goto fail;
-    }
-    /* reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later */
-    if (create && (errno = posix_fallocate(fd, 0, (off_t)bytes)) != 0) {
-        st = cf_shm_sys_err(err, "posix_fallocate", name);
-        goto fail;
-    }
-    if (!create) {
-        struct stat sb;
-        if (fstat(fd, &sb) != 0) {
-            st = cf_shm_sys_err(err, "fstat", name);
-            goto fail;
-        }
-        if ((uint64_t)sb.st_size != (uint64_t)bytes) {
-            st = cf_err_set(err, CF_EINVAL,
-                            "cfsdp shm: segment \"%s\" has %lld bytes, expected %zu for %lld "
-                            "ranks x slot %lld",
-                            name, (long long)sb.st_size, bytes, (long long)world_size,
-                            (long long)slot_bytes);
-            goto fail;
-        }
-    }
-    base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) {
-        st = cf_shm_sys_err(err, "mmap", name);
-        goto fail;
-    }
-    close(fd);
-    fd = -1;
 
     g->base = base;
     g->bytes = bytes;
@@ -864,8 +869,6 @@ cf_status cf_shm_group_open(const char *name, bool create, int64_t world_size, i
     return CF_OK;
 
 fail:
-    if (fd >= 0)
-        close(fd);
 #if CF_SHM_LIVENESS
     if (g != NULL && g->global_ranks != NULL) { /* keep_mu and keep_cv were made */
         cf_shm_keeper_stop(g);

@@ -93,12 +93,30 @@ typedef struct cf_shm_group cf_shm_group;
  * (the file's name, for the message only), its type, owner (uid and user
  * name, if the user database has one) and mode, and what to do: someone who
  * is not this job forged it (see the trust paragraph of shm.c).  CF_ERUNTIME
- * if fstat fails.  Twin: cfsdp._ref.shm_check_fd (the same message).  Every
- * mapping of cfsdp checks this before mmap: cf_shm_group_open (one level and
- * the two-level per-host segments) here, ZeRO's shared bucket through
- * cfsdp._core.shm_check_fd.  Needs no GIL.
+ * if fstat fails.  Twin: cfsdp._ref.shm._check_fd (the same message).  Every
+ * mapping of cfsdp checks this before mmap (cf_shm_map_file, which every
+ * segment of cfsdp goes through).  Needs no GIL.
  */
 cf_status cf_shm_check_fd(int fd, const char *path, cf_err *err);
+
+/*
+ * The host-shared segment facility: map the file `path` (a name in a tmpfs
+ * such as CF_SHM_DIR, or any directory) MAP_SHARED read-write, `bytes` long,
+ * into *out (munmap(*out, bytes) to release it).  create: open it with
+ * O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600, size it and reserve its pages
+ * (posix_fallocate: a full tmpfs is an error here, not a SIGBUS later); the
+ * file is unlinked again if anything after its creation fails.  Else attach:
+ * open it with O_NOFOLLOW (never creating it) and require exactly `bytes`.
+ * Either way the open file must pass cf_shm_check_fd before it is sized or
+ * mapped (CF_EPERM naming its path, type, owner and mode; a symbolic link is
+ * refused so too, naming the link's owner and mode), and the mapping is made
+ * through that descriptor, never by name again.  Errors: CF_EINVAL for
+ * bytes == 0 or a size that does not match, CF_EPERM for a file that is not
+ * this job's, CF_ERUNTIME for a failing system call (strerror, errno).  Used
+ * by cf_shm_group_open and by cfsdp._C.ShmSegment (ZeRO's shared bucket).
+ * Twin: cfsdp._ref.ShmSegment.  Needs no GIL.
+ */
+cf_status cf_shm_map_file(const char *path, bool create, size_t bytes, void **out, cf_err *err);
 
 /* Bytes of a segment for `world_size` ranks with data slots of `slot_bytes`
  * per half buffer (each rank has two halves); 0 if it overflows. */

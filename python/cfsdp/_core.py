@@ -348,15 +348,43 @@ def shm_memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
         _ref.shm_memcpy(dst, src)
 
 
-def shm_check_fd(fd: int, path: str) -> None:
-    """Refuse to map the open file ``fd`` unless it is this job's: a regular file owned by
-    this process's effective uid with no group or other permission bits, else
-    ``PermissionError`` naming ``path``, its owner and mode, and what to do (see "Trust"
-    in ``csrc/shm.c``); the twin is ``cfsdp._ref.shm_check_fd``, the same message."""
-    if _C is not None:
-        _C.shm_check_fd(fd, path)
-    else:
-        _ref.shm_check_fd(fd, path)
+class ShmSegment:
+    """The host-shared segment facility (C: ``cf_shm_map_file`` through
+    ``cfsdp._C.ShmSegment``; twin: ``cfsdp._ref.ShmSegment``, the same checks and
+    messages): the file ``path`` mapped ``MAP_SHARED``, ``nbytes`` long.  ``create`` makes
+    it (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, pages reserved); else it attaches
+    (``O_NOFOLLOW``, never creating) and requires exactly ``nbytes``.  Either way a file
+    that is not this job's (another owner, group or other permission bits, not a regular
+    file, a symbolic link) is a ``PermissionError`` naming it, its owner and mode, before
+    it is sized or mapped ("Trust" in ``csrc/shm.c``); a failing system call a
+    ``RuntimeError`` naming the call, path and errno; a size that does not match a
+    ``ValueError``.  ``tensor()`` views the whole mapping as uint8 and keeps it mapped as
+    long as the view (or any view of it) lives; ``unlink()`` removes the name."""
+
+    __slots__ = ("_seg", "_buffer")
+
+    def __init__(self, path: str, create: bool, nbytes: int):
+        if _C is not None:
+            self._seg = self._buffer = _C.ShmSegment(path, bool(create), int(nbytes))
+        else:
+            self._seg = _ref.ShmSegment(path, bool(create), int(nbytes))
+            self._buffer = self._seg.buffer
+
+    @property
+    def path(self) -> str:
+        return self._seg.path
+
+    @property
+    def nbytes(self) -> int:
+        return self._seg.nbytes
+
+    def tensor(self) -> torch.Tensor:
+        """The mapping as a 1-D uint8 tensor (it holds the mapping alive)."""
+        return torch.frombuffer(self._buffer, dtype=torch.uint8)
+
+    def unlink(self) -> None:
+        """Remove the name (the mapping stays valid); a name already gone is fine."""
+        self._seg.unlink()
 
 
 # ---------------------------------------------------------------------------

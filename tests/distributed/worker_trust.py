@@ -21,7 +21,7 @@ issue 22 did, on command of rank 0 through a pipe:
 
 The race is made deterministic, and nothing else: the victims run the real code but
 pause just before they read the name (``comm._segment_name``) or open the file
-(``_zero_buckets._open_own``) until the attacker says it is done (a key of the store).
+(``_zero_buckets._attach``) until the attacker says it is done (a key of the store).
 Each subtest then checks, on every rank: the collective (or the optimizer) raised
 ``PermissionError`` naming the refusing ranks, the attacker's file (its path, uid and user
 name, mode); and on rank 0: the attacker's file holds exactly the bytes the attacker wrote
@@ -375,7 +375,7 @@ def forged_zero_bucket(ctx, how):
         model = nn.Linear(64, 64)
         what = owner_mode("regular file", "0666") if how == "file" else \
             owner_mode("symbolic link", "0777")
-        with PauseBefore(_zero_buckets, "_open_own", ctx.name):
+        with PauseBefore(_zero_buckets, "_attach", ctx.name):
             got = outcome(lambda: cfsdp.ZeroRedundancyOptimizer(
                 model.parameters(), torch.optim.SGD, process_group=pg,
                 parameters_as_bucket_view=True, lr=0.1))

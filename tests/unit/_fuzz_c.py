@@ -1,5 +1,6 @@
 """The fuzz driver of test_fuzz_c.py, run in a child process: every callable of cfsdp._C
-(each function, ShmGroup and every method and attribute of ShmGroup / ShmWork) and every
+(each function, ShmGroup, ShmSegment and every method and attribute of ShmGroup /
+ShmWork / ShmSegment) and every
 tensor entry point of cfsdp._core, called with hostile arguments drawn by hypothesis.
 
     python _fuzz_c.py FAMILY CASE_LOG SEED EXAMPLES
@@ -431,31 +432,79 @@ def _shm_segment_bytes(draw):
     return h.checked(st.integers(1, 300)), h.checked(st.integers(0, 1 << 20))
 
 
-_CHECK_FDS: list = []
+_SEG_FILES: list = []
 
 
-def _check_fds() -> list:
-    """Open fds for shm_check_fd, made once (each file unlinked at once, the fd stays): a
-    0600 file of this process (accepted), a 0644 one and a directory (refused)."""
-    if not _CHECK_FDS:
-        for mode in (0o600, 0o644):
-            path = f"/dev/shm/cfsdp-fuzz-{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+def _seg_files() -> list:
+    """Paths for ShmSegment to attach to, made once: a 0600 file of this process of 256
+    bytes (accepted at that size), a 0644 one (refused), a symbolic link to the first
+    (refused) and a directory (open fails).  Removed by the child's exit hook."""
+    if not _SEG_FILES:
+        base = f"/dev/shm/cfsdp-fuzz-{os.getpid()}-{secrets.token_hex(4)}"
+        for mode, tag in ((0o600, "ok"), (0o644, "wide")):
+            fd = os.open(f"{base}-{tag}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.fchmod(fd, mode)
-            os.unlink(path)
-            _CHECK_FDS.append(fd)
-        _CHECK_FDS.append(os.open("/", os.O_RDONLY))
-    return _CHECK_FDS
+            os.ftruncate(fd, 256)
+            os.close(fd)
+            _SEG_FILES.append(f"{base}-{tag}")
+        os.symlink(f"{base}-ok", f"{base}-link")
+        _SEG_FILES.append(f"{base}-link")
+        import atexit
+
+        atexit.register(lambda: [os.unlink(f) for f in _SEG_FILES if os.path.lexists(f)])
+    return _SEG_FILES + ["/dev/shm"]
 
 
-@plain("shm_check_fd", family="shm")
 @st.composite
-def _shm_check_fd(draw):
+def _segment_new(draw):
     h = H(draw)
-    fds = _check_fds()
-    return (h.checked(st.sampled_from(fds + [-1, 2**31 - 1, 2**31, max(fds) + 100])),
-            h.checked(st.sampled_from(["/dev/shm/cfsdp-1-ab", "", "x" * 2000, "\udc80",
-                                       "/dev/shm/caf\u00e9"])))
+    path = draw(st.sampled_from(_seg_files() + ["NEW", "NEW"] + (
+        ["", "x" * 5000, "\udc80", "/dev/shm/caf\u00e9", "/nul\x00x", "/proc/nope/x"]
+        if h.bad() else [])))
+    nbytes = h.checked(st.sampled_from([256, 1, 64, 4096] + ([0, -1, 1 << 62] if h.bad() else [])))
+    kw = draw(st.sampled_from([None, None, "kw", "bogus" if h.bad() else None]))
+    ops = draw(st.lists(st.sampled_from(["tensor", "write", "unlink", "nbytes", "path", "args"]),
+                        max_size=5))
+    return path, h.checked(path == "NEW"), nbytes, kw, ops
+
+
+@entry("ShmSegment", "shm", _segment_new())
+def _run_segment(call, spec):
+    """Make or attach with the case's arguments (any of them hostile), then view, write,
+    unlink and read the attributes in any order; a made file is always removed."""
+    path, create, nbytes, kw, ops = spec
+    made = path == "NEW"  # a name of its own (the fixed files are never unlinked)
+    path = f"/dev/shm/cfsdp-fuzz-{os.getpid()}-{secrets.token_hex(6)}" if made else path
+    args = [path, *call((create, nbytes))]
+    try:
+        if kw == "kw":
+            seg = C.ShmSegment(path=args[0], create=args[1], nbytes=args[2])
+        elif kw == "bogus":
+            seg = C.ShmSegment(*args, bogus=1)
+        else:
+            seg = C.ShmSegment(*args)
+        for op in ops:
+            if op == "tensor":
+                t = torch.frombuffer(seg, dtype=torch.uint8)
+                assert t.numel() == seg.nbytes
+            elif op == "write":
+                m = memoryview(seg)
+                m[0] = 7
+                m[-1] = 9  # (the same byte when nbytes is 1)
+                assert bytes(m[:1]) == (b"\x09" if len(m) == 1 else b"\x07")
+                m.release()
+            elif op == "unlink" and made:
+                seg.unlink()
+            elif op == "args":
+                try:
+                    seg.unlink(1)
+                except TypeError:
+                    pass
+            elif op in ("nbytes", "path"):
+                getattr(seg, op)
+    finally:
+        if made and os.path.lexists(path):
+            os.unlink(path)
 
 
 OPT_ELEMS = 16
@@ -1123,6 +1172,7 @@ def c_callables() -> list[str]:
     names = [n for n in dir(C) if not n.startswith("_") and callable(getattr(C, n))]
     names += [f"ShmGroup.{n}" for n in vars(C.ShmGroup) if not n.startswith("_")]
     names += [f"ShmWork.{n}" for n in vars(C.ShmWork) if not n.startswith("_")]
+    names += [f"ShmSegment.{n}" for n in vars(C.ShmSegment) if not n.startswith("_")]
     return sorted(names)
 
 
@@ -1134,6 +1184,7 @@ COVERED_BY = {
     **{f"ShmGroup.{n}": "ShmGroup.misc" for n in ("wait_attached", "drain", "fail", "failure",
                                                   "close", "closed", "rank", "world_size",
                                                   "nbytes")},
+    **{f"ShmSegment.{n}": "ShmSegment" for n in ("unlink", "nbytes", "path")},
 }
 
 

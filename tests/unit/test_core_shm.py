@@ -604,7 +604,7 @@ def test_bad_arguments_raise_before_queuing(groups):
 
 def test_open_errors():
     name = f"/cfsdp-test-{os.getpid()}-{secrets.token_hex(6)}"
-    with pytest.raises(RuntimeError, match="shm_open.*No such file"):
+    with pytest.raises(RuntimeError, match=r'open\("/dev/shm/cfsdp-test-.*No such file'):
         C.ShmGroup(name, False, 2, 1, 512, 1.0, "x", [0, 1])
     with pytest.raises(ValueError, match="slot_bytes"):
         C.ShmGroup(name, True, 2, 0, 100, 1.0, "x", [0, 1])
@@ -646,14 +646,18 @@ def unknown_uid():
     return next(u for u in range(54321, 60000) if u not in known)
 
 
-def check_both(fd, path):
-    """(exception type, message) of the C check and of its twin, which must agree."""
-    from cfsdp._ref import shm_check_fd as ref_check
+def both(path, create, nbytes):
+    """``(exception type, message)`` of ``cfsdp._C.ShmSegment`` and of its twin
+    ``cfsdp._ref.ShmSegment`` on the same arguments, which must agree (the message byte for
+    byte); a segment made by the first is unlinked before the second runs."""
+    from cfsdp._ref import ShmSegment as RefSegment
 
     out = []
-    for check in (C.shm_check_fd, ref_check):
+    for make in (C.ShmSegment, RefSegment):
         try:
-            check(fd, path)
+            seg = make(path, create, nbytes)
+            if create:
+                seg.unlink()
             out.append((None, ""))
         except Exception as e:  # noqa: BLE001 - compared below
             out.append((type(e), str(e)))
@@ -661,25 +665,29 @@ def check_both(fd, path):
     return out[0]
 
 
-def test_check_fd_matches_twin_and_names_owner_and_mode(tmp_path):
-    """cfsdp._C.shm_check_fd and cfsdp._ref.shm_check_fd: a regular file of this process's
-    uid with no group/other bits passes; anything else is a PermissionError (the same
-    message, byte for byte) naming the path, the file's type, owner (uid and user name)
-    and mode, and what to do; a closed fd is a RuntimeError, a negative one ValueError."""
-    needs_root("test_check_fd_matches_twin_and_names_owner_and_mode")
+def test_segment_refuses_what_is_not_ours_like_its_twin(tmp_path):
+    """The host-shared segment facility (``cf_shm_map_file``: ``_C.ShmSegment`` and its twin
+    ``_ref.ShmSegment``) attaches only to a regular file of this process's uid with no
+    group/other bits; anything else is a PermissionError (the same message, byte for
+    byte, in C and twin) naming the path, the file's type, owner (uid and user name) and
+    mode, and what to do -- before it is sized or mapped; a symbolic link is refused naming
+    the link; a missing file or a directory is a RuntimeError naming the call and errno;
+    a size that does not match a ValueError."""
+    needs_root("test_segment_refuses_what_is_not_ours_like_its_twin")
     import pwd
 
     me = f"uid {os.geteuid()} ({pwd.getpwuid(os.geteuid()).pw_name})"
     path = str(tmp_path / "f")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 64)
     try:
-        for mode in (0o600, 0o700, 0o400):
+        for mode in (0o600, 0o700, 0o400 | 0o200):
             os.fchmod(fd, mode)
-            assert check_both(fd, path) == (None, "")
-            _core.shm_check_fd(fd, path)  # the door: either implementation, one contract
-        for mode in (0o644, 0o660, 0o606, 0o601, 0o610, 0o666):
+            assert both(path, False, 64) == (None, "")
+            _core.ShmSegment(path, False, 64)  # the door: either implementation, one contract
+        for mode in (0o644, 0o660, 0o606, 0o602, 0o620, 0o666):
             os.fchmod(fd, mode)
-            kind, msg = check_both(fd, path)
+            kind, msg = both(path, False, 64)
             assert kind is PermissionError, (oct(mode), kind, msg)
             assert msg.startswith(f"cfsdp: refused to map {path}: a regular file of {me} "
                                   f"with mode {mode & 0o7777:04o}, not this job's"), msg
@@ -687,33 +695,74 @@ def test_check_fd_matches_twin_and_names_owner_and_mode(tmp_path):
         os.fchmod(fd, 0o600)
         for uid, name in ((65534, pwd.getpwuid(65534).pw_name), (unknown_uid(), "no user name")):
             os.fchown(fd, uid, -1)
-            kind, msg = check_both(fd, path)
+            kind, msg = both(path, False, 64)
             assert kind is PermissionError
             assert f"a regular file of uid {uid} ({name}) with mode 0600" in msg, msg
+        os.fchown(fd, os.geteuid(), -1)
+        assert both(path, False, 65) == (ValueError, f"cfsdp shm: {path} has 64 bytes, "
+                                                     f"expected 65")
     finally:
         os.close(fd)
     link = str(tmp_path / "link")
     os.symlink(path, link)
-    for where, flags, kind_name in ((str(tmp_path), os.O_RDONLY, "directory"),
-                                    (link, os.O_PATH | os.O_NOFOLLOW, "symbolic link")):
-        fd = os.open(where, flags)
-        try:
-            kind, msg = check_both(fd, where)
-            assert kind is PermissionError and f"refused to map {where}: a {kind_name} of " \
-                in msg, msg
-        finally:
-            os.close(fd)
+    kind, msg = both(link, False, 64)
+    assert kind is PermissionError and msg.startswith(
+        f"cfsdp: refused to map {link}: a symbolic link of {me} "), msg
+    assert both(link, True, 64)[0] is RuntimeError  # O_EXCL: it exists; never followed
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo, 0o600)
-    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-    try:
-        assert check_both(fd, fifo)[0] is PermissionError
-    finally:
-        os.close(fd)
-    kind, msg = check_both(fd, path)  # closed
-    assert kind is RuntimeError and msg == (f'cfsdp shm: fstat("{path}") failed: Bad file '
-                                            f"descriptor (errno 9)"), msg
-    assert check_both(-1, path) == (ValueError, "fd must be in [0, 2147483647], got -1")
+    assert both(fifo, False, 64)[0] is PermissionError
+    missing = str(tmp_path / "missing")
+    assert both(missing, False, 64) == (
+        RuntimeError, f'cfsdp shm: open("{missing}") failed: No such file or directory '
+                      f"(errno 2)")
+    assert both(str(tmp_path), False, 64)[0] is RuntimeError  # a directory: EISDIR
+    assert both(path, False, 0) == (ValueError, "nbytes must be positive, got 0")
+    assert both(path + "\0x", False, 64) == (ValueError,
+                                              "path must not contain a NUL character")
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_segment_is_shared_private_and_leaves_nothing(tmp_path, impl):
+    """Made by one handle and attached by another, the segment is one memory (a write
+    through either view is seen by the other), of mode 0600 with its pages reserved, and
+    outlives its handles as long as a tensor view of it does; made over an existing name
+    it fails (O_EXCL) and leaves that file alone; a failed creation leaves no file;
+    ``unlink`` removes the name (twice is fine) and the mapping stays valid."""
+    from cfsdp._ref import ShmSegment as RefSegment
+
+    make = C.ShmSegment if impl == "c" else RefSegment
+    view = (lambda s: torch.frombuffer(s, dtype=torch.uint8)) if impl == "c" else \
+        (lambda s: torch.frombuffer(s.buffer, dtype=torch.uint8))
+    path = str(tmp_path / "seg")
+    made = make(path, True, 4096)
+    st_ = os.stat(path)
+    assert (st_.st_mode & 0o777, st_.st_size, st_.st_uid) == (0o600, 4096, os.geteuid())
+    assert st_.st_blocks * 512 >= 4096  # posix_fallocate reserved its pages
+    other = make(path, False, 4096)
+    a, b = view(made), view(other)
+    a[:8] = torch.arange(8, dtype=torch.uint8)
+    assert b[:8].tolist() == list(range(8))
+    b[-1] = 200
+    assert int(a[-1]) == 200
+    assert (made.nbytes, made.path) == (4096, path)
+    with pytest.raises(RuntimeError, match="File exists"):
+        make(path, True, 4096)
+    assert os.stat(path).st_size == 4096 and int(view(make(path, False, 4096))[-1]) == 200
+    made.unlink()
+    made.unlink()
+    assert not os.path.exists(path)
+    del made, other
+    b[0] = 42  # the views keep the mapping
+    assert int(a[0]) == 42
+    with pytest.raises((RuntimeError, ValueError)):
+        make(str(tmp_path / "nodir" / "x"), True, 64)
+    assert sorted(os.listdir(tmp_path)) == []
+    seg = _core.ShmSegment(str(tmp_path / "door"), True, 64)  # the door picks CFSDP_IMPL's
+    t = seg.tensor()
+    t.fill_(3)
+    seg.unlink()
+    assert t.sum().item() == 192 and os.listdir(tmp_path) == []
 
 
 def test_attach_refuses_a_segment_that_is_not_ours():

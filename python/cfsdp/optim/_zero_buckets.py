@@ -93,9 +93,11 @@ Making the mapping (``_shared_flat``), collectively, at construction and every r
 2. every rank takes the name only in that form (no path, no ``..``), opens
    ``SHM_DIR/<name>`` with ``O_NOFOLLOW`` (never creating it: a private ``/dev/shm`` must
    not get one), refuses it unless ``fstat`` shows a regular file of its own effective
-   uid with no group or other permission bits (``_open_own``, ``_core.shm_check_fd``: the
-   check of comm.py's "Trust"), checks its size against its own layout, maps it
-   ``MAP_SHARED`` through that descriptor (never by name again), checks the nonce, and
+   uid with no group or other permission bits, checks its size against its own layout and
+   maps it ``MAP_SHARED`` through that descriptor (never by name again) -- all of this the
+   host-shared segment facility of the C core (``_core.ShmSegment``, ``cf_shm_map_file``:
+   the checks of comm.py's "Trust", the one every segment of cfsdp goes through; group
+   rank 0 made the file with it too) --, checks the nonce, and
    writes ONLY its own segment (its private values: the rest of the file is other
    ranks');
 3. an all-reduce agrees that every rank did (and is the barrier after the writes), and
@@ -129,7 +131,6 @@ written.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -142,7 +143,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _core
-from .._torch import core as _torch_core
 from .._runtime import comm
 from .._runtime.agree import agree
 
@@ -246,37 +246,13 @@ def _log_once(rank: int, why: str) -> None:
                      "(not one shared bucket per host): %s", why)
 
 
-def _open_own(path: str) -> int:
-    """``path`` opened read-write for mapping, never through a symbolic link, and only if
-    it is this job's file ([Note: ZeRO shared bucket], "Trust"): a regular file owned by
-    this process's effective uid with no group or other permission bits
-    (``_core.shm_check_fd``); else ``PermissionError`` without an errno naming its path,
-    type, owner and mode (a symbolic link too).  ``OSError`` (with its errno) if it cannot
-    be opened."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        link = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)  # the link itself
-        try:
-            _core.shm_check_fd(link, path)  # refuses it (not a regular file), naming it
-        finally:
-            os.close(link)
-        raise
-    try:
-        _core.shm_check_fd(fd, path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _map_fd(fd: int, nbytes: int) -> Tensor:
-    """The first ``nbytes`` of the open file ``fd``, mapped ``MAP_SHARED``, as a uint8
-    tensor (the mapping keeps a duplicate of ``fd``; unmapped when the last view dies).
-    Through the fd that was checked, never by name again."""
-    return torch.empty(0, dtype=torch.uint8).set_(_torch_core.shared_fd_storage(fd, nbytes))
+def _attach(path: str, nbytes: int) -> _core.ShmSegment:
+    """The bucket's file ``path`` mapped through the segment facility
+    (``_core.ShmSegment``: opened with ``O_NOFOLLOW``, never created, refused unless it is
+    this job's, exactly ``nbytes``): ``PermissionError`` (no errno) naming its path, type,
+    owner and mode if it is not this job's; ``RuntimeError``/``ValueError`` if it cannot
+    be mapped."""
+    return _core.ShmSegment(path, False, nbytes)
 
 
 def _map_shared(layout: RankMajor, rank: int, group: Any
@@ -291,22 +267,18 @@ def _map_shared(layout: RankMajor, rank: int, group: Any
         name = f"cfsdp-{os.getpid()}-{secrets.token_hex(8)}-zero"
         path = os.path.join(SHM_DIR, name)
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+        try:  # (a failed creation leaves no file: the facility unlinks it)
+            made = _core.ShmSegment(path, True, nbytes + _NONCE_BYTES).tensor()
+            made[nbytes:].copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
+            del made  # unmapped: every rank (this one too) maps it by name below
             info = [name, nonce.hex(), ""]
-            try:
-                os.posix_fallocate(fd, 0, nbytes + _NONCE_BYTES)  # its pages, or ENOSPC now
-                os.pwrite(fd, nonce, nbytes)
-            finally:
-                os.close(fd)
-        except OSError as e:
+        except (OSError, RuntimeError, ValueError) as e:
             info[2] = f"group rank 0 could not make {path}: {e}"
     box = [info]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     name, nonce_hex, err = box[0]
     if err:
-        return None, os.path.join(SHM_DIR, name) if name else "", err, False
+        return None, "", err, False
     if not _FILE_NAME.fullmatch(name):  # no path, no "..": only what rank 0 makes
         return None, "", (f"cfsdp: refused the shared bucket's file name {name[:80]!r} "
                           f"from group rank 0: not of the form cfsdp-<pid>-<16 hex "
@@ -316,19 +288,9 @@ def _map_shared(layout: RankMajor, rank: int, group: Any
                           f"the job"), True
     path = os.path.join(SHM_DIR, name)  # each rank's own SHM_DIR
     try:
-        fd = _open_own(path)  # never O_CREAT: a private /dev/shm must not get one
-        try:
-            size = os.fstat(fd).st_size
-            if size != nbytes + _NONCE_BYTES:
-                return None, path, (f"group rank {rank}: {path} has {size} bytes, its own "
-                                    f"layout needs {nbytes + _NONCE_BYTES}"), False
-            m = _map_fd(fd, nbytes + _NONCE_BYTES)
-        finally:
-            os.close(fd)
-    except PermissionError as e:
-        if e.errno is None:  # _open_own's refusal (an EACCES from open has its errno)
-            return None, path, str(e), True
-        return None, path, f"group rank {rank} could not map {path}: {e}", False
+        m = _attach(path, nbytes + _NONCE_BYTES).tensor()
+    except PermissionError as e:  # not this job's file
+        return None, path, str(e), True
     except (OSError, RuntimeError, ValueError) as e:
         return None, path, f"group rank {rank} could not map {path}: {e}", False
     if bytes(m[nbytes:].numpy()) != bytes.fromhex(nonce_hex):
