@@ -261,21 +261,3 @@ def test_core_and_dynamo_answer():
     assert dynamo.skip is not None  # every supported torch has it (else _compile's fallback)
     with torch.profiler.profile():
         assert core.profiler_enabled() is True
-
-
-def test_shared_fd_storage_maps_the_file(tmp_path):
-    """core.shared_fd_storage maps the open file MAP_SHARED (ZeRO's shared bucket maps the
-    descriptor it checked): a write through the storage is in the file, and the other way."""
-    path = tmp_path / "f"
-    path.write_bytes(bytes(64))
-    fd = os.open(path, os.O_RDWR)
-    try:
-        t = torch.empty(0, dtype=torch.uint8).set_(core.shared_fd_storage(fd, 64))
-    finally:
-        os.close(fd)  # the mapping keeps its own duplicate
-    t[3] = 7
-    assert path.read_bytes()[3] == 7
-    with open(path, "r+b") as f:
-        f.seek(5)
-        f.write(b"\x09")
-    assert int(t[5]) == 9 and t.numel() == 64

@@ -9,9 +9,6 @@
 * ``profiler_enabled()``: an autograd profiler is recording (collectives get named ranges).
 * ``scalar_dtype()``: the dtype torch's Adam/AdamW keep ``step`` in
   (``torch.optim.optimizer._get_scalar_dtype``).
-* ``shared_fd_storage(fd, nbytes)``: a CPU storage mapping the first ``nbytes`` of the open
-  file ``fd`` ``MAP_SHARED`` (``UntypedStorage._new_shared_fd_cpu``: the mapping keeps a
-  duplicate of ``fd``), so a file checked through its descriptor is mapped through it too.
 
 The same in torch 2.11, 2.13 and 2.14.
 """
@@ -33,13 +30,9 @@ def queue_callback(fn: Callable[[], None]) -> None:
     ENGINE.queue_callback(fn)
 
 
-def shared_fd_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
-    return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
-
-
 def dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
 __all__ = ["ENGINE", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
-           "profiler_enabled", "queue_callback", "scalar_dtype", "shared_fd_storage"]
+           "profiler_enabled", "queue_callback", "scalar_dtype"]
