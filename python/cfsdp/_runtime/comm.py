@@ -60,7 +60,15 @@ else through the process group:
 5. the reduction (``op``) is SUM or AVG (anything else: the process group);
 6. no ``TorchDispatchMode`` is active (see Visibility).
 
-Set-up (the decision that cannot be fooled).  On the group's first collective (or
+Accelerator tensors.  A call on tensors that are not on the CPU (CUDA, any accelerator)
+takes the process group (NCCL) through a transport of its own per group
+(``_accelerator_transport``), which sets nothing up: no store traffic, no segment, no worker
+thread.  So a group whose collectives only ever carry accelerator tensors (every group of a
+GPU job) never makes a segment; a group that carries both (``cpu:gloo,cuda:nccl``) is set
+up at its first CPU-tensor collective, which is the same point on every rank (ranks issue
+a group's collectives in one order).
+
+Set-up (the decision that cannot be fooled).  On the group's first collective on CPU tensors (or
 ``uses_shm``/``describe``), every rank of the group, through the default store under the
 prefix ``cfsdp_shm/<group_name>/<n>/`` (``n`` counts this process's set-ups of the group,
 so a set-up after ``release`` never reads an older one's keys):
@@ -695,7 +703,9 @@ def release(group: Optional[dist.ProcessGroup] = None) -> None:
     segment unmapped) and forget it; its next collective sets it up again.  Wait on its
     pending ops first: ops still queued fail.  Call on every rank (e.g. before destroying
     the process group).  A no-op for a group never set up."""
-    st = _states.pop(_resolve(group), None)
+    group = _resolve(group)
+    _accelerator.pop(group, None)
+    st = _states.pop(group, None)
     if st is not None:
         st.close()
 
@@ -1021,10 +1031,29 @@ class _TwoLevel(_SharedBase):
 # --------------------------------------------------------------------------------------
 
 
-def transport(group: Optional[dist.ProcessGroup] = None) -> Transport:
-    """``group``'s transport (default: the default group), set up on its first use: a
-    collective call, so every rank of the group calls it at the same point."""
-    return _state(_resolve(group))
+_accelerator: "weakref.WeakKeyDictionary[Any, Transport]" = weakref.WeakKeyDictionary()
+
+
+def _accelerator_transport(group: dist.ProcessGroup) -> Transport:
+    """The process group for a group's accelerator tensors (see "Accelerator tensors"):
+    made on first use, set up nothing."""
+    tr = _accelerator.get(group)
+    if tr is None:
+        tr = _accelerator[group] = (_Solo(group, "local (one rank)") if group.size() < 2 else
+                                    Transport(group, "process group (accelerator tensors)"))
+    return tr
+
+
+def transport(group: Optional[dist.ProcessGroup] = None,
+              t: Optional[torch.Tensor] = None) -> Transport:
+    """``group``'s transport (default: the default group) for a call on tensor ``t``: for a
+    tensor that is not on the CPU, the process group, with no set-up ("Accelerator
+    tensors"); else the group's transport, set up on its first use: a collective call, so
+    every rank of the group calls it at the same point."""
+    group = _resolve(group)
+    if t is not None and t.device.type != "cpu":
+        return _accelerator_transport(group)
+    return _state(group)
 
 
 @_traced("all_gather")
@@ -1032,7 +1061,7 @@ def all_gather(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Pending:
     """Gather every rank's ``shard`` into ``out`` (``world_size * shard.numel()``)."""
-    return transport(group).all_gather(out, shard, async_op)
+    return transport(group, shard).all_gather(out, shard, async_op)
 
 
 def pack_plan(plan) -> bytes:
@@ -1056,7 +1085,7 @@ def all_gather_unpack(
     into the rank-major buffer followed by ``_core.chunk_unpack``, which is what the
     process group path does.  On shared memory the copy-out from the peers' slots
     writes the natural buffer directly, so the rank-major buffer is never built."""
-    return transport(group).all_gather_unpack(natural, shard, plan, plan_bytes, async_op)
+    return transport(group, shard).all_gather_unpack(natural, shard, plan, plan_bytes, async_op)
 
 
 @_traced("reduce_scatter_pack")
@@ -1069,7 +1098,7 @@ def reduce_scatter_pack(
     ``divisor``) followed by :func:`reduce_scatter`, which is what the process group
     path does.  On shared memory each piece is packed straight into the shared slot,
     so the rank-major buffer is never built."""
-    return transport(group).reduce_scatter_pack(out, natural, plan, plan_bytes, divisor,
+    return transport(group, natural).reduce_scatter_pack(out, natural, plan, plan_bytes, divisor,
                                                 async_op, op=op)
 
 
@@ -1080,7 +1109,7 @@ def reduce_scatter(
 ) -> Pending:
     """Reduce ``inp`` over ranks (sum, or ``op``) and keep this rank's chunk in ``out``,
     multiplied by ``scale`` if given (fused into the sum on shared memory)."""
-    return transport(group).reduce_scatter(out, inp, async_op, op=op, scale=scale)
+    return transport(group, inp).reduce_scatter(out, inp, async_op, op=op, scale=scale)
 
 
 @_traced("all_reduce")
@@ -1090,7 +1119,7 @@ def all_reduce(
 ) -> Pending:
     """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place, multiplied
     by ``scale`` if given (fused into the sum on shared memory)."""
-    return transport(group).all_reduce(t, async_op, op=op, scale=scale)
+    return transport(group, t).all_reduce(t, async_op, op=op, scale=scale)
 
 
 @_traced("broadcast")
@@ -1098,4 +1127,4 @@ def broadcast(
     t: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup, async_op: bool = False
 ) -> Pending:
     """Broadcast ``t`` in place from the group's rank ``src_rank_in_group``."""
-    return transport(group).broadcast(t, src_rank_in_group, async_op)
+    return transport(group, t).broadcast(t, src_rank_in_group, async_op)

@@ -189,8 +189,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         # the group whose ranks share the bucket views, one per host ([Note: ZeRO shared
         # bucket] in _zero_buckets.py), or None; decided once, the same on every rank
+        # (CPU parameters only: a segment serves CPU memory, and an accelerator job's
+        # group sets nothing up, comm.py's "Accelerator tensors")
         self._share = (self.process_group if self.parameters_as_bucket_view
                        and self.world_size > 1 and _closure_first(optimizer_class)
+                       and all(p.device.type == "cpu" for g in self.param_groups
+                               for p in g["params"])
                        and comm.one_segment(self.process_group) else None)
         self._flag = torch.zeros(1)  # the barrier's payload: "rebuild the buckets"
         self._syncs: list = []
