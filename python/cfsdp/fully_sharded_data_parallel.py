@@ -268,12 +268,39 @@ def _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
     return strategy
 
 
-def _resolve_device(module: nn.Module, device_id) -> torch.device:
+# torch FSDP1's warning (``_init_utils._warn_cpu_init``) for a module left on the CPU on a
+# machine with an accelerator and no device_id: the compute device is the current CUDA device
+_CPU_INIT_WARNING = (
+    "The passed-in `module` is on CPU and will thus have FSDP's sharding initialization run "
+    "on CPU, which may be slower than on GPU. We recommend passing in the `device_id` "
+    "argument for FSDP to move `module` to GPU for the sharding initialization. `module` "
+    "must also be on GPU device to work with the `sync_module_states=True` flag since that "
+    "requires GPU communication.")
+
+
+def _resolve_device(module: nn.Module, device_id) -> tuple[torch.device, Optional[torch.device]]:
+    """``(compute device, where to move the module's CPU states)``, as torch FSDP1
+    (``_get_device_from_device_id``, ``_move_module_to_device``, ``_get_compute_device``):
+    with ``device_id`` the compute device is that device (CUDA without an index: the
+    current one, with torch's warning) and the module's CPU parameters and buffers move
+    there; without it, the device of the first parameter not on the CPU (nor meta), else
+    the current CUDA device when CUDA is available (nothing moves: torch warns, and a
+    parameter still on the CPU is then an error naming it, ``_validate_params``), else the
+    CPU."""
     if device_id is None:
         for p in module.parameters():
-            if p.device.type != "meta":
-                return p.device
-        return torch.device("cpu")
+            if p.device.type not in ("meta", "cpu"):
+                return p.device, None
+        if torch.cuda.is_available():
+            if any(p.device.type == "cpu" for p in module.parameters()):
+                warnings.warn(_CPU_INIT_WARNING, stacklevel=3)
+            return torch.device("cuda", torch.cuda.current_device()), None
+        return torch.device("cpu"), None
+    device = _device_of_id(device_id)
+    return device, device
+
+
+def _device_of_id(device_id) -> torch.device:
     if isinstance(device_id, int):
         device = torch.device("cuda", device_id)
     elif isinstance(device_id, (str, torch.device)):
@@ -287,6 +314,15 @@ def _resolve_device(module: nn.Module, device_id) -> torch.device:
             f"device_id={device_id!r} asks for CUDA, but CUDA is not available on this "
             "machine. Pass device_id=torch.device('cpu') (or leave it None) for CPU ranks."
         )
+    if device.type == "cuda" and device.index is None:
+        current = torch.device("cuda", torch.cuda.current_device())
+        warnings.warn(  # torch's words (_get_device_from_device_id)
+            f"FSDP got the argument `device_id` {device_id} on rank {_rank_or_0()}, which "
+            f"does not have an explicit index. FSDP will use the current device "
+            f"{current.index}. If this is incorrect, please explicitly call "
+            f"`torch.cuda.set_device()` before FSDP initialization or pass in the explicit "
+            f"device index as the `device_id` argument.", stacklevel=4)
+        device = current
     if device.type != "cpu" and device.type != "cuda":
         raise ValueError(
             f"device_id={device_id!r}: cfsdp runs on 'cpu' or 'cuda' devices."
@@ -495,6 +531,43 @@ def _check_tp_param(p: DTensor, fqn: str, device_mesh, strategy: ShardingStrateg
             "reset_parameters) before wrapping it.")
 
 
+def _rank_or_0() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _states_to_move(module: nn.Module, ignored_params: set, ignored_mods) -> tuple[list, list]:
+    """The CPU parameters and buffers of ``module`` a ``device_id`` moves (torch FSDP1's
+    ``_move_module_to_device``: breadth first, not into wrappers already nested inside,
+    whose own ``device_id`` moved them), except the ignored ones; states on another device
+    stay (and are an error naming them, ``_validate_params``)."""
+    ignored_bufs = {id(b) for m in ignored_mods for b in m.buffers()}
+    queue, params, bufs = [module], [], []
+    while queue:
+        m = queue.pop(0)
+        params += [p for p in m.parameters(recurse=False)
+                   if p.device.type == "cpu" and p not in ignored_params]
+        bufs += [b for b in m.buffers(recurse=False)
+                 if b.device.type == "cpu" and id(b) not in ignored_bufs]
+        queue += [c for c in m.children() if not isinstance(c, FullyShardedDataParallel)]
+    return params, bufs
+
+
+def _move_states(module: nn.Module, ignored_params: set, ignored_mods, device: torch.device
+                 ) -> None:
+    """``_states_to_move`` moved to ``device`` as ``nn.Module.to`` moves them (``.data``, the
+    gradients too: torch's ``_move_states_to_device``)."""
+    if device.type == "cpu":
+        return
+    params, bufs = _states_to_move(module, ignored_params, ignored_mods)
+    with torch.no_grad():
+        for p in params:
+            p.data = p.to(device)
+            if p.grad is not None:
+                p.grad.data = p.grad.to(device)
+    for b in bufs:
+        b.data = b.to(device)
+
+
 def _validate_params(module: nn.Module, ignored: set, device: torch.device, device_mesh,
                      strategy: ShardingStrategy) -> None:
     """Check every parameter the wrapper tree will shard, naming it by FQN."""
@@ -509,9 +582,11 @@ def _validate_params(module: nn.Module, ignored: set, device: torch.device, devi
             continue  # materialised unit by unit (deferred initialisation)
         # scalar and non-floating parameters: checked unit by unit, as torch (_init_param_handle)
         if p.device != device:
-            raise ValueError(
-                f"Parameter '{fqn}' is on {p.device} but FSDP runs on {device}. Move the "
-                f"module to {device} before wrapping, or pass the matching device_id."
+            raise ValueError(  # torch's words first (_check_flat_params_on_expected_device)
+                f"An FSDP-managed module unexpectedly has parameters on {p.device}. Make sure "
+                f"to move the module to {device} before training. Parameter '{fqn}' is on "
+                f"{p.device} but FSDP runs on {device}: move the module to {device} before "
+                f"wrapping, or pass device_id={device} so FSDP moves it."
             )
 
 
@@ -647,11 +722,12 @@ class FullyShardedDataParallel(nn.Module):
         # The phases of torch's FSDP1 constructor (_init_utils), in its order.
         strategy = _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
                                backward_prefetch)
-        device = _resolve_device(module, device_id)
+        device, move_to = _resolve_device(module, device_id)
         strategy, group, replicate_group, process_group = self._init_process_group(
             process_group, device_mesh, strategy, device, cpu_offload, auto_wrap_policy)
         ignored_params, ignored_mods = self._init_ignored_states(
-            module, ignored_modules, ignored_states, device, use_orig_params, device_mesh, strategy)
+            module, ignored_modules, ignored_states, device, move_to, use_orig_params, device_mesh,
+            strategy)
         self._init_core_state(module, strategy, group, replicate_group, device, device_mesh,
                               mixed_precision, cpu_offload, backward_prefetch, forward_prefetch,
                               limit_all_gathers, use_orig_params)
@@ -705,8 +781,8 @@ class FullyShardedDataParallel(nn.Module):
         return strategy, group, replicate_group, process_group
 
     def _init_ignored_states(self, module: nn.Module, ignored_modules, ignored_states,
-                             device: torch.device, use_orig_params: bool, device_mesh,
-                             strategy: ShardingStrategy):
+                             device: torch.device, move_to: Optional[torch.device],
+                             use_orig_params: bool, device_mesh, strategy: ShardingStrategy):
         """Ignored parameters and modules: the arguments', an auto-wrapping root's
         (inherited) and those of wrappers already nested inside; the parameters are
         validated (by the outermost wrapper) and the managed modules annotated."""
@@ -720,10 +796,10 @@ class FullyShardedDataParallel(nn.Module):
         nested = wrappers_in(module)
         for sub in nested:  # nested wrappers' ignored parameters stay ignored
             ignored_params |= sub._ignored_params
+        if move_to is not None:
+            _move_states(module, ignored_params, ignored_mods, move_to)
         if inherited is None:
             _validate_params(module, ignored_params, device, device_mesh, strategy)
-        if device.type == "cuda":
-            module.to(device)  # device-generic path (not exercised on CPU-only CI)
         self._ignored_modules: set[nn.Module] = set(ignored_mods)
         for sub in nested:
             self._ignored_modules |= sub._ignored_modules
