@@ -840,6 +840,31 @@ def _validate_call(modules: list, mesh: Optional[DeviceMesh], dp_mesh_dims: Any,
                  post_forward_group)
 
 
+def _states_to_move(managed: list[nn.Module], params: list, device: torch.device) -> list:
+    """The managed parameters and buffers torch's ``fully_shard`` moves to the mesh's device
+    (``_move_states_to_device``): those on another device, but not meta ones (deferred
+    initialisation) and not DTensors (tensor parallelism: on their own mesh's device, or
+    torch's error, raised by ``_move_states``)."""
+    buffers = [b for m in managed for b in m.buffers(recurse=False)]
+    return [t for t in [p for p, _ in params] + buffers
+            if t.device != device and t.device.type != "meta"]
+
+
+def _move_states(tensors: list, device: torch.device) -> None:
+    """Move ``tensors`` (``_states_to_move``) to ``device`` as torch's ``fully_shard`` does
+    (``nn.Module._apply``'s ``.data``); a DTensor whose mesh is of another device type is
+    torch's ``ValueError``."""
+    for t in tensors:
+        if isinstance(t, DTensor):
+            if t.device_mesh.device_type != device.type:
+                raise ValueError(
+                    "Requires DTensor to have mesh of the same type as the FSDP mesh but got "
+                    f"{t.device_mesh.device_type} for DTensor and {device.type} for FSDP")
+            continue  # on its mesh's device: checked per parameter later
+        with torch.no_grad():
+            t.data = t.to(device)
+
+
 def _discover(modules: list, call: _Call, ignored: set,
               shard_placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> _Found:
     """Discovery: the modules and parameters this call manages (:func:`_managed`, torch's
@@ -847,6 +872,7 @@ def _discover(modules: list, call: _Call, ignored: set,
     order: scalars first, then the placements, then each parameter's own checks) and
     given its mesh (``ShardPlacementResult``) and shard dim (``shard_placement_fn``)."""
     managed, params = _managed(modules, ignored)
+    _move_states(_states_to_move(managed, params, call.device), call.device)
     fqn_of = {p: n for n, p in modules[0].named_parameters(remove_duplicate=False)}
     entries = []
     not_implemented: Optional[NotImplementedError] = None

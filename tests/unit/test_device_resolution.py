@@ -79,3 +79,35 @@ def test_device_id_moves_cpu_states_but_not_ignored_or_nested():
     assert id(m[0].weight) not in map(id, params) and id(m[2].weight) in map(id, params)
     fsdp._move_states(m, set(), set(), torch.device("cpu"))  # nothing to do on the CPU
     assert m[2].weight.device.type == "cpu"
+
+
+def test_fully_shard_moves_managed_states_to_the_mesh_device():
+    """``fully_shard``'s managed parameters and buffers on another device than the mesh's
+    are the ones to move (torch's ``_move_states_to_device``), meta ones stay for deferred
+    initialisation; a tensor-parallel DTensor on a mesh of another device type is torch's
+    ValueError.  (The target here is the CPU, the only device this machine has: the states
+    stand on meta to be "elsewhere" and are selected, not moved.)"""
+    from cfsdp import _fully_shard as fs
+
+    m = model()
+    m[0].weight = nn.Parameter(torch.empty(4, 3, device="meta"))
+    managed = list(m.modules())
+    params = [(p, [(None, "")]) for p in m.parameters()]
+    sel = fs._states_to_move(managed, params, torch.device("cpu"))
+    assert sel == []  # everything is on the CPU or meta
+    sel = fs._states_to_move(managed, params, torch.device("cuda", 0))
+    want = [p for p in m.parameters() if p.device.type == "cpu"] + list(m[1].buffers())
+    assert list(map(id, sel)) == list(map(id, want))
+
+    class FakeMesh:
+        device_type = "cpu"
+
+    class FakeDTensor(fs.DTensor):  # only what _move_states reads
+        def __new__(cls):
+            return torch.Tensor._make_subclass(cls, torch.zeros(1))
+
+        device_mesh = FakeMesh()
+
+    with pytest.raises(ValueError, match="Requires DTensor to have mesh of the same type as "
+                                         "the FSDP mesh but got cpu for DTensor and cuda for FSDP"):
+        fs._move_states([FakeDTensor()], torch.device("cuda", 0))
