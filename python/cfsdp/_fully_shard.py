@@ -156,8 +156,8 @@ class _FSState:
         if first:
             self.lazy_init(module)
             if st.is_root and self.post_optim_event is not None:
-                self.post_optim_event.synchronize()
-                self.post_optim_event = None
+                event, self.post_optim_event = self.post_optim_event, None
+                _wait_event_on_current_stream(event)
             self._to_run = {id(m) for m in self.modules}
         args, kwargs = self._cast_inputs(args, kwargs)
         st.pre_forward()
@@ -838,6 +838,17 @@ def _validate_call(modules: list, mesh: Optional[DeviceMesh], dp_mesh_dims: Any,
                                                                       default_dp)
     return _Call(mesh, device, info, default_dp, sharded, raf_arg, reshard_after_forward,
                  post_forward_group)
+
+
+def _wait_event_on_current_stream(event: torch.Event) -> None:
+    """``set_post_optim_event``'s wait, as torch's FSDP2 (its all-gather streams
+    ``wait_event``): the stream cfsdp issues the root's all-gathers from (the current one)
+    waits for ``event`` on the device, the CPU does not block.  A CPU event (torch has none
+    that records) is waited for on the CPU."""
+    if event.device.type == "cpu":
+        event.synchronize()
+        return
+    torch.get_device_module(event.device.type).current_stream(event.device).wait_event(event)
 
 
 def _states_to_move(managed: list[nn.Module], params: list, device: torch.device) -> list:

@@ -182,3 +182,33 @@ def test_fully_shard_initialises_the_default_group_as_torch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_post_optim_event_is_waited_on_the_stream_not_the_cpu(monkeypatch):
+    """``set_post_optim_event``: the root's next forward makes the current stream of the
+    event's device wait for it (torch FSDP2: its all-gather streams ``wait_event``), never
+    ``event.synchronize()`` (a CPU stall), and only once.  No GPU here: a CUDA event and
+    stream are stood in for, recording what is called."""
+    calls = []
+
+    class Stream:
+        def wait_event(self, ev):
+            calls.append(("wait_event", ev))
+
+    class Event:
+        device = torch.device("cuda", 0)
+
+        def synchronize(self):
+            calls.append(("synchronize", self))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    cfsdp.fully_shard(model[0])
+    cfsdp.fully_shard(model)
+    model(torch.randn(3, 4)).sum().backward()
+    ev = Event()
+    model.set_post_optim_event(ev)
+    model(torch.randn(3, 4)).sum().backward()
+    model(torch.randn(3, 4)).sum().backward()
+    assert calls == [("wait_event", ev)], calls
