@@ -369,19 +369,19 @@ class FSDPModule:
         """``hook(reduced)`` on each unit's reduced gradient shard (in ``reduce_dtype``,
         before any post-divide) of this module's unit: after the HSDP all-reduce, or
         after the reduce-scatter on a 1-D mesh.  cfsdp runs it synchronously in backward,
-        with ``stream`` (if given) as the device's current stream, as torch does."""
+        with ``stream`` (if given) as the device's current stream, as torch does, ordered
+        both ways: ``stream`` first waits for the stream the reduction's result was made
+        on (torch: ``all_reduce_stream.wait_stream(reduce_scatter_stream)``), and that
+        stream, where cfsdp post-divides and accumulates the result, then waits for
+        ``stream`` (torch does those on ``stream`` itself); the result is recorded on
+        ``stream`` for the caching allocator."""
         u = _state(self).unit  # this module's unit only, as torch
         if u is None:
             return
         if stream is not None and u.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")
         if stream is not None:
-            device_module = torch.get_device_module(u.device)
-            inner = hook
-
-            def hook(output: torch.Tensor) -> None:
-                with device_module.stream(stream):
-                    inner(output)
+            hook = _on_stream(hook, stream)
 
         u.all_reduce_hook = hook
 
@@ -838,6 +838,32 @@ def _validate_call(modules: list, mesh: Optional[DeviceMesh], dp_mesh_dims: Any,
                                                                       default_dp)
     return _Call(mesh, device, info, default_dp, sharded, raf_arg, reshard_after_forward,
                  post_forward_group)
+
+
+def _on_stream(hook: Callable[[torch.Tensor], None], stream) -> Callable[[torch.Tensor], None]:
+    """``set_all_reduce_hook``'s ``hook`` run on ``stream``, ordered after the work that
+    made its argument and before the work that reads it next (both on the current stream
+    of ``stream``'s device)."""
+    device = getattr(stream, "device", None)  # (torch.cpu.Stream has none)
+    device_type = "cpu" if device is None else torch.device(device).type
+    device_module = torch.get_device_module(device_type)
+    if device_type == "cpu":  # CPU work is synchronous: nothing to order
+        def on_cpu(output: torch.Tensor) -> None:
+            with device_module.stream(stream):
+                hook(output)
+
+        return on_cpu
+
+    def on_stream(output: torch.Tensor) -> None:
+        current = device_module.current_stream()
+        stream.wait_stream(current)  # the reduced gradient is ready
+        with device_module.stream(stream):
+            hook(output)
+        if output.device.type == device_type:
+            output.record_stream(stream)  # not reused while the hook's kernels read it
+        current.wait_stream(stream)  # the post-divide and accumulation come after the hook
+
+    return on_stream
 
 
 def _wait_event_on_current_stream(event: torch.Event) -> None:

@@ -212,3 +212,43 @@ def test_post_optim_event_is_waited_on_the_stream_not_the_cpu(monkeypatch):
     model(torch.randn(3, 4)).sum().backward()
     model(torch.randn(3, 4)).sum().backward()
     assert calls == [("wait_event", ev)], calls
+
+
+def test_all_reduce_hook_stream_is_ordered_both_ways(monkeypatch):
+    """``set_all_reduce_hook(hook, stream=s)`` on an accelerator: ``s`` waits for the
+    current stream (where the reduced gradient was made) before the hook runs on it, and
+    the current stream (where cfsdp post-divides and accumulates) waits for ``s`` after;
+    torch orders the same two (``all_reduce_stream.wait_stream(reduce_scatter_stream)``,
+    then the compute stream waits at the end of backward).  Without either, the hook
+    races the reduction or the accumulation races the hook.  No GPU here: the CUDA
+    stream API is stood in for, recording calls in order."""
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.device = name, torch.device("cuda", 0)
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    current, side = Stream("current"), Stream("side")
+
+    class StreamCtx:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            log.append(f"enter {self.s.name}")
+
+        def __exit__(self, *exc):
+            log.append(f"exit {self.s.name}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", StreamCtx)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    cfsdp.fully_shard(model)
+    model.set_all_reduce_hook(lambda out: log.append("hook"), stream=side)
+    model(torch.randn(2, 4)).sum().backward()
+    assert log == ["side waits current", "enter side", "hook", "exit side",
+                   "current waits side"], log
