@@ -217,3 +217,59 @@ def test_signature_and_gil_free_result_type():
     assert isinstance(c_norm(torch.ones(3), 2.0), float)
     assert c_norm(torch.ones(3), 2.0) == 3.0
     assert c_norm(torch.tensor([3.0, -4.0]), 2) == 25.0  # an int p is accepted
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    numel=st.integers(0, 200),
+    p=st.sampled_from(EXACT_P + OTHER_P),
+    special_frac=st.sampled_from([0.0, 0.05]),
+    chunk=st.sampled_from([8, 16, 24, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_twin_reads_in_chunks_with_the_same_bits(dtype, numel, p, special_frac, chunk, seed):
+    """The twin (the path of accelerator tensors) reads ``CHUNK`` elements at a time,
+    starting each chunk's scan from the running lane sums: the bits of one scan, so still
+    C's (NaN, inf, empty, the last short chunk included)."""
+    from cfsdp._ref import norm as ref_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    t = random_tensor(numel, dtype, gen, special_frac)
+    old = ref_norm.CHUNK
+    try:
+        ref_norm.CHUNK = chunk
+        check_against_twin(t, p)
+    finally:
+        ref_norm.CHUNK = old
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
+def test_twin_float64_temporaries_are_chunk_sized(p):
+    """No float64 temporary of the twin holds more than one chunk (plus the carried lane
+    sums): clipping a gradient on an accelerator takes a few chunks of float64, not 24 bytes
+    per gradient element (issue 26).  Every op's outputs are seen by a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cfsdp._ref import norm as ref_norm
+
+    biggest = [0]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor) and o.dtype == torch.float64:
+                    biggest[0] = max(biggest[0], o.numel())
+            return out
+
+    t = torch.randn(10_000)
+    want = ref_norm_partial(t, p)
+    old = ref_norm.CHUNK
+    try:
+        ref_norm.CHUNK = 256
+        with Watch():
+            got = ref_norm_partial(t, p)
+    finally:
+        ref_norm.CHUNK = old
+    assert same(got.item(), want.item())
+    assert 0 < biggest[0] <= 256 + ref_norm.LANES, biggest[0]

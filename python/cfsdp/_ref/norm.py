@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 # Must match CF_NORM_LANES in csrc/norm.h: element i is summed in lane i % LANES.
 LANES = 8
+CHUNK = LANES << 17  # elements read at a time (1 Mi): see norm_partial
 
 
 def norm_partial(t: torch.Tensor, p: float) -> torch.Tensor:
@@ -20,25 +22,41 @@ def norm_partial(t: torch.Tensor, p: float) -> torch.Tensor:
     the C core's fixed order (csrc/norm.h): zero-padded to a multiple of ``LANES``, each
     lane summed in increasing index (``cumsum`` is a sequential scan), then the lanes in
     order.  So for p in (1, 2, inf) this gives the C core's bits exactly.
+
+    ``t`` is read ``CHUNK`` elements at a time (each chunk's scan starts from the lanes'
+    running sums, so the order of the additions, and the bits, are those of one scan over
+    the whole tensor): the float64 temporaries are a few ``CHUNK`` s, not three times the
+    tensor's elements in float64 (this is the path of accelerator tensors, which never
+    reach C).
     """
     p = float(p)
     if not p > 0:
         raise ValueError(f"p must be > 0 (or inf), got {p}")
-    x = t.detach().reshape(-1).to(torch.float64)
-    if math.isinf(p):
-        if x.numel() == 0:
-            return torch.zeros((), dtype=torch.float64, device=t.device)
-        return x.abs().max()
-    if p == 1.0:
-        terms = x.abs()
-    elif p == 2.0:
-        terms = x * x
-    else:
-        terms = x.abs().pow(p)
-    pad = (-terms.numel()) % LANES
-    if pad:
-        terms = torch.cat([terms, terms.new_zeros(pad)])
-    if terms.numel() == 0:
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
         return torch.zeros((), dtype=torch.float64, device=t.device)
-    lanes = terms.view(-1, LANES).cumsum(0)[-1]
-    return lanes.cumsum(0)[-1]
+    inf = math.isinf(p)
+    acc: Optional[torch.Tensor] = None  # max so far, or the lanes' running sums
+    for start in range(0, n, CHUNK):
+        x = flat[start:start + CHUNK].to(torch.float64)
+        if inf:
+            m = x.abs().max()
+            acc = m if acc is None else torch.maximum(acc, m)  # (NaN propagates)
+            continue
+        if p == 1.0:
+            terms = x.abs()
+        elif p == 2.0:
+            terms = x * x
+        else:
+            terms = x.abs().pow(p)
+        pad = (-terms.numel()) % LANES  # only the last chunk (CHUNK is a multiple of LANES)
+        if pad:
+            terms = torch.cat([terms, terms.new_zeros(pad)])
+        rows = terms.view(-1, LANES)
+        if acc is not None:
+            rows = torch.cat([acc.view(1, LANES), rows])
+        acc = rows.cumsum(0)[-1]
+    if inf:
+        return acc
+    return acc.cumsum(0)[-1]

@@ -13,7 +13,8 @@ ignored ones): those are replicated, so each rank adds its own ``N`` once, after
 torch's FSDP1 does (for p = inf they join the MAX all-reduce, which is idempotent).
 
 Each unit's sharded flat gradient is read in one C pass (``_core.norm_partial``), padding
-included (it is zero, so it adds nothing for p > 0).  torch instead takes the float32 norm of
+included (it is zero, so it adds nothing for p > 0); an accelerator gradient takes the twin,
+which reads it a chunk at a time with the same bits (no float64 copy of the gradient).  torch instead takes the float32 norm of
 each gradient, re-combines the norms with another ``vector_norm`` and all-reduces
 ``local ** p`` in float32; our partials are float64 sums of exact terms and are all-reduced in
 float64, so our total norm is the exact one rounded once to float32, and torch's differs from
