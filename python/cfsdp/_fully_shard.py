@@ -937,7 +937,7 @@ def _discover(modules: list, call: _Call, ignored: set,
     device = call.device
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
-        check_plain_param(p, fqn, "fully_shard", tp_ok=True)
+        check_plain_param(p, fqn, "fully_shard", tp_ok=True, ext_ok=True)
         if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "
@@ -979,7 +979,7 @@ def _install(modules: list, call: _Call, found: _Found, mp_policy: MixedPrecisio
     # one chunk unit, or one per (mesh, dtype) when the call's parameters have several
     unit = chunk_units(entries, lambda es: ChunkUnit(
         es, meshes.of(es[0][3]), device, mp_policy.param_dtype, mp_policy.reduce_dtype,
-        shard_dims=found.shard_dims), mesh_of=lambda p: id(meshes.of(p)))
+        shard_dims=found.shard_dims, mp_policy=mp_policy), mesh_of=lambda p: id(meshes.of(p)))
     if unit is not None:
         for u in getattr(unit, "units", (unit,)):
             u.post_forward_group = post_forward[id(u.dp)]

@@ -95,16 +95,22 @@ def orig_uid(param: torch.Tensor) -> int:
     return uid
 
 
-def check_plain_param(param: torch.Tensor, fqn: str, face: str, tp_ok: bool = False) -> None:
+def check_plain_param(param: torch.Tensor, fqn: str, face: str, tp_ok: bool = False,
+                      ext_ok: bool = False) -> bool:
     """A unit shards plain strided tensors (``nn.Parameter`` s of ``torch.Tensor``; the meta
-    device is fine), and with ``tp_ok`` the ``DTensor`` parameters of tensor parallelism
-    (whose local tensor is plain); any other tensor subclass is refused at wrap time,
-    naming it."""
+    device is fine), with ``tp_ok`` the ``DTensor`` parameters of tensor parallelism
+    (whose local tensor is plain), and with ``ext_ok`` (``fully_shard``) a tensor whose
+    class defines torch FSDP2's all-gather extension hooks (``fsdp_pre_all_gather`` and
+    ``fsdp_post_all_gather``: [Note: all-gather extensions] in chunk/ext.py; torch's error
+    for one without the other); any other tensor subclass is refused at wrap time, naming
+    it.  Returns whether ``param`` is such an extension parameter."""
     from torch.distributed.tensor import DTensor
+
+    from .chunk.ext import check_extension
 
     if isinstance(param, DTensor) and tp_ok:
         check_plain_param(param._local_tensor, fqn, face)
-        return
+        return False
     if isinstance(param, DTensor):
         raise NotImplementedError(
             f"{face}: parameter '{fqn}' is a DTensor (placements {param.placements} on "
@@ -113,12 +119,15 @@ def check_plain_param(param: torch.Tensor, fqn: str, face: str, tp_ok: bool = Fa
             "compatibility table in README.md); use torch's FSDP for this model, or apply cfsdp "
             "to a model without tensor-parallel parameters."
         )
+    if ext_ok and param.layout == torch.strided and check_extension(param, fqn):
+        return True
     if type(param) not in (torch.Tensor, torch.nn.Parameter) or param.layout != torch.strided:
         raise NotImplementedError(
             f"{face}: parameter '{fqn}' is a {type(param).__name__} with layout {param.layout}; "
             "cfsdp shards plain strided tensors only. Convert it to a plain tensor before "
             "wrapping, or leave it out (ignored_states / ignored_params)."
         )
+    return False
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -18,6 +18,7 @@ from ... import _core
 from .. import comm
 from ..base import UnshardStates, alloc_storage, free_storage
 from ..views import changed_mask, hook_flat_grad, split_views, tp_views
+from .ext import forward_view, gather
 
 
 class ChunkLifecycle(UnshardStates):
@@ -42,6 +43,8 @@ class ChunkLifecycle(UnshardStates):
         of their sharded parameters, refreshed when that changes)."""
         if self._unsharded_t is None:
             for q in self.params:
+                if q.unsharded is None and q.ext is not None:
+                    q.unsharded = q.ext.param  # made by its first gather (ext.py)
                 if q.unsharded is None:
                     v = self.natural[q.nat_off : q.nat_off + q.numel].view(q.shape)
                     if q.tp_spec is not None:
@@ -77,6 +80,12 @@ class ChunkLifecycle(UnshardStates):
         if self.post_forward_group is None or not for_backward or self._buf is None:
             self.reshard()
             return
+        if self._ext_params:  # torch's all_gather_inputs raises NotImplementedError too
+            raise NotImplementedError(
+                f"fully_shard: parameter '{self._ext_params[0].fqn}' uses the all-gather "
+                "extensions, which reshard_after_forward as an int (a post-forward mesh) does "
+                "not support (torch's FSDP2 neither). Pass reshard_after_forward=True or False."
+            )
         k = self.post_forward_group.size()
         per = self.world_size // k
         j = self.post_forward_group.rank()
@@ -104,6 +113,8 @@ class ChunkLifecycle(UnshardStates):
             _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size,
                                self.shard_numel)
         self._buf = self.natural
+        if self._ext_params:  # [Note: all-gather extensions] in ext.py
+            gather(self._ext_params, self.group, self.mesh, self.mp_policy, self.param_dtype)
         self._register_unsharded()
 
     def reshard(self) -> None:
@@ -112,6 +123,8 @@ class ChunkLifecycle(UnshardStates):
         if self._buf is None:
             return
         free_storage(self.natural)
+        for q in self._ext_params:
+            q.ext.free()
         self._buf = None
         self._bind.unshow()
         if self._unsharded_grads:
@@ -132,6 +145,9 @@ class ChunkLifecycle(UnshardStates):
             node.register_prehook(self._note_grads_hook)
         if self._tp_occ:  # [Note: tensor-parallel parameters]
             views = tp_views(views, self._tp_occ)
+        if self._ext_params:  # the unsharded parameters, their gradients routed (ext.py)
+            views = tuple(v if self.params[qi].ext is None else forward_view(v, self.params[qi].ext)
+                          for v, qi in zip(views, self._bind.index))
         self._bind.show(views)
 
     def end_forward_views(self) -> None:

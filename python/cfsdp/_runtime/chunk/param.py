@@ -94,6 +94,8 @@ class ChunkParam:
     # dp_mesh_dims: the indices of the data-parallel dims of tp_spec's (full SPMD) mesh, whose
     # gradient placements are left to the reduction ([Note: dp_mesh_dims])
     dp_dims: frozenset = frozenset()
+    # an all-gather extension parameter's own pieces (ext.ExtState; None: a plain parameter)
+    ext: Any = None
 
     def grad_placements(self, arrived: tuple) -> tuple:
         """What a gradient that ``arrived`` with these placements is redistributed to: the
@@ -274,7 +276,10 @@ class ShardedParams:
 
     def _install_sharded_params(self) -> None:
         for q in self.params:
-            q.sharded = self._dtensor_param(self._shard_local(q), q)
+            local = self._shard_local(q) if q.ext is None else q.ext.local
+            q.sharded = self._dtensor_param(local, q)
+            if q.ext is not None:  # (an alias of it: what _moved compares with)
+                q.ext.local = q.sharded._local_tensor
         self._bind_sharded_params()
 
     def _bind_sharded_params(self) -> None:
@@ -314,6 +319,14 @@ class ShardedParams:
         for q in self.params:
             cur = q.module._parameters.get(q.name)
             if cur is not None and (cur is not q.sharded or self._moved(q)):
+                if q.ext is not None:
+                    raise NotImplementedError(
+                        f"fully_shard: parameter '{q.fqn}' uses the all-gather extensions and was "
+                        "replaced or its data swapped (to_empty, load_state_dict(assign=True), "
+                        "module.to(...)); cfsdp does not take such a parameter over yet. Load "
+                        "values in place (load_state_dict without assign) or replace the "
+                        "parameters before fully_shard."
+                    )
                 local = cur.to_local() if isinstance(cur, DTensor) else None
                 want = q.local_shape
                 if local is None or tuple(local.shape) != want:
@@ -396,6 +409,8 @@ class ShardedParams:
         """Whether our own parameter's local tensor was swapped (``module._apply``,
         e.g. ``to_empty``, may assign ``param.data`` in place)."""
         local = q.sharded._local_tensor
+        if q.ext is not None:  # its own subclass tensor (ext.py), not a view of the shard
+            return local is not q.ext.local
         mine = q.local_view(self.shard)
         if local.device != mine.device or local.dtype != mine.dtype:
             return True  # (a rank holding no rows of it sees a new dtype, not a new address)

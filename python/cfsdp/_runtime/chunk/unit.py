@@ -36,7 +36,7 @@ exactly, so local shards and gradients match torch's bit for bit.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ... import _core
 from .. import comm
 from ..replaced import orig_uid
+from .ext import ExtState, has_extension
 from .grads import ChunkGrads, _Published, _weak_note_grads
 from .lifecycle import ChunkLifecycle
 from .param import ChunkParam, DPMesh, ShardedParams, _contiguous_stride, local_data
@@ -66,11 +67,13 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         mp_param_dtype: Optional[torch.dtype],
         mp_reduce_dtype: Optional[torch.dtype],
         shard_dims: Optional[Mapping[nn.Parameter, int]] = None,
+        mp_policy: Any = None,
     ):
         """``shard_dims``: the dim (>= 0) of each parameter not sharded on dim 0, as
         ``fully_shard`` validated them (``shard_placement_fn``); ``dp``: the meshes and
         groups, and with ``dp_mesh_dims`` the full SPMD mesh, validated by ``fully_shard``
-        too."""
+        too; ``mp_policy``: the call's ``MixedPrecisionPolicy``, which extension parameters'
+        ``fsdp_pre_all_gather`` receives ([Note: all-gather extensions] in ext.py)."""
         self.dp = dp
         self.mesh = mesh = dp.mesh
         self.group = group = dp.group
@@ -83,6 +86,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         dtype = local_data(entries[0][3]).dtype
         self._tp = False  # any tensor-parallel parameter
         self._mp_dtypes = (mp_param_dtype, mp_reduce_dtype)
+        self.mp_policy = mp_policy
         self._set_dtypes(dtype)
         self.keep_low_precision_grads = False
         self.gradient_divide_factor: Optional[float] = None
@@ -108,9 +112,12 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
                 self._tp = True
             else:
                 q.global_shape, q.global_stride = q.shape, q.stride
+            if has_extension(p):
+                q.ext = self._ext_state(q, p)
             self.params.append(q)
             nat += data.numel()
             shard += q.chunk_numel
+        self._ext_params = tuple(q for q in self.params if q.ext is not None)
         self.natural_numel = nat
         self.shard_numel = shard
         # (an empty parameter's chunk has no blocks to speak of: outer 1 then)
@@ -128,6 +135,9 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
             # shard (one C pass, padding zeroed): the unit is never concatenated.
             rows_here = []
             for q, (*_, p, _) in zip(self.params, entries):
+                if q.ext is not None:  # its values live in its own subclass tensor (ext.py)
+                    rows_here.append(self.shard.new_zeros(q.local_numel))
+                    continue
                 if q.dim:  # Shard(d > 0): this rank's blocks, gathered in one small copy
                     rows_here.append(local_data(p).detach().narrow(q.dim, self.rank * q.chunk_rows,
                                                        q.local_rows).reshape(-1))
@@ -162,6 +172,23 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self.pre_divide = self.post_divide = 1.0
         self.reduce_op = self.replicate_op = dist.ReduceOp.SUM
         self.update_divide_factors()
+
+    def _ext_state(self, q: ChunkParam, p: nn.Parameter) -> ExtState:
+        """An extension parameter's pieces ([Note: all-gather extensions] in ext.py), or
+        what it needs that cfsdp does not do yet, raised naming it."""
+        missing = [what for what, bad in (
+            (f"a Shard({q.dim}) placement", q.dim != 0),
+            ("HSDP (a replicate dim)", self.replicate_group is not None),
+            ("a tensor-parallel (DTensor) parameter", isinstance(p, DTensor)),
+            ("the meta device (deferred initialisation)", p.is_meta)) if bad]
+        if missing:
+            raise NotImplementedError(
+                f"fully_shard: parameter '{q.fqn}' ({type(p).__name__}) uses the all-gather "
+                f"extensions (fsdp_pre_all_gather / fsdp_post_all_gather); cfsdp does not "
+                f"support them with {' and '.join(missing)} yet. Use torch's fully_shard for "
+                "this module, or shard it on dim 0 of a 1-D mesh, materialised."
+            )
+        return ExtState(p.detach(), self.rank, self.world_size, q.chunk_rows, q.local_rows)
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         """The shard's dtype and torch's mixed-precision rules for it: a policy
