@@ -34,7 +34,8 @@ Not yet (each refused naming the parameter): a ``Shard(d > 0)`` placement, HSDP,
 tensor-parallel (DTensor) parameter, the meta device, ``reshard_after_forward`` as an int
 (torch refuses that one too), and replacing the parameter after ``fully_shard``
 (``to_empty``, ``load_state_dict(assign=True)``, ``module.to(dtype)``).  A gradient that is
-itself a tensor subclass (autograd gives the unsharded tensor's own type) is not reduced.
+itself a tensor subclass (autograd gives the unsharded tensor's own type) is a
+``NotImplementedError`` naming the parameter in backward.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ class ExtState:
 
     __slots__ = ("padded_size", "padded", "local", "outputs", "inner", "param")
 
-    def __init__(self, p: torch.Tensor, rank: int, world: int, chunk_rows: int, local_rows: int):
+    def __init__(self, p: torch.Tensor, rank: int, world: int, chunk_rows: int, local_rows: int,
+                 fqn: str = ""):
+        self.fqn = fqn
         """This rank's chunk of ``p`` as torch makes it: ``p.new_zeros(padded chunk)`` (the
         subclass's own op), its rows copied in, the local tensor a narrow of it."""
         self.padded_size = torch.Size((chunk_rows, *p.shape[1:]))
@@ -161,12 +164,19 @@ class _Route(torch.autograd.Function):
     flat parameter ([Note: all-gather extensions])."""
 
     @staticmethod
-    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor, fqn: str) -> torch.Tensor:
+        ctx.fqn = fqn
         return unsharded.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
+        if type(grad) is not torch.Tensor:  # never reduced silently as something else
+            raise NotImplementedError(
+                f"fully_shard: parameter '{ctx.fqn}' (all-gather extensions) got a gradient "
+                f"of type {type(grad).__name__}; cfsdp reduces plain tensor gradients of such "
+                "parameters only. Make fsdp_post_all_gather's unsharded tensor give a plain "
+                "gradient, or use torch's fully_shard for this module.")
+        return grad, None, None
 
 
 def forward_view(view: Optional[torch.Tensor], ext: ExtState) -> torch.Tensor:
@@ -174,7 +184,7 @@ def forward_view(view: Optional[torch.Tensor], ext: ExtState) -> torch.Tensor:
     ``view`` (None or detached: frozen, then the unsharded parameter itself)."""
     if view is None or not view.requires_grad:
         return ext.param
-    return _Route.apply(view, ext.param.detach())
+    return _Route.apply(view, ext.param.detach(), ext.fqn)
 
 
 __all__ = ["ExtState", "check_extension", "forward_view", "gather", "has_extension"]

@@ -188,7 +188,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
                 f"support them with {' and '.join(missing)} yet. Use torch's fully_shard for "
                 "this module, or shard it on dim 0 of a 1-D mesh, materialised."
             )
-        return ExtState(p.detach(), self.rank, self.world_size, q.chunk_rows, q.local_rows)
+        return ExtState(p.detach(), self.rank, self.world_size, q.chunk_rows, q.local_rows, q.fqn)
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         """The shard's dtype and torch's mixed-precision rules for it: a policy
