@@ -74,13 +74,13 @@ def check_extension(t: torch.Tensor, fqn: str) -> bool:
 class ExtState:
     """One extension parameter's pieces (torch's ``FSDPParam`` fields of the same role)."""
 
-    __slots__ = ("padded_size", "padded", "local", "outputs", "inner", "param")
+    __slots__ = ("padded_size", "padded", "local", "outputs", "inner", "param", "fqn")
 
     def __init__(self, p: torch.Tensor, rank: int, world: int, chunk_rows: int, local_rows: int,
                  fqn: str = ""):
-        self.fqn = fqn
         """This rank's chunk of ``p`` as torch makes it: ``p.new_zeros(padded chunk)`` (the
         subclass's own op), its rows copied in, the local tensor a narrow of it."""
+        self.fqn = fqn  # for errors
         self.padded_size = torch.Size((chunk_rows, *p.shape[1:]))
         with torch.no_grad():
             self.padded = p.new_zeros(self.padded_size)
