@@ -591,15 +591,85 @@ def test_plan_follows_moved_parameters_and_replaced_state(monkeypatch, name, kw)
 
 
 # ------------------------------------------------------------------- errors
+def _outcome(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - compared
+        return None, (type(e), str(e))
+
+
 @pytest.mark.parametrize("cls", ["Adam", "AdamW", "SGD"])
 @pytest.mark.parametrize("option", ["foreach", "fused", "capturable", "differentiable"])
-def test_unsupported_options_raise(cls, option):
-    if cls == "SGD" and option == "capturable":
-        with pytest.raises(TypeError):  # torch's SGD has no capturable either
-            co.SGD([torch.nn.Parameter(torch.ones(2))], capturable=True)
+def test_torch_kernel_options_take_torchs_step(cls, option):
+    """``foreach`` / ``fused`` / ``capturable`` / ``differentiable`` = True: the group takes
+    torch's own step ([Note: torch's kernels] in optim/_fused.py), so the parameters and
+    states are torch's bits (or torch's own error, e.g. capturable on the CPU)."""
+    kw = {option: True}
+    if cls != "SGD":
+        kw.update(weight_decay=0.1, amsgrad=option == "fused")
+    else:
+        kw.update(momentum=0.9, nesterov=True)
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(33, generator=gen), torch.randn(4, 5, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in init] for _ in range(3)]
+
+    def run(make):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = make(ps, lr=0.01, **kw)
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        return ps, opt
+
+    mine, err_mine = _outcome(lambda: run(getattr(co, cls)))
+    ref, err_ref = _outcome(lambda: run(getattr(torch.optim, cls)))
+    if cls == "SGD" and option == "capturable":  # torch's SGD has no capturable either
+        assert err_ref[0] is TypeError and err_mine == err_ref
         return
-    with pytest.raises(NotImplementedError, match=f"{option}=True"):
-        getattr(co, cls)([torch.nn.Parameter(torch.ones(2))], **{option: True})
+    assert err_mine == err_ref, (err_mine, err_ref)
+    if err_ref is not None:
+        return
+    for (p, q) in zip(mine[0], ref[0]):
+        assert_bits(p.detach(), q.detach(), f"{cls} {option}")
+    sd, want = mine[1].state_dict(), ref[1].state_dict()
+    assert sd["param_groups"] == want["param_groups"]
+    for i in want["state"]:
+        for k, v in want["state"][i].items():
+            assert_bits(sd["state"][i][k], v, f"{cls} {option} state {k}")
+
+
+def test_groups_pick_their_step(monkeypatch):
+    """One group with ``fused=True`` (torch's fused kernel) and one without (cfsdp's C
+    step): each group is stepped by its own path (torch's step sees the first group only);
+    the first is torch's fused bits, the second the C step's bits (an optimizer of that
+    group alone)."""
+    seen = []
+    real = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        seen.append([g["params"] for g in self.param_groups])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    gen = torch.Generator().manual_seed(4)
+    a0, b0 = torch.randn(40, generator=gen), torch.randn(24, generator=gen)
+    ga, gb = torch.randn(40, generator=gen), torch.randn(24, generator=gen)
+    a, b = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())
+    opt = co.AdamW([{"params": [a], "fused": True}, {"params": [b]}], lr=0.01)
+    ra, rb = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())
+    ref_a = torch.optim.AdamW([ra], lr=0.01, fused=True)
+    ref_b = co.AdamW([rb], lr=0.01)
+    for _ in range(2):
+        a.grad, b.grad, ra.grad, rb.grad = ga.clone(), gb.clone(), ga.clone(), gb.clone()
+        opt.step()
+        ref_a.step()
+        ref_b.step()
+    assert_bits(a.detach(), ra.detach(), "fused group")
+    assert_bits(b.detach(), rb.detach(), "C group")
+    assert len(opt.param_groups) == 2 and opt.param_groups[0]["params"] == [a]
+    mine = [s for s in seen if len(s) == 1 and s[0][0] is a]
+    assert len(mine) == 2 and all(not any(q is b for g in s for q in g) for s in seen), seen
 
 
 @pytest.mark.parametrize("cls, key", [("Adam", "lr"), ("AdamW", "betas"), ("SGD", "lr"),
@@ -624,12 +694,14 @@ def test_torch_validation_and_loaded_options():
         co.Adam([p], betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="Nesterov momentum requires"):
         co.SGD([p], nesterov=True)
-    ref = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
+    q = torch.nn.Parameter(torch.ones(2))
+    ref = torch.optim.AdamW([q], fused=True)
     opt = co.AdamW([p])
     opt.load_state_dict(ref.state_dict())  # carries fused=True in its param group
-    p.grad = torch.ones(2)
-    with pytest.raises(NotImplementedError, match="fused=True"):
-        opt.step()
+    p.grad, q.grad = torch.ones(2), torch.ones(2)
+    opt.step()  # torch's fused step now ([Note: torch's kernels])
+    ref.step()
+    assert_bits(p.detach(), q.detach(), "loaded fused=True")
 
 
 def test_complex_and_sparse_raise():

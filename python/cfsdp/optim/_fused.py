@@ -71,13 +71,21 @@ torch's bits and its parameters within a few ulps per step (torch's CPU
 ``sqrt`` is MKL's 1-ulp one, the C core's is IEEE; with an IEEE sqrt in torch
 the parameters are torch's bits too).
 
-Options torch has that these do not honour raise ``NotImplementedError``
-naming them, at construction and (if set later, e.g. by ``load_state_dict``
-from a torch optimizer built with them) at ``step()``: ``foreach=True``,
-``fused=True`` (torch's own kernels), ``capturable=True``,
-``differentiable=True``, Tensor ``lr`` / ``betas`` / SGD ``weight_decay``,
-complex parameters and sparse gradients.  ``foreach=None/False`` and
-``fused=None/False`` are accepted (they only say not to use torch's kernels).
+[Note: torch's kernels]
+A param group takes torch's own step (``torch.optim.<Name>.step`` on that
+group: its ``fused`` / ``foreach`` / single-tensor kernels, so torch's bits by
+construction) when it asks for torch's kernels (``foreach=True``,
+``fused=True``, ``capturable=True``, ``differentiable=True``, set at
+construction or later, e.g. by ``load_state_dict`` from a torch optimizer built
+with them) or holds a parameter on an accelerator (CUDA: torch's default there
+is its multi-tensor kernels, the GPU idiom; cfsdp's C step is for CPU memory).
+The other groups take cfsdp's fused C step.  Both keep torch's state format,
+so a group may switch between them (state dicts load either way).
+
+Options cfsdp's C step does not honour raise ``NotImplementedError`` naming
+them at ``step()`` of a group on that path: Tensor ``lr`` / ``betas`` / SGD
+``weight_decay``, complex parameters and sparse gradients (torch's kernels
+take them: ask for one, e.g. ``foreach=True``).
 """
 
 from __future__ import annotations
@@ -108,29 +116,11 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _reject_options(name: str, foreach, fused, capturable, differentiable) -> None:
-    if foreach:
-        raise NotImplementedError(
-            f"cfsdp.optim.{name}: foreach=True selects torch's multi-tensor kernels; "
-            "cfsdp always runs its own fused step. Leave foreach=None (or False), or use "
-            f"torch.optim.{name}."
-        )
-    if fused:
-        raise NotImplementedError(
-            f"cfsdp.optim.{name}: fused=True selects torch's fused kernels; cfsdp always "
-            "runs its own fused step. Leave fused=None (or False), or use "
-            f"torch.optim.{name}."
-        )
-    if capturable:
-        raise NotImplementedError(
-            f"cfsdp.optim.{name}: capturable=True (CUDA graph capture) is not supported; "
-            f"use torch.optim.{name}."
-        )
-    if differentiable:
-        raise NotImplementedError(
-            f"cfsdp.optim.{name}: differentiable=True (autograd through the step) is not "
-            f"supported; use torch.optim.{name}."
-        )
+def _torch_kernels(group: dict) -> bool:
+    """Whether ``group`` takes torch's own step ([Note: torch's kernels])."""
+    if any(group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")):
+        return True
+    return any(p.device.type not in ("cpu", "meta") for p in group["params"])
 
 
 def _reject_tensor(name: str, **values) -> None:
@@ -199,8 +189,14 @@ class _FusedStep:
         self._cf_reset()
 
     def add_param_group(self, param_group: dict) -> None:
-        self._cf_check_group(param_group)
         super().add_param_group(param_group)
+        group = self.param_groups[-1]  # with the defaults filled in
+        if not _torch_kernels(group):
+            try:
+                self._cf_check_group(group)
+            except NotImplementedError:
+                self.param_groups.pop()  # not added, as torch leaves a group it refuses
+                raise
 
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """Perform a single optimization step (see the module docstring).
@@ -215,15 +211,28 @@ class _FusedStep:
                 loss = closure()
         if not hasattr(self, "_cf_plans"):
             self._cf_reset()
+        torch_groups = [g for g in self.param_groups if _torch_kernels(g)]
+        if torch_groups:
+            self._cf_torch_step(torch_groups)
         with torch.no_grad():
             for gi, group in enumerate(self.param_groups):
-                self._cf_check_group(group)
-                self._cf_step_group(gi, group)
+                if not _torch_kernels(group):
+                    self._cf_check_group(group)
+                    self._cf_step_group(gi, group)
         return loss
 
+    def _cf_torch_step(self, groups: list) -> None:
+        """torch's own step on ``groups`` only ([Note: torch's kernels]): the torch class's
+        ``step`` sees just those groups (the state is keyed by parameter, so it reads and
+        writes theirs); the step hooks ran once, around this optimizer's ``step``."""
+        every = self.param_groups
+        self.param_groups = groups
+        try:
+            super().step()  # type: ignore[misc]  (the torch class: next in the MRO)
+        finally:
+            self.param_groups = every
+
     def _cf_check_group(self, group: dict) -> None:
-        _reject_options(self._cf_name, group.get("foreach"), group.get("fused"),
-                        group.get("capturable"), group.get("differentiable"))
         _reject_tensor(self._cf_name, **{k: group[k] for k in self._cf_tensor_keys if k in group})
 
     # ------------------------------------------------------------- plans
@@ -479,8 +488,8 @@ class Adam(_FusedStep, torch.optim.Adam):
         fused: Optional[bool] = None,
         decoupled_weight_decay: bool = False,
     ) -> None:
-        _reject_options(self._cf_name, foreach, fused, capturable, differentiable)
-        _reject_tensor(self._cf_name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if not (foreach or fused or capturable or differentiable):  # torch's kernels take them
+            _reject_tensor(self._cf_name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._cf_reset()
         torch.optim.Adam.__init__(
             self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
@@ -601,9 +610,9 @@ class SGD(_FusedStep, torch.optim.SGD):
         differentiable: bool = False,
         fused: Optional[bool] = None,
     ) -> None:
-        _reject_options(self._cf_name, foreach, fused, False, differentiable)
-        _reject_tensor(self._cf_name, lr=lr, momentum=momentum, dampening=dampening,
-                       weight_decay=weight_decay)
+        if not (foreach or fused or differentiable):  # torch's kernels take them
+            _reject_tensor(self._cf_name, lr=lr, momentum=momentum, dampening=dampening,
+                           weight_decay=weight_decay)
         self._cf_reset()
         torch.optim.SGD.__init__(
             self, params, lr, momentum, dampening, weight_decay, nesterov,
