@@ -1,17 +1,29 @@
 """Sharding strategies (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2)
-and no_sync(): parity with torch FSDP1 (see worker_strategies.py)."""
+and no_sync(): parity with torch FSDP1 (see worker_strategies.py).
+
+One pytest item per registered subtest (every point of its grid) and world size, named
+``test_strategies[W-feature-subtest]`` after the feature module ``strategies/<feature>.py`` that
+registers it (``-k no_sync``, ``-k "2-tied"``); still ONE torchrun launch per world size (see
+subtest_items.py). At 4 ranks only the subtests matching AT_4 run, so only those have items.
+"""
 
 import pytest
 
-from launcher import run_worker, subtest_filter
+from subtest_items import Launch, SplitWorker
 
 LAUNCH_TIMEOUT_S = 420
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
 AT_4 = "HYBRID|odd|hybrid|orig_param_writes[strategy=FULL_SHARD"
+WORKER = SplitWorker("worker_strategies.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
+                     timeout=LAUNCH_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    return WORKER.launcher(request, tmp_path_factory)
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_strategies_and_no_sync(world_size):
-    run_worker("worker_strategies.py", world_size, args=subtest_filter(world_size, AT_4),
-               timeout=LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("world_size, launch, feature, name", WORKER.cases())
+def test_strategies(launches, world_size, launch, feature, name):
+    WORKER.check(launches(launch), launch, feature, name)

@@ -1,11 +1,13 @@
 """cfsdp.optim.ZeroRedundancyOptimizer against torch's ZeroRedundancyOptimizer and plain
 DDP + optimizer, bit for bit (see worker_zero.py for what is compared and why it is exact).
 
-One torchrun launch per world size, every subtest in each (they are small: a launch is
+One torchrun launch per configuration, every subtest in each (they are small: a launch is
 the slow part): 2 and 4 ranks on shared memory (the bucket views one host-shared bucket),
 3 ranks on the process group (``CFSDP_SHM=0``: the other transport of the parameter sync
 and of consolidation, private buckets), and 3 ranks on shared memory again for what the
-shared bucket changes (the bucket-view subtests and its rule).
+shared bucket changes (the bucket-view subtests and its rule). One pytest item per registered
+subtest and configuration, named ``test_zero[<W>-<shm|pg>-feature-subtest]`` after the feature
+module ``zero/<feature>.py`` that registers it (``-k "2-shm-join"``; see subtest_items.py).
 ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
 """
 
@@ -15,22 +17,30 @@ import socket
 
 import pytest
 
-from launcher import failure_message, launch, run_worker, subtest_filter
+from launcher import failure_message, launch
+from subtest_items import Launch, SplitWorker
 
 LAUNCH_TIMEOUT_S = 150
 LONG_TIMEOUT_S = 120  # the process group's: a dead peer must be named long before it
 DETECT_S = 5.0  # the detection time asserted (measured ~0.1-0.3 s: benchmarks/RESULTS.md)
 SHARED_BUCKET_SUBTESTS = "bucket_view=True|shared_bucket"
+WORKER = SplitWorker("worker_zero.py", [
+    Launch("2-shm", 2, {"CFSDP_SHM": "1"}),
+    Launch("3-pg", 3, {"CFSDP_SHM": "0"}),
+    Launch("3-shm", 3, {"CFSDP_SHM": "1"}, only=SHARED_BUCKET_SUBTESTS),
+    Launch("4-shm", 4, {"CFSDP_SHM": "1"}),
+], timeout=LAUNCH_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    return WORKER.launcher(request, tmp_path_factory)
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("world_size,shm", [(2, "1"), (3, "0"), (3, "1"), (4, "1")])
-def test_zero(world_size, shm):
-    args = subtest_filter()
-    if world_size == 3 and shm == "1" and not args:
-        args = ["--only", SHARED_BUCKET_SUBTESTS]
-    run_worker("worker_zero.py", world_size, args=args, timeout=LAUNCH_TIMEOUT_S,
-               env={"CFSDP_SHM": shm})
+@pytest.mark.parametrize("world_size, launch, feature, name", WORKER.cases())
+def test_zero(launches, world_size, launch, feature, name):
+    WORKER.check(launches(launch), launch, feature, name)
 
 
 @pytest.mark.timeout(200)
