@@ -264,7 +264,7 @@ if TWO_LEVEL:
     def hsdp_wrapper_default_groups(ctx, use_orig_params):
         """HYBRID_SHARD with process_group=None: cfsdp builds a shard group per host (torchrun's
         LOCAL_WORLD_SIZE, checked against the host names); torch FSDP1 gets the same groups
-        from torch's builder (on CPU torch cannot build them itself, see worker_strategies)."""
+        from torch's builder (on CPU torch cannot build them itself, see strategies/parity.py)."""
         from torch.distributed.fsdp._init_utils import _init_intra_and_inter_node_groups
 
         groups = _init_intra_and_inter_node_groups(dist.distributed_c10d._get_default_group(),

@@ -49,8 +49,8 @@ def _registers_subtests(path: Path) -> bool:
 
 
 def _packages() -> list[Path]:
-    """The feature-module packages (``fully_shard/``, ``strategies/``, ``zero/``): folders of tests/distributed with Python
-    files."""
+    """The feature-module packages (``fully_shard/``, ``strategies/``, ``zero/``): folders of
+    tests/distributed with Python files."""
     return sorted(d for d in DIST.iterdir() if d.is_dir() and any(d.glob("*.py")))
 
 

@@ -245,7 +245,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Dense strided CPU/accelerator tensors, any float dtypes (one bucket each, synced on
         its own; the local optimizer steps each dtype with its own math: bit for bit plain
         DDP + that optimizer for float32/64, bfloat16 and float16, ``mixed_dtypes`` in
-        tests/distributed/worker_zero.py).  torch requires one dense type for all (its
+        tests/distributed/zero/parity.py).  torch requires one dense type for all (its
         ValueError), which cfsdp keeps on purpose; a sparse one is torch's ValueError."""
         for i, p in enumerate(params):
             if p.is_sparse or p.layout is not torch.strided:
