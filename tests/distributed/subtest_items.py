@@ -172,7 +172,8 @@ class SplitWorker:
     def _features(self) -> tuple[str, ...]:
         """The worker's ``FEATURES`` (read from its source: the worker is not imported here)."""
         for node in ast.parse((HERE / self.worker).read_text()).body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FEATURES" for t in node.targets):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FEATURES"
+                                                    for t in node.targets):
                 return tuple(ast.literal_eval(node.value))
         raise AssertionError(f"{self.worker} defines no FEATURES")
 
@@ -187,9 +188,9 @@ class SplitWorker:
 
         def sizes_of(cond: ast.expr) -> tuple[int, ...]:
             """The world sizes an ``if`` around subtest registrations keeps: only ``WORLD == N``."""
-            if (isinstance(cond, ast.Compare) and isinstance(cond.left, ast.Name) and cond.left.id == "WORLD"
-                    and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq)
-                    and isinstance(cond.comparators[0], ast.Constant)):
+            if (isinstance(cond, ast.Compare) and isinstance(cond.left, ast.Name)
+                    and cond.left.id == "WORLD" and len(cond.ops) == 1
+                    and isinstance(cond.ops[0], ast.Eq) and isinstance(cond.comparators[0], ast.Constant)):
                 return (cond.comparators[0].value,)
             raise AssertionError(f"{where} registers subtests under `if {ast.unparse(cond)}`: teach "
                                  f"subtest_items.py which world sizes that keeps")
@@ -221,7 +222,8 @@ class SplitWorker:
         if feature not in self._ns:
             ns = _Names()
             for node in ast.parse(self._path(feature).read_text()).body:
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{self.package}."):
+                if (isinstance(node, ast.ImportFrom)
+                        and (node.module or "").startswith(f"{self.package}.")):
                     sibling = self._names(node.module[len(self.package) + 1:])
                     for a in node.names:
                         if a.name in sibling:
@@ -232,7 +234,8 @@ class SplitWorker:
                 if not all(isinstance(t, ast.Name) for t in targets) or not targets:
                     continue
                 try:
-                    value = eval(compile(ast.Expression(node.value), "<grid>", "eval"), ns, ns)  # noqa: S307
+                    code = compile(ast.Expression(node.value), "<grid>", "eval")
+                    value = eval(code, ns, ns)  # noqa: S307 - the worker's own source
                 except Exception:  # noqa: BLE001 - a name it needs is then a _Sym
                     continue
                 for t in targets:
@@ -252,8 +255,8 @@ class SplitWorker:
         except Exception as e:  # noqa: BLE001
             raise AssertionError(f"{reg.where}: cannot read the grid of {reg.name} from the source "
                                  f"({type(e).__name__}: {e}); teach subtest_items.py") from e
-        return [reg.name + ("[" + ",".join(f"{k}={_fmt(v)}" for k, v in zip(keys, vs)) + "]" if keys else "")
-                for vs in itertools.product(*values)]
+        return [reg.name + ("[" + ",".join(f"{k}={_fmt(v)}" for k, v in zip(keys, vs)) + "]"
+                            if keys else "") for vs in itertools.product(*values)]
 
     def _only(self, ln: Launch) -> str | None:
         return os.environ.get("CFSDP_SUBTESTS") or ln.only
@@ -267,7 +270,8 @@ class SplitWorker:
 
     # -- pytest
     def cases(self) -> list:
-        return [pytest.param(ln.world_size, ln.key, f, n, id=f"{ln.key}-{f}-{n}") for ln, f, n in self.items]
+        return [pytest.param(ln.world_size, ln.key, f, n, id=f"{ln.key}-{f}-{n}")
+                for ln, f, n in self.items]
 
     def launcher(self, request: pytest.FixtureRequest,
                  tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
@@ -284,17 +288,20 @@ class SplitWorker:
                 args = []
                 if len(mine) < sum(1 for i in self.items if i[0] is ln):  # a selection
                     feats = {p["feature"] for p in mine}
-                    args = ["--modules", ",".join(f"{self.package}.{f}" for f in self.features if f in feats),
+                    args = ["--modules",
+                            ",".join(f"{self.package}.{f}" for f in self.features if f in feats),
                             "--subtests", ",".join(sorted({p["name"] for p in mine}))]
                 only = self._only(ln)
                 env = dict(ln.env)
                 if self.tmp_env:
                     env[self.tmp_env] = str(tmp_path_factory.mktemp(f"{self.package}_{key}"))
-                done[key] = launch(self.worker, ln.world_size, args=args + (["--only", only] if only else []),
+                done[key] = launch(self.worker, ln.world_size,
+                                   args=args + (["--only", only] if only else []),
                                    timeout=self.timeout, env=env)
                 out = done[key].output
-                head = out[out.rfind(SUMMARY_MARK):].strip().splitlines()[0] if SUMMARY_MARK in out else "no summary"
-                print(f"$ {' '.join(done[key].cmd)}\n{head}")  # with -s: the one launch of this configuration
+                head = (out[out.rfind(SUMMARY_MARK):].strip().splitlines()[0] if SUMMARY_MARK in out
+                        else "no summary")
+                print(f"$ {' '.join(done[key].cmd)}\n{head}")  # with -s: this configuration's launch
             return done[key]
 
         return get
