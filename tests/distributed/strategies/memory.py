@@ -1,5 +1,6 @@
-"""Memory: a deleted model's units and shards are freed, and deferred initialisation never holds
-more than a unit unsharded."""
+"""Memory: a deleted model's units and shards are freed, and deferred initialisation
+materialises unit by unit (one unit at full size plus the shards already made, never the whole
+model)."""
 
 from __future__ import annotations
 
