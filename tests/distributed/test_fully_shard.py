@@ -19,7 +19,9 @@ import pytest
 from launcher import run_reshard_chain
 from subtest_items import Launch, SplitWorker
 
-LAUNCH_TIMEOUT_S = 300
+# one launch per world size runs every selected subtest: at 4 ranks on 2 cores that is ~4-5
+# minutes on a slow machine (a fresh-clone CI run on 2026-12-02 hit the old 300 s)
+LAUNCH_TIMEOUT_S = 600
 WORKER = SplitWorker("worker_fully_shard.py", [Launch("2", 2), Launch("4", 4)],
                      timeout=LAUNCH_TIMEOUT_S, tmp_env="CFSDP_CKPT_DIR")
 
