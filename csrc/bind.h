@@ -183,6 +183,7 @@ int cf_py_shm_exec(PyObject *module, cf_py_state *state);
 /* bind_optim.c */
 CF_PY_DECLARE(adam_step);
 CF_PY_DECLARE(sgd_step);
+CF_PY_DECLARE(muon_momentum);
 PyObject *cf_py_optim_uses_avx2(PyObject *module, PyObject *unused); /* METH_NOARGS */
 extern const char cf_py_optim_uses_avx2_doc[];
 

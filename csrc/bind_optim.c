@@ -1,6 +1,6 @@
 /*
  * bind_optim.c -- the fused optimizer steps of cfsdp._C (csrc/optim.c):
- * adam_step, sgd_step, optim_uses_avx2.  Twin: cfsdp._ref.optim; callers:
+ * adam_step, sgd_step, muon_momentum, optim_uses_avx2.  Twin: cfsdp._ref.optim; callers:
  * cfsdp._core (tensors) and cfsdp.optim (addresses of whole flat shards).
  *
  * Design.  A step is one cf_py_parse table (buffers, dtype code,
@@ -189,6 +189,52 @@ PyObject *cf_py_sgd_step(PyObject *module, PyObject *const *args, Py_ssize_t nar
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     st = cf_optim_sgd_step(p, g, b, ranges, n, (int)code, &a, max_threads, &err);
+    Py_END_ALLOW_THREADS
+    free(ranges);
+    if (st != CF_OK)
+        return cf_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+CF_PY_DOC(muon_momentum,
+"muon_momentum($module, grad_addr, momentum_buffer_addr, update_addr, ranges,\n"
+"              dtype_code, momentum, nesterov, max_threads, /)\n"
+"--\n"
+"\n"
+"Muon's momentum over many element ranges, in place: momentum_buffer.lerp_(\n"
+"grad, 1 - momentum) and, when nesterov, update = grad.lerp(momentum_buffer,\n"
+"momentum) (update_addr is used only when nesterov: 0 or None otherwise).\n"
+"Ranges as adam_step.  torch 2.13's _single_tensor_muon, with adam_step's\n"
+"rounding contract, threads and errors.");
+
+PyObject *cf_py_muon_momentum(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *ranges_obj;
+    cf_optim_range *ranges;
+    size_t n;
+    void *g, *b, *u;
+    int64_t code, max_threads;
+    double momentum;
+    bool nesterov;
+    cf_err err;
+    cf_status st;
+    const cf_py_arg table[] = {{"grad_addr", CF_PY_ADDR, &g},
+                               {"momentum_buffer_addr", CF_PY_ADDR, &b},
+                               {"update_addr", CF_PY_OPT_ADDR, &u},
+                               {"ranges", CF_PY_OBJ, &ranges_obj},
+                               {"dtype_code", CF_PY_I64, &code},
+                               {"momentum", CF_PY_F64, &momentum},
+                               {"nesterov", CF_PY_BOOL, &nesterov},
+                               {"max_threads", CF_PY_I64, &max_threads}};
+
+    (void)module;
+    cf_err_init(&err);
+    if (cf_py_parse("muon_momentum", args, nargs, table, CF_PY_COUNT(table)) < 0 ||
+        cf_py_optim_ranges(ranges_obj, &ranges, &n) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = cf_optim_muon_momentum(g, b, u, ranges, n, (int)code, momentum, nesterov,
+                                max_threads, &err);
     Py_END_ALLOW_THREADS
     free(ranges);
     if (st != CF_OK)

@@ -9,7 +9,7 @@
  *     bind_core.c   plan_layout, shard_fill, chunk_unpack, chunk_pack,
  *                   scale_cast_add, norm_partial
  *     bind_shm.c    shm_reduce, shm_memcpy, shm_segment_bytes
- *     bind_optim.c  adam_step, sgd_step, optim_uses_avx2
+ *     bind_optim.c  adam_step, sgd_step, muon_momentum, optim_uses_avx2
  *     bind_bulk.c   dict_set, dict_pop, attr_flags, attr_set, attr_get,
  *                   shape_views
  *   types (bind_shm.c, made by cf_py_shm_exec)
@@ -59,6 +59,7 @@ static PyMethodDef cf_py_methods[] = {
     /* bind_optim.c: the fused optimizer steps */
     CF_PY_FASTCALL(adam_step),
     CF_PY_FASTCALL(sgd_step),
+    CF_PY_FASTCALL(muon_momentum),
     {"optim_uses_avx2", cf_py_optim_uses_avx2, METH_NOARGS, cf_py_optim_uses_avx2_doc},
     /* bind_bulk.c: the runtime's per-parameter passes */
     CF_PY_FASTCALL(dict_set),

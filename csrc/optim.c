@@ -1,6 +1,6 @@
 /*
- * optim.c -- fused Adam/AdamW and SGD steps over many element ranges of flat
- * fp32 buffers (twin: cfsdp/_ref/optim.py).
+ * optim.c -- fused Adam/AdamW and SGD steps, and Muon's momentum, over many
+ * element ranges of flat fp32 buffers (twin: cfsdp/_ref/optim.py).
  *
  * Design.  cfsdp.optim keeps a parameter group's optimizer state in flat
  * buffers that mirror the layout of the parameters' own storage (a unit's
@@ -36,6 +36,10 @@
  * SGD: g = maximize ? -g : g; g = fma(wd, p, g) if wd != 0; with momentum,
  * b = first ? g : fma(1 - dampening, g, b * momentum), g = nesterov ?
  * fma(momentum, b, g) : b; p = fma(-lr, g, p).
+ *
+ * Muon (the momentum half of torch's _single_tensor_muon; Newton-Schulz and the
+ * parameter update stay torch ops in cfsdp.optim._muon): b = lerp(b, g, 1 - momentum),
+ * and with Nesterov u = lerp(g, b, momentum), each lerp in the form above.
  *
  * Loops.  Each segment loop is branch-free apart from what changes memory
  * traffic (amsgrad, the momentum modes): loop-invariant options are selects,
@@ -150,8 +154,31 @@ CF_INLINE void cf_sgd_body(float *restrict p, const float *restrict g, float *re
     }
 }
 
+/* Muon's momentum (torch's _single_tensor_muon): b = lerp(b, g, w) with w = fp32(1 -
+ * momentum), then with Nesterov u = lerp(g, b, fp32(momentum)).  torch's lerp is
+ * |w| < 0.5 ? fma(w, end - start, start) : fma(w - 1, end - start, end) (see Adam). */
+typedef struct {
+    float bcoeff, ucoeff; /* lerp coefficients of the buffer and the Nesterov update */
+    bool bsmall, usmall;  /* whether each lerp weight is small (|w| < 0.5) */
+} cf_muon_k;
+
+CF_INLINE void cf_muon_body(const float *restrict g, float *restrict b, float *restrict u,
+                            int64_t n, const cf_muon_k *k, const bool nesterov)
+{
+    const float bcoeff = k->bcoeff, ucoeff = k->ucoeff;
+    const bool bsmall = k->bsmall, usmall = k->usmall;
+    for (int64_t i = 0; i < n; i++) {
+        float gi = g[i], bi = b[i];
+        bi = fmaf(bcoeff, gi - bi, bsmall ? bi : gi);
+        b[i] = bi;
+        if (nesterov)
+            u[i] = fmaf(ucoeff, bi - gi, usmall ? gi : bi);
+    }
+}
+
 typedef void (*cf_adam_seg_fn)(float *, const float *, float *, float *, float *, int64_t,
                                const cf_adam_k *);
+typedef void (*cf_muon_seg_fn)(const float *, float *, float *, int64_t, const cf_muon_k *);
 typedef void (*cf_sgd_seg_fn)(float *, const float *, float *, int64_t, const cf_sgd_k *);
 
 /* The variants: portable, and (x86) the same source compiled for AVX2+FMA.
@@ -185,6 +212,16 @@ typedef void (*cf_sgd_seg_fn)(float *, const float *, float *, int64_t, const cf
                                          const cf_sgd_k *k)                               \
     {                                                                                     \
         cf_sgd_body(p, g, b, n, k, CF_SGD_MOMENTUM);                                      \
+    }                                                                                     \
+    ATTR static void cf_muon_##SUFFIX(const float *g, float *b, float *u, int64_t n,      \
+                                      const cf_muon_k *k)                                 \
+    {                                                                                     \
+        cf_muon_body(g, b, u, n, k, false);                                               \
+    }                                                                                     \
+    ATTR static void cf_muon_nesterov_##SUFFIX(const float *g, float *b, float *u,        \
+                                               int64_t n, const cf_muon_k *k)             \
+    {                                                                                     \
+        cf_muon_body(g, b, u, n, k, true);                                                \
     }
 
 CF_OPTIM_VARIANTS(portable, , cf_adam_body)
@@ -514,5 +551,61 @@ cf_status cf_optim_sgd_step(void *param, const void *grad, void *momentum_buffer
                 : mode == CF_SGD_FIRST ? cf_sgd_first_portable : cf_sgd_mom_portable;
     (void)avx2;
     return cf_optim_run(ranges, n_ranges, ext.total, has_mom ? 20 : 12, cf_sgd_visit, &c,
+                        max_threads, err);
+}
+
+/* ----------------------------------------------------------------- Muon */
+
+typedef struct {
+    const float *g;
+    float *b, *u;
+    cf_muon_k k;
+    cf_muon_seg_fn seg;
+} cf_muon_ctx;
+
+static void cf_muon_visit(const void *ctx_, int64_t off, int64_t len)
+{
+    const cf_muon_ctx *c = ctx_;
+    c->seg(c->g + off, c->b + off, c->u ? c->u + off : NULL, len, &c->k);
+}
+
+cf_status cf_optim_muon_momentum(const void *grad, void *momentum_buffer, void *update,
+                                 const cf_optim_range *ranges, size_t n_ranges, int dtype,
+                                 double momentum, bool nesterov, int64_t max_threads,
+                                 cf_err *err)
+{
+    cf_optim_buf bufs[3] = {{grad, "grad"}, {momentum_buffer, "momentum_buffer"},
+                            {update, "update"}};
+    bool avx2 = cf_optim_uses_avx2();
+    cf_optim_extent ext;
+    cf_muon_ctx c;
+    float w;
+
+    if (dtype != CF_DTYPE_FP32)
+        return cf_err_set(err, CF_EINVAL, "the fused step needs fp32 buffers (dtype code %d), "
+                          "got dtype code %d", CF_DTYPE_FP32, dtype);
+    CF_CHECK(cf_optim_check_ranges(ranges, n_ranges, &ext, err));
+    CF_CHECK(cf_optim_check_bufs(bufs, nesterov ? 3 : 2, &ext, err));
+    if (ext.total == 0)
+        return CF_OK;
+
+    /* torch's Python: buf.lerp_(grad, 1 - momentum); grad.lerp(buf, momentum) */
+    w = (float)(1.0 - momentum);
+    c.k.bsmall = fabsf(w) < 0.5f;
+    c.k.bcoeff = c.k.bsmall ? w : w - 1.0f;
+    w = (float)momentum;
+    c.k.usmall = fabsf(w) < 0.5f;
+    c.k.ucoeff = c.k.usmall ? w : w - 1.0f;
+    c.g = grad;
+    c.b = momentum_buffer;
+    c.u = nesterov ? update : NULL;
+#if CF_OPTIM_X86
+    if (avx2)
+        c.seg = nesterov ? cf_muon_nesterov_avx2 : cf_muon_avx2;
+    else
+#endif
+        c.seg = nesterov ? cf_muon_nesterov_portable : cf_muon_portable;
+    (void)avx2;
+    return cf_optim_run(ranges, n_ranges, ext.total, nesterov ? 16 : 12, cf_muon_visit, &c,
                         max_threads, err);
 }

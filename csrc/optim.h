@@ -1,7 +1,7 @@
 /*
- * optim.h -- fused optimizer steps (Adam/AdamW, SGD) over many contiguous
- * element ranges of flat fp32 buffers, one pass over memory per element
- * (twin: cfsdp/_ref/optim.py).
+ * optim.h -- fused optimizer steps (Adam/AdamW, SGD; Muon's momentum) over
+ * many contiguous element ranges of flat fp32 buffers, one pass over memory
+ * per element (twin: cfsdp/_ref/optim.py).
  */
 #ifndef CF_OPTIM_H
 #define CF_OPTIM_H
@@ -71,6 +71,19 @@ cf_status cf_optim_adam_step(void *param, const void *grad, void *exp_avg, void 
 cf_status cf_optim_sgd_step(void *param, const void *grad, void *momentum_buffer,
                             const cf_optim_range *ranges, size_t n_ranges, int dtype,
                             const cf_sgd_args *args, int64_t max_threads, cf_err *err);
+
+/*
+ * Muon's momentum of every element of `ranges` (torch 2.13's _single_tensor_muon:
+ * momentum_buffer.lerp_(grad, 1 - momentum), and with nesterov update =
+ * grad.lerp(momentum_buffer, momentum)), in place: reads grad and momentum_buffer,
+ * writes momentum_buffer (and update when nesterov; update may be NULL otherwise), each
+ * element once, with the rounding of cf_optim_adam_step.  Errors and threads as
+ * cf_optim_adam_step.
+ */
+cf_status cf_optim_muon_momentum(const void *grad, void *momentum_buffer, void *update,
+                                 const cf_optim_range *ranges, size_t n_ranges, int dtype,
+                                 double momentum, bool nesterov, int64_t max_threads,
+                                 cf_err *err);
 
 /* Whether the AVX2+FMA loops run on this CPU (else the portable ones, same
  * results: fmaf is correctly rounded either way). */

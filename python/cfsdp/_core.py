@@ -422,6 +422,14 @@ def _sgd_addrs(
                 first_step, torch.get_num_threads())
 
 
+def _muon_addrs(grad: int, momentum_buffer: int, update: Optional[int], ranges, *,
+                momentum: float, nesterov: bool) -> None:
+    """Muon's momentum of fp32 CPU memory at checked addresses, in C; see
+    ``_C.muon_momentum``."""
+    _C.muon_momentum(grad, momentum_buffer, update, ranges, DTYPE_CODES[torch.float32],
+                     float(momentum), nesterov, torch.get_num_threads())
+
+
 def _optim_c_ok(*tensors: Optional[torch.Tensor]) -> bool:
     """C takes a fused step: fp32 1-D buffers that may cross, fp32-aligned (the fused
     loops' one requirement of an address; the twin takes any)."""
@@ -460,6 +468,32 @@ def sgd_step(
                    buf.data_ptr() if buf is not None else None, ranges, **hp)
     else:
         _ref.sgd_step(param, grad, buf, ranges, **hp)
+
+
+def muon_momentum(
+    grad: torch.Tensor, momentum_buffer: torch.Tensor, update: Optional[torch.Tensor], ranges,
+    *, momentum: float, nesterov: bool,
+) -> None:
+    """Muon's momentum over ``ranges`` of flat 1-D buffers (``update`` receives the
+    Nesterov update; used only when ``nesterov``): C for fp32 CPU buffers, else the twin
+    (``cfsdp._ref.optim.muon_momentum``).  The ranges must lie inside every buffer."""
+    upd = update if nesterov else None
+    ranges = _check_optim_ranges(ranges, grad, momentum_buffer, upd)
+    if _optim_c_ok(grad, momentum_buffer, upd):
+        _muon_addrs(grad.data_ptr(), momentum_buffer.data_ptr(),
+                    upd.data_ptr() if upd is not None else None, ranges,
+                    momentum=momentum, nesterov=nesterov)
+    else:
+        _ref.optim.muon_momentum(grad, momentum_buffer, upd, ranges, momentum=momentum,
+                                 nesterov=nesterov)
+
+
+def muon_momentum_tensor(grad: torch.Tensor, momentum_buffer: torch.Tensor, *,
+                         momentum: float, nesterov: bool) -> torch.Tensor:
+    """Muon's momentum of one tensor of any dtype and device, in torch ops (the twin's
+    ``muon_momentum_tensor``: cfsdp.optim.Muon's path for what C does not take)."""
+    return _ref.optim.muon_momentum_tensor(grad, momentum_buffer, momentum=momentum,
+                                           nesterov=nesterov)
 
 
 def adam_tensor(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

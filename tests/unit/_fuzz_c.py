@@ -554,10 +554,10 @@ def materialise_ranges(call, spec):
 
 
 @st.composite
-def optim_args(draw, n_bufs, n_float, step):
+def optim_args(draw, n_bufs, n_float, step, n_flags=3):
     """A fused step's arguments: n_bufs buffers of OPT_ELEMS fp32, the optional one (None,
     0 or a buffer), the ranges, the dtype code, n_float hyper-parameters (and `step`:
-    Adam's step count), three flags and the thread cap."""
+    Adam's step count), n_flags flags and the thread cap."""
     h = H(draw)
     bufs = [h.addr(h.buf(4 * OPT_ELEMS)) for _ in range(n_bufs)]
     opt = draw(st.sampled_from([None, 0, "BUF"]))
@@ -567,7 +567,7 @@ def optim_args(draw, n_bufs, n_float, step):
     if step:
         floats.append(h.fl(st.sampled_from([1.0, 2.0, 7.0])))
     return (*bufs, opt, draw(ranges_spec(h, OPT_ELEMS)), h.checked(0), *floats,
-            *[h.checked(st.booleans()) for _ in range(3)], h.checked(st.integers(1, 4)))
+            *[h.checked(st.booleans()) for _ in range(n_flags)], h.checked(st.integers(1, 4)))
 
 
 def _run_optim(name, at):
@@ -580,6 +580,7 @@ def _run_optim(name, at):
 
 entry("adam_step", "core", optim_args(4, 5, True))(_run_optim("adam_step", 5))
 entry("sgd_step", "core", optim_args(2, 4, False))(_run_optim("sgd_step", 3))
+entry("muon_momentum", "core", optim_args(2, 1, False, n_flags=1))(_run_optim("muon_momentum", 3))
 
 
 @plain("optim_uses_avx2")
@@ -1136,6 +1137,14 @@ def _core_adam(draw):
 
 
 @st.composite
+def _core_muon(draw):
+    h = H(draw)
+    bufs, ranges = _optim_case(h, 3)
+    return "muon_momentum", [*bufs, ("RANGES", ranges)], dict(
+        momentum=h.fl(st.sampled_from([0.95, 0.3, 0.0])), nesterov=h.checked(st.booleans()))
+
+
+@st.composite
 def _core_layout(draw):
     return "plan_layout", list(draw(_plan_layout()))
 
@@ -1157,6 +1166,7 @@ for _name_, _strategy in [("scale_cast_add", _core_sca()), ("norm_partial", _cor
                           ("chunk_pack", _core_chunk("chunk_pack")),
                           ("shm_reduce", _core_reduce()), ("shard_fill", _core_shard_fill()),
                           ("sgd_step", _core_sgd()), ("adam_step", _core_adam()),
+                          ("muon_momentum", _core_muon()),
                           ("plan_layout", _core_layout())]:
     entry(f"_core.{_name_}", "_core", _strategy)(_run_core)
 

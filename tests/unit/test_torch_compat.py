@@ -230,6 +230,7 @@ BINDINGS = [
     (checkpoint, "IncompatibleKeys", "torch.nn.modules.module", "_IncompatibleKeys"),
     (checkpoint, "StateDictInfo", "torch.distributed.checkpoint.state_dict", "_StateDictInfo"),
     (core, "scalar_dtype", "torch.optim.optimizer", "_get_scalar_dtype"),
+    (core, "muon_adjust_lr", "torch.optim._muon", "_adjust_lr"),
     (dynamo, "OptimizedModule", "torch._dynamo.eval_frame", "OptimizedModule"),
 ]
 

@@ -20,7 +20,8 @@ bitwise equal and the parameter is within five ulps of the largest of its
 old value, the update ``lr * m / denom`` and its new value (the one-ulp root
 passes three more roundings before the final add rounds once more).  With
 ``ieee_sqrt=True`` the twin is the C core's bits.
-SGD has no sqrt: bitwise equal.
+SGD has no sqrt: bitwise equal.  Muon's momentum (``muon_momentum_tensor``,
+``muon_momentum``: two lerps) too.
 """
 
 from __future__ import annotations
@@ -112,6 +113,20 @@ def sgd_tensor(
         else:
             grad = buf
     param.add_(grad, alpha=-lr)
+
+
+def muon_momentum_tensor(
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    *,
+    momentum: float,
+    nesterov: bool,
+) -> torch.Tensor:
+    """The momentum half of torch 2.13's ``_single_tensor_muon`` for one tensor, op for
+    op: ``momentum_buffer`` is updated in place; returns the update Newton-Schulz
+    orthogonalizes (a new tensor with Nesterov, else ``momentum_buffer`` itself)."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
 def check_ranges(ranges: Ranges) -> list[tuple[int, int]]:
@@ -206,3 +221,24 @@ def sgd_step(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize, first_step=first_step,
         )
+
+
+def muon_momentum(
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    update: Optional[torch.Tensor],
+    ranges: Ranges,
+    *,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """Twin of ``cfsdp._C.muon_momentum``: each range of the flat buffers as one tensor
+    (``muon_momentum_tensor``), the Nesterov update written into ``update``."""
+    _check_flat(grad=grad, momentum_buffer=momentum_buffer,
+                update=update if nesterov else None)
+    for s, n in check_ranges(ranges):
+        e = s + n
+        u = muon_momentum_tensor(grad[s:e], momentum_buffer[s:e], momentum=momentum,
+                                 nesterov=nesterov)
+        if nesterov:
+            update[s:e].copy_(u)

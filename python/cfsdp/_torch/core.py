@@ -9,6 +9,8 @@
 * ``profiler_enabled()``: an autograd profiler is recording (collectives get named ranges).
 * ``scalar_dtype()``: the dtype torch's Adam/AdamW keep ``step`` in
   (``torch.optim.optimizer._get_scalar_dtype``).
+* ``muon_adjust_lr(lr, adjust_lr_fn, shape)``: torch's Muon learning-rate adjustment
+  (``torch.optim._muon._adjust_lr``; torch 2.14 adds ``"spectral_unclamped"``).
 
 The same in torch 2.11, 2.13 and 2.14.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.optim._muon import _adjust_lr as muon_adjust_lr
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
 
 ENGINE = torch.autograd.Variable._execution_engine
@@ -35,4 +38,4 @@ def dispatch_mode_active() -> bool:
 
 
 __all__ = ["ENGINE", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
-           "profiler_enabled", "queue_callback", "scalar_dtype"]
+           "muon_adjust_lr", "profiler_enabled", "queue_callback", "scalar_dtype"]

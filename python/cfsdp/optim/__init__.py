@@ -2,6 +2,10 @@
 
 * ``Adam``, ``AdamW``, ``SGD`` (``_fused.py``): ``torch.optim``'s classes whose
   ``step()`` is one C pass over flat buffers (see that module's docstring).
+* ``Muon`` (``_muon.py``): ``torch.optim.Muon`` with a C momentum pass and stacked
+  Newton–Schulz, on whole parameters of ndim >= 2 (sharded ones raise
+  ``NotImplementedError``: issue 27 phase 2); ``_muon_owners.py`` assigns each matrix
+  its owner rank by Newton–Schulz FLOPs.
 * ``ZeroRedundancyOptimizer`` (``zero.py``): torch's
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1) with flat rank-major
   buckets synced by one all-gather per dtype (``_zero_buckets.py``) and consolidation by
@@ -11,7 +15,8 @@
 """
 
 from ._fused import SGD, Adam, AdamW
+from ._muon import Muon
 from ._zero_hook import reduce_scatter_hook
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["Adam", "AdamW", "SGD", "ZeroRedundancyOptimizer", "reduce_scatter_hook"]
+__all__ = ["Adam", "AdamW", "Muon", "SGD", "ZeroRedundancyOptimizer", "reduce_scatter_hook"]

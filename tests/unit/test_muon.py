@@ -1,0 +1,329 @@
+"""cfsdp.optim.Muon (issue 27 phase 1: whole parameters) against torch.optim.Muon: bit for
+bit over several steps and options, state dicts both ways, the C momentum pass against its
+twin and torch, stacked Newton–Schulz against torch's per-matrix function, 3-D parameters,
+errors (1-D, complex, sparse, sharded), and the owner assignment (``_muon_owners``)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import random
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
+
+import cfsdp
+import cfsdp._C as C
+from cfsdp import _core
+from cfsdp._ref import optim as ref
+from cfsdp.optim import _muon
+from cfsdp.optim._muon_owners import assign_owners, ns_cost
+
+_CORE_MOMENTUM = _core.muon_momentum
+NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+SHAPES = [(8, 8), (24, 6), (6, 24), (16, 16), (24, 6), (5, 33), (1, 9)]
+
+
+def _params(shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+
+def _train(opt, params, steps, start=0):
+    for s in range(start, start + steps):
+        _grads(params, s)
+        opt.step()
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x.detach(), y.detach()), (x - y).abs().max()
+
+
+# --------------------------------------------------------------------- parity with torch
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_bitwise_like_torch(nesterov, adjust_lr_fn):
+    kw = dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=nesterov,
+              adjust_lr_fn=adjust_lr_fn)
+    ours, theirs = _params(SHAPES), _params(SHAPES)
+    o, t = cfsdp.optim.Muon(ours, **kw), torch.optim.Muon(theirs, **kw)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:  # every parameter's momentum crosses _core
+        mp.setattr(_core, "muon_momentum",
+                   lambda *a, **k: calls.append(1) or _CORE_MOMENTUM(*a, **k))
+        _train(o, ours, 3)
+    assert len(calls) == 3 * len(SHAPES)
+    _train(t, theirs, 3)
+    _same(ours, theirs)
+    _same([o.state[p]["momentum_buffer"] for p in ours],
+          [t.state[p]["momentum_buffer"] for p in theirs])
+
+
+def test_signature_defaults_and_state_dict_format():
+    assert issubclass(cfsdp.optim.Muon, torch.optim.Muon)
+    def sig(cls):
+        return [(q.name, q.kind, q.default)
+                for q in inspect.signature(cls.__init__).parameters.values()]
+
+    assert sig(cfsdp.optim.Muon) == sig(torch.optim.Muon)
+    ours, theirs = _params(SHAPES[:2]), _params(SHAPES[:2])
+    o, t = cfsdp.optim.Muon(ours), torch.optim.Muon(theirs)
+    assert o.param_groups[0].keys() == t.param_groups[0].keys()
+    assert o.defaults == t.defaults
+    _train(o, ours, 1)
+    _train(t, theirs, 1)
+    so, st = o.state_dict(), t.state_dict()
+    assert so["param_groups"] == st["param_groups"]
+    assert {k: list(v) for k, v in so["state"].items()} == {k: list(v) for k, v in st["state"].items()}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lr=-1.0), "Learning rate should be >= 0"),
+    (dict(momentum=-0.5), "momentum should be >= 0"),
+    (dict(weight_decay=-0.1), "weight decay should be >= 0"),
+    (dict(adjust_lr_fn="nope"), "Adjust learning rate function nope is not supported"),
+    (dict(lr=torch.tensor([1.0, 2.0])), "Tensor lr must be 1-element"),
+])
+def test_validation_is_torchs(bad, match):
+    with pytest.raises(ValueError, match=match):
+        torch.optim.Muon(_params([(2, 2)]), **bad)
+    with pytest.raises(ValueError, match=match):
+        cfsdp.optim.Muon(_params([(2, 2)]), **bad)
+
+
+@pytest.mark.parametrize("first", ["cfsdp", "torch"])
+def test_state_dict_loads_both_ways(first):
+    kw = dict(lr=0.02, momentum=0.95)
+    cls = {"cfsdp": cfsdp.optim.Muon, "torch": torch.optim.Muon}
+    second = "torch" if first == "cfsdp" else "cfsdp"
+    ref_params = _params(SHAPES)
+    ref_opt = torch.optim.Muon(ref_params, **kw)
+    _train(ref_opt, ref_params, 4)
+
+    a = _params(SHAPES)
+    oa = cls[first](a, **kw)
+    _train(oa, a, 2)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ob = cls[second](b, **kw)
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    _train(ob, b, 2, start=2)
+    _same(b, ref_params)
+
+
+# ------------------------------------------------------------------ the C momentum pass
+
+def _c_momentum(grad, buf, upd, ranges, *, momentum, nesterov):
+    C.muon_momentum(grad.data_ptr(), buf.data_ptr(), upd.data_ptr(), ranges, 0, momentum,
+                    nesterov, 1)
+
+
+@pytest.mark.parametrize("momentum", [0.95, 0.5, 0.3, 0.0])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_c_momentum_matches_twin_and_torch(momentum, nesterov):
+    g0 = torch.Generator().manual_seed(7)
+    n = 1037  # vector body and scalar tail
+    grad, buf0 = torch.randn(n, generator=g0), torch.randn(n, generator=g0)
+    ranges = [(0, 5), (8, 500), (600, 437)]
+    outs = []
+    for fn in (_c_momentum, _core.muon_momentum, ref.muon_momentum):
+        b, u = buf0.clone(), torch.full((n,), -1.0)
+        fn(grad, b, u, ranges, momentum=momentum, nesterov=nesterov)
+        outs.append((b, u))
+    _same(outs[0], outs[2])
+    _same(outs[1], outs[2])
+    bt = buf0.clone()
+    for s, ln in ranges:
+        bt[s:s + ln].lerp_(grad[s:s + ln], 1 - momentum)
+    assert torch.equal(outs[0][0], bt)
+    if nesterov:
+        ut = torch.full((n,), -1.0)
+        for s, ln in ranges:
+            ut[s:s + ln] = grad[s:s + ln].lerp(bt[s:s + ln], momentum)
+        assert torch.equal(outs[0][1], ut)
+    else:  # untouched
+        assert torch.equal(outs[0][1], torch.full((n,), -1.0))
+
+
+def test_c_momentum_threads_same_bits():
+    n = C.OPTIM_PARALLEL_BYTES // 16 * 3 + 7
+    ranges = [(1, 1001), (1005, n // 2), (n // 2 + 2000, n - n // 2 - 2001)]
+    gen = torch.Generator().manual_seed(5)
+    g, b0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    outs = []
+    for threads in (1, C.MAX_THREADS):
+        b, u = b0.clone(), torch.zeros(n)
+        C.muon_momentum(g.data_ptr(), b.data_ptr(), u.data_ptr(), ranges, 0, 0.95, True,
+                        threads)
+        outs.append((b, u))
+    _same(outs[0], outs[1])
+
+
+def test_c_momentum_errors_match_twin():
+    g, b, u = torch.zeros(8), torch.zeros(8), torch.zeros(8)
+    for fn in (_c_momentum, _core.muon_momentum, ref.muon_momentum):
+        with pytest.raises(ValueError, match="overlaps or precedes"):
+            fn(g, b, u, [(4, 2), (0, 2)], momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="past a buffer"):
+        _core.muon_momentum(g, b, u, [(0, 9)], momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="grad and momentum_buffer overlap"):
+        _c_momentum(g, g, u, [(0, 8)], momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="fp32 buffers"):
+        C.muon_momentum(g.data_ptr(), b.data_ptr(), None, [(0, 8)], 1, 0.9, False, 1)
+    with pytest.raises(ValueError, match="update: NULL"):
+        C.muon_momentum(g.data_ptr(), b.data_ptr(), None, [(0, 8)], 0, 0.9, True, 1)
+    C.muon_momentum(g.data_ptr(), b.data_ptr(), None, [(0, 8)], 0, 0.9, False, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_other_dtypes_take_torch_ops(dtype):
+    shapes = [(8, 4), (4, 8)]
+    ours, theirs = _params(shapes, dtype=dtype), _params(shapes, dtype=dtype)
+    o, t = cfsdp.optim.Muon(ours, lr=0.02), torch.optim.Muon(theirs, lr=0.02)
+    for opt, ps in ((o, ours), (t, theirs)):
+        _train(opt, ps, 2)
+    _same(ours, theirs)
+
+
+def test_strided_parameter():
+    ours = [torch.nn.Parameter(torch.randn(6, 10).t())]
+    theirs = [torch.nn.Parameter(ours[0].detach().clone())]
+    o, t = cfsdp.optim.Muon(ours, lr=0.02), torch.optim.Muon(theirs, lr=0.02)
+    for opt, ps in ((o, ours), (t, theirs)):
+        for s in range(2):
+            ps[0].grad = torch.randn(6, 10, generator=torch.Generator().manual_seed(s)).t()
+            opt.step()
+    _same(ours, theirs)
+
+
+# ------------------------------------------------------------- Newton–Schulz, 3-D params
+
+@pytest.mark.parametrize("shape", [(4, 8, 16), (3, 16, 8), (2, 33, 17), (5, 12, 12),
+                                   (2, 1, 7)])
+def test_stacked_newton_schulz_is_torchs_per_matrix(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    want = torch.stack([torch_ns(m, *NS) for m in x])
+    assert torch.equal(_muon._newton_schulz(x, *NS), want)
+    assert torch.equal(_muon._newton_schulz(x[0], *NS), want[0])
+
+
+def test_3d_parameters_per_trailing_matrix():
+    """Stacked experts: each [M, N] slice stepped as torch steps a 2-D parameter of that
+    shape (and stacked with same-shape 2-D parameters of the group)."""
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    ours = _params([(3, 8, 4), (8, 4), (2, 4, 8)])
+    theirs = [torch.nn.Parameter(s.detach().clone())
+              for p in ours for s in (p.unbind(0) if p.ndim == 3 else [p])]
+    o, t = cfsdp.optim.Muon(ours, **kw), torch.optim.Muon(theirs, **kw)
+    for s in range(3):
+        _grads(ours, s)
+        slices = [gs for p in ours for gs in (p.grad.unbind(0) if p.ndim == 3 else [p.grad])]
+        for p, g in zip(theirs, slices):
+            p.grad = g.clone()
+        o.step()
+        t.step()
+    got = [s for p in ours for s in (p.unbind(0) if p.ndim == 3 else [p])]
+    _same(got, theirs)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_1d_parameter_named():
+    lin = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError) as torch_err:
+        torch.optim.Muon(lin.parameters())
+    with pytest.raises(ValueError) as ours:
+        cfsdp.optim.Muon(lin.named_parameters())
+    msg = str(ours.value)
+    assert str(torch_err.value) in msg and "'bias'" in msg and "AdamW" in msg
+    with pytest.raises(ValueError, match="parameter 1 of param group 0"):
+        cfsdp.optim.Muon(lin.parameters())
+    opt = cfsdp.optim.Muon([lin.weight])
+    with pytest.raises(ValueError, match="AdamW"):
+        opt.add_param_group({"params": [lin.bias]})
+    assert len(opt.param_groups) == 1
+
+
+def test_complex_and_sparse_are_torchs_errors():
+    for make, msg in ((lambda: torch.randn(3, 3, dtype=torch.complex64), "complex parameters"),
+                      (lambda: torch.randn(3, 3), "sparse gradients")):
+        for cls in (torch.optim.Muon, cfsdp.optim.Muon):
+            p = torch.nn.Parameter(make())
+            p.grad = torch.randn_like(p)
+            if "sparse" in msg:
+                p.grad = p.grad.to_sparse()
+            with pytest.raises(RuntimeError, match=f"^Muon does not support {msg}$"):
+                cls([p]).step()
+
+
+def test_flattened_parameter_is_not_implemented():
+    p = torch.nn.Parameter(torch.randn(12))
+    p._cfsdp_flattened = True
+    with pytest.raises(NotImplementedError, match="issue 27 phase 2.*'w.flat'.*wrapper"):
+        cfsdp.optim.Muon([("w.flat", p)])
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_dtensor_sharded_vs_whole():
+    """A DTensor on a one-rank mesh is whole (stepped like its local tensor); one sharded
+    over more ranks raises, naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    local = torch.randn(8, 4)
+    ours = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
+    theirs = torch.nn.Parameter(local.clone())
+    o, t = cfsdp.optim.Muon([ours], lr=0.02), torch.optim.Muon([theirs], lr=0.02)
+    for s in range(2):
+        g = torch.randn(8, 4, generator=torch.Generator().manual_seed(s))
+        ours.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)])
+        theirs.grad = g.clone()
+        o.step()
+        t.step()
+    assert torch.equal(ours.to_local(), theirs.detach())
+    assert isinstance(o.state[ours]["momentum_buffer"], DTensor)
+
+    class _Mesh:  # what _sharded reads of a mesh of two ranks
+        shape = (2,)
+
+        def size(self, dim):
+            return 2
+
+    sharded = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
+    replicated = DTensor.from_local(local.clone(), mesh, [Replicate()])
+    with pytest.MonkeyPatch.context() as mp:  # the mesh as two ranks would see it
+        mp.setattr(DTensor, "device_mesh", property(lambda self: _Mesh()))
+        assert _muon._sharded(replicated) is None
+        with pytest.raises(NotImplementedError, match="'w'.*Shard.*ZeroRedundancyOptimizer"):
+            cfsdp.optim.Muon([("w", sharded)])
+
+
+# ------------------------------------------------------------------------------ owners
+
+def test_owner_assignment_balanced_and_deterministic():
+    rng = random.Random(0)
+    for _ in range(50):
+        shapes = [tuple(rng.choice([1, 3, 16, 64, 100]) for _ in range(rng.choice([2, 2, 3])))
+                  for _ in range(rng.randint(0, 30))]
+        for w in (1, 2, 3, 4, 8):
+            owners = assign_owners(shapes, w)
+            assert owners == assign_owners(shapes, w)
+            assert all(0 <= r < w for r in owners) and len(owners) == len(shapes)
+            costs = [ns_cost(s) for s in shapes]
+            loads = [sum(c for c, r in zip(costs, owners) if r == k) for k in range(w)]
+            assert max(loads) <= sum(costs) / w + max(costs, default=0)
+    assert ns_cost((4, 8, 16)) == 4 * 8 * 16 * 8
+    assert assign_owners([(4, 4), (8, 8), (2, 2)], 2) == [1, 0, 1]
+    with pytest.raises(ValueError):
+        ns_cost((5,))
+    with pytest.raises(ValueError):
+        assign_owners([(2, 2)], 0)
