@@ -86,6 +86,7 @@ def test_signature_defaults_and_state_dict_format():
     assert {k: list(v) for k, v in so["state"].items()} == {k: list(v) for k, v in st["state"].items()}
 
 
+@pytest.mark.no_core
 @pytest.mark.parametrize("bad, match", [
     (dict(lr=-1.0), "Learning rate should be >= 0"),
     (dict(momentum=-0.5), "momentum should be >= 0"),
@@ -184,13 +185,45 @@ def test_c_momentum_errors_match_twin():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-def test_other_dtypes_take_torch_ops(dtype):
-    shapes = [(8, 4), (4, 8)]
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_other_dtypes_take_torch_ops(dtype, nesterov):
+    shapes = [(8, 4), (4, 8), (8, 4)]
     ours, theirs = _params(shapes, dtype=dtype), _params(shapes, dtype=dtype)
-    o, t = cfsdp.optim.Muon(ours, lr=0.02), torch.optim.Muon(theirs, lr=0.02)
+    o = cfsdp.optim.Muon(ours, lr=0.02, nesterov=nesterov)
+    t = torch.optim.Muon(theirs, lr=0.02, nesterov=nesterov)
     for opt, ps in ((o, ours), (t, theirs)):
         _train(opt, ps, 2)
     _same(ours, theirs)
+    _same([o.state[p]["momentum_buffer"] for p in ours],
+          [t.state[p]["momentum_buffer"] for p in theirs])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_duplicate_parameter_stepped_twice_like_torch(nesterov):
+    ours, theirs = _params([(6, 4), (6, 4)]), _params([(6, 4), (6, 4)])
+    with pytest.warns(UserWarning, match="duplicate"):
+        o = cfsdp.optim.Muon([ours[0], ours[1], ours[0]], nesterov=nesterov)
+    with pytest.warns(UserWarning, match="duplicate"):
+        t = torch.optim.Muon([theirs[0], theirs[1], theirs[0]], nesterov=nesterov)
+    _train(o, ours, 2)
+    _train(t, theirs, 2)
+    _same(ours, theirs)
+    _same([o.state[p]["momentum_buffer"] for p in ours],
+          [t.state[p]["momentum_buffer"] for p in theirs])
+
+
+def test_complex_checked_before_any_update():
+    """As torch's _init_group: a complex parameter later in the group raises before the
+    earlier ones change (their buffers are created, zero)."""
+    a = _params([(4, 4)])[0]
+    c = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    a.grad, c.grad = torch.randn(4, 4), torch.randn_like(c)
+    before = a.detach().clone()
+    opt = cfsdp.optim.Muon([a, c])
+    with pytest.raises(RuntimeError, match="complex"):
+        opt.step()
+    assert torch.equal(a.detach(), before)
+    assert torch.equal(opt.state[a]["momentum_buffer"], torch.zeros(4, 4))
 
 
 def test_strided_parameter():
@@ -206,6 +239,7 @@ def test_strided_parameter():
 
 # ------------------------------------------------------------- Newton–Schulz, 3-D params
 
+@pytest.mark.no_core
 @pytest.mark.parametrize("shape", [(4, 8, 16), (3, 16, 8), (2, 33, 17), (5, 12, 12),
                                    (2, 1, 7)])
 def test_stacked_newton_schulz_is_torchs_per_matrix(shape):
@@ -213,6 +247,22 @@ def test_stacked_newton_schulz_is_torchs_per_matrix(shape):
     want = torch.stack([torch_ns(m, *NS) for m in x])
     assert torch.equal(_muon._newton_schulz(x, *NS), want)
     assert torch.equal(_muon._newton_schulz(x[0], *NS), want[0])
+
+
+def test_empty_matrices_like_torch():
+    shapes = [(0, 4), (4, 4)]
+    ours, theirs = _params(shapes), _params(shapes)
+    o, t = cfsdp.optim.Muon(ours), torch.optim.Muon(theirs)
+    _train(o, ours, 2)
+    _train(t, theirs, 2)
+    _same(ours, theirs)
+    for cls in (torch.optim.Muon, cfsdp.optim.Muon):  # torch's _adjust_lr divides by n
+        with pytest.raises(ZeroDivisionError):
+            p = _params([(3, 0)])
+            _train(cls(p), p, 1)
+    empty = _params([(2, 0, 3), (0, 3, 3)])
+    _train(cfsdp.optim.Muon(empty), empty, 1)
+    assert [tuple(p.shape) for p in empty] == [(2, 0, 3), (0, 3, 3)]
 
 
 def test_3d_parameters_per_trailing_matrix():
@@ -236,6 +286,7 @@ def test_3d_parameters_per_trailing_matrix():
 
 # ----------------------------------------------------------------------------- errors
 
+@pytest.mark.no_core
 def test_1d_parameter_named():
     lin = torch.nn.Linear(4, 3)
     with pytest.raises(ValueError) as torch_err:
@@ -252,6 +303,7 @@ def test_1d_parameter_named():
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.no_core
 def test_complex_and_sparse_are_torchs_errors():
     for make, msg in ((lambda: torch.randn(3, 3, dtype=torch.complex64), "complex parameters"),
                       (lambda: torch.randn(3, 3), "sparse gradients")):
@@ -264,6 +316,7 @@ def test_complex_and_sparse_are_torchs_errors():
                 cls([p]).step()
 
 
+@pytest.mark.no_core
 def test_flattened_parameter_is_not_implemented():
     p = torch.nn.Parameter(torch.randn(12))
     p._cfsdp_flattened = True
@@ -307,8 +360,37 @@ def test_dtensor_sharded_vs_whole():
             cfsdp.optim.Muon([("w", sharded)])
 
 
+def _bias_free_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4, bias=False))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_fully_shard_one_rank_is_whole_wrapper_raises():
+    """cfsdp.fully_shard on one rank: DTensor parameters sharded over a one-rank mesh are
+    whole, stepped as torch.optim.Muon steps the plain model; the wrapper's flat parameter
+    (and its use_orig_params=True views) raise, naming what they hold."""
+    model, ref = _bias_free_mlp(), _bias_free_mlp()
+    cfsdp.fully_shard(model)
+    o = cfsdp.optim.Muon(model.parameters(), lr=0.02)
+    t = torch.optim.Muon(ref.parameters(), lr=0.02)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    for m, opt in ((model, o), (ref, t)):
+        for _ in range(2):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    _same([p.to_local() for p in model.parameters()], list(ref.parameters()))
+    for orig in (False, True):
+        w = cfsdp.FullyShardedDataParallel(_bias_free_mlp(), use_orig_params=orig)
+        with pytest.raises(NotImplementedError, match="issue 27 phase 2.*wrapper"):
+            cfsdp.optim.Muon(w.named_parameters())
+
+
 # ------------------------------------------------------------------------------ owners
 
+@pytest.mark.no_core
 def test_owner_assignment_balanced_and_deterministic():
     rng = random.Random(0)
     for _ in range(50):

@@ -14,7 +14,7 @@ load both ways.  On whole fp32 parameters the numbers are torch's bit for bit:
   CPU tensors (``cfsdp._core.muon_momentum``, ``csrc/optim.c``; torch's lerp rounds with
   FMA, the C loop calls ``fmaf`` at the same place), else torch's two ops
   (``cfsdp._ref.optim.muon_momentum_tensor``: bf16/fp16/fp64, strided, non-CPU, a Tensor
-  momentum);
+  momentum).  Every parameter's momentum is done before the group's Newton–Schulz;
 * Newton–Schulz is torch's ``_zeropower_via_newtonschulz`` op for op (bf16, transpose of a
   tall matrix, division by the clamped Frobenius norm, ``ns_steps`` quintic iterations
   with ``addmm``).  [Note: stacked Newton-Schulz] below: same-shape matrices of a param
@@ -27,7 +27,12 @@ Beyond torch: a parameter of ``ndim >= 3`` (stacked experts ``[E, M, N]``) is a 
 trailing ``(M, N)`` matrices, each orthogonalized on its own and its learning rate adjusted
 by ``(M, N)`` (torch's Muon refuses such parameters).  A parameter of ``ndim < 2`` raises
 torch's ``ValueError`` plus its name (when the optimizer was given named parameters) and
-what to do; complex parameters and sparse gradients raise torch's ``RuntimeError``.
+what to do, when the group is added (torch checks ``ndim != 2`` at construction only);
+complex parameters and sparse gradients raise torch's ``RuntimeError``, in torch's order
+(``_init_group``: every parameter checked, its buffer created, before any arithmetic).  A
+parameter listed twice in a group (torch warns and keeps both) is stepped once per copy,
+as torch: the pending matrices are finished before a copy's momentum reads its buffer
+again.
 
 Sharded parameters raise ``NotImplementedError`` naming the parameter (phase 2 of issue
 27): a DTensor with a placement other than ``Replicate`` on a mesh dim of more than one
@@ -55,6 +60,7 @@ always takes the 2-D ops.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,7 +83,11 @@ def _local(t: Tensor) -> Tensor:
 def _sharded(p: Tensor) -> Optional[str]:
     """Why ``p`` is not a whole matrix on this rank, or None when it is."""
     if getattr(p, "_cfsdp_flattened", False):
-        return "a FullyShardedDataParallel wrapper's parameter (a view of its flat shard)"
+        fqns = getattr(p, "_fqns", None)
+        if fqns:
+            return f"a FullyShardedDataParallel wrapper's flat parameter (of {', '.join(fqns)})"
+        return ("a FullyShardedDataParallel wrapper's original parameter (use_orig_params="
+                "True): a view of the wrapper's flat shard")
     if isinstance(p, DTensor):
         mesh = p.device_mesh
         for dim, pl in enumerate(p.placements):
@@ -120,6 +130,11 @@ def _newton_schulz(x: Tensor, ns_coefficients: tuple, ns_steps: int, eps: float)
     return o.mT if tall else o
 
 
+def _matrices(u: Tensor) -> Tensor:
+    """``u`` as a stack of its trailing matrices, ``[batch, m, n]``."""
+    return u.reshape(math.prod(u.shape[:-2]), *u.shape[-2:])
+
+
 def _to_scalar(x):
     """torch's ``_to_scalar``: a 1-element Tensor of nonzero dims squeezed to 0-dim."""
     return x.squeeze() if isinstance(x, Tensor) and x.dim() != 0 else x
@@ -157,13 +172,13 @@ class Muon(torch.optim.Muon):
         group = self.param_groups[-1]
         try:
             for i, p in enumerate(group["params"]):
-                self._check_param(group, i, p)
+                self._check_param(group, i, p, len(self.param_groups) - 1)
         except (ValueError, NotImplementedError):
             self.param_groups.pop()  # not added, as torch leaves a group it refuses
             raise
 
-    def _check_param(self, group: dict, i: int, p: Tensor) -> None:
-        gi = len(self.param_groups) - 1
+    @staticmethod
+    def _check_param(group: dict, i: int, p: Tensor, gi: int) -> None:
         why = _sharded(p)
         if why is not None:
             raise NotImplementedError(
@@ -196,9 +211,8 @@ class Muon(torch.optim.Muon):
         return loss
 
     def _cf_step_group(self, gi: int, group: dict) -> None:
-        momentum, nesterov = group["momentum"], group["nesterov"]
-        params: list[Tensor] = []
-        updates: list[Tensor] = []
+        # torch's _init_group: every check and new buffer before any arithmetic
+        todo = []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -209,22 +223,39 @@ class Muon(torch.optim.Muon):
             state = self.state[p]
             if _KIND not in state:
                 state[_KIND] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            pl, g, buf = _local(p), _local(p.grad), _local(state[_KIND])
+            todo.append((i, p))
+        for i, p in todo:
+            pl, g, buf = _local(p), _local(p.grad), _local(self.state[p][_KIND])
             if not (pl.shape == g.shape == buf.shape == p.shape) or p.ndim < 2:
-                self._check_param(group, i, p)  # sharded (since added), or 1-D: its error
+                self._check_param(group, i, p, gi)  # sharded (since added), or 1-D: its error
                 raise ValueError(  # whole, yet its gradient or buffer is not
                     f"cfsdp.optim.Muon: parameter {_describe(group, i, gi)} of shape "
                     f"{tuple(p.shape)} has a gradient of local shape {tuple(g.shape)} and a "
                     f"momentum buffer of local shape {tuple(buf.shape)}; both must be the "
                     "parameter's (whole) shape"
                 )
-            params.append(pl)
-            updates.append(self._cf_momentum(g, buf, momentum, nesterov))
-        if not params:
+        # a parameter listed twice is stepped twice, as torch: the first copy's step is
+        # finished before the second's momentum reads the buffer it updated
+        pending: list = []
+        seen: set = set()
+        for _, p in todo:
+            if id(p) in seen:
+                self._cf_finish(pending, group)
+                pending, seen = [], set()
+            seen.add(id(p))
+            buf = _local(self.state[p][_KIND])
+            pending.append((_local(p), self._cf_momentum(_local(p.grad), buf, group["momentum"],
+                                                         group["nesterov"])))
+        self._cf_finish(pending, group)
+
+    def _cf_finish(self, pending: list, group: dict) -> None:
+        """Newton–Schulz of the pending (local parameter, update) pairs, then torch's
+        parameter update."""
+        if not pending:
             return
         lr = _to_scalar(group["lr"])
-        ortho = self._cf_orthogonalize(updates, group)
-        for pl, o in zip(params, ortho):
+        ortho = self._cf_orthogonalize([u for _, u in pending], group)
+        for (pl, _), o in zip(pending, ortho):
             adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], pl.shape[-2:])
             pl.mul_(1 - lr * group["weight_decay"])
             pl.add_(o if o.shape == pl.shape else o.reshape(pl.shape), alpha=-adjusted_lr)
@@ -252,11 +283,10 @@ class Muon(torch.optim.Muon):
             if u.device.type == "cpu" and u.dtype != torch.bfloat16:
                 stacks.setdefault((tuple(u.shape[-2:]), u.dtype), []).append(k)
             else:  # alone, matrix by matrix (a bf16 one, as torch's, normalized in place)
-                m, n = u.shape[-2:]
                 out[k] = (_newton_schulz(u, *hp) if u.ndim == 2 else
-                          torch.stack([_newton_schulz(t, *hp) for t in u.reshape(-1, m, n)]))
-        for (mn, _), ks in stacks.items():
-            mats = [updates[k].reshape(-1, *mn) for k in ks]
+                          torch.stack([_newton_schulz(t, *hp) for t in _matrices(u)]))
+        for ks in stacks.values():
+            mats = [_matrices(updates[k]) for k in ks]
             counts = [t.shape[0] for t in mats]
             if sum(counts) == 1:
                 out[ks[0]] = _newton_schulz(mats[0][0], *hp)

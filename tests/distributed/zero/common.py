@@ -88,23 +88,26 @@ OPTIMS = {
 class Trio:
     """plain, torch's ZeRO and cfsdp's ZeRO on three DDP copies of one model."""
 
-    def __init__(self, pg, optim: str, bucket_view: bool, net: dict | None = None,
+    def __init__(self, pg, optim, bucket_view: bool, net: dict | None = None,
                  torch_zero: bool = True, find_unused: bool = False, two: bool | None = None,
-                 extra: dict | None = None):
-        cls, ours, kw, two_groups = OPTIMS[optim]
+                 extra: dict | None = None, select=None):
+        """``optim``: a name of OPTIMS, or such a tuple; ``select(model)``: the parameters
+        the optimizers train (default: ``groups``; the others keep their values)."""
+        cls, ours, kw, two_groups = OPTIMS[optim] if isinstance(optim, str) else optim
         kw = dict(kw, **(extra or {}))
         two = two_groups if two is None else two
+        pick = select or (lambda m: groups(m, two))
         self.pg, self.rank = pg, dist.get_rank(pg)
         self.names = ["plain", "torch", "cfsdp"] if torch_zero else ["plain", "cfsdp"]
         self.models = {n: DDP(Net(**(net or {})), process_group=pg,
                               find_unused_parameters=find_unused) for n in self.names}
-        self.opts = {"plain": cls(groups(self.models["plain"], two), **kw)}
+        self.opts = {"plain": cls(pick(self.models["plain"]), **kw)}
         if torch_zero:
-            self.opts["torch"] = TorchZeRO(groups(self.models["torch"], two), cls,
+            self.opts["torch"] = TorchZeRO(pick(self.models["torch"]), cls,
                                            process_group=pg,
                                            parameters_as_bucket_view=bucket_view, **kw)
         self.opts["cfsdp"] = cfsdp.ZeroRedundancyOptimizer(
-            groups(self.models["cfsdp"], two), ours, process_group=pg,
+            pick(self.models["cfsdp"]), ours, process_group=pg,
             parameters_as_bucket_view=bucket_view, **kw)
         self.scheds = {n: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
                        for n, o in self.opts.items()}

@@ -1,6 +1,6 @@
 """Training parity with torch's ZeroRedundancyOptimizer and plain DDP + optimizer: every
 optimizer, both bucket modes, param groups added later, trainability and parameter changes,
-mixed dtypes, the staged sync, a transposed parameter."""
+mixed dtypes, the staged sync, a transposed parameter, cfsdp.optim.Muon."""
 
 from __future__ import annotations
 
@@ -154,4 +154,23 @@ def transposed_parameter(ctx, bucket_view):
     assert w.stride() == (1, 24), w.stride()
     t.train(STEPS)
     t.check_same()
+    t.check_state_dicts()
+
+
+@h.subtest
+def muon(ctx):
+    """cfsdp.optim.Muon inside cfsdp's ZeRO (bucket views): each rank steps its own whole
+    matrices, so each is orthogonalized once, by the rank that owns it, against plain DDP +
+    torch.optim.Muon (one optimizer over every matrix, on the same gradients: what a single
+    process on the global batch steps) and torch's ZeRO with torch.optim.Muon: losses,
+    parameters, LR schedule and the consolidated state dicts bit for bit.  Muon trains the
+    2-D weights; biases and the norm keep their values."""
+    spec = (torch.optim.Muon, cfsdp.optim.Muon,
+            dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=True), False)
+    t = Trio(ctx.pg, spec, True,
+             select=lambda m: [p for p in m.parameters() if p.ndim == 2])
+    assert type(t.opts["cfsdp"].optim) is cfsdp.optim.Muon
+    t.train(STEPS)
+    t.check_same()
+    assert t.local_indices("cfsdp") == t.local_indices("torch"), "partition differs from torch's"
     t.check_state_dicts()
