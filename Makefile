@@ -18,7 +18,7 @@ VENV ?= .venv
 PY ?= $(VENV)/bin/python
 PYTHON3 ?= python3
 TORCH_PIN := torch==2.13.0
-DEPS := $(TORCH_PIN) pytest pytest-timeout hypothesis numpy matplotlib
+DEPS := $(TORCH_PIN) pytest pytest-timeout pytest-xdist==3.6.1 hypothesis numpy matplotlib
 STAMP := $(VENV)/.cfsdp-deps
 # 2 ranks on 2 cores: one thread per rank.
 export OMP_NUM_THREADS ?= 1
@@ -50,7 +50,7 @@ TORCH_TESTS ?= tests/unit tests/distributed/test_parity.py tests/distributed/tes
 # the versions `make test` runs TORCH_TESTS against, besides the full suite on 2.13.0
 TORCH_OTHERS := 2.11.0 2.14.1
 TVENV = .venv-torch/$(TORCH)
-TDEPS := pytest pytest-timeout hypothesis numpy matplotlib 'setuptools>=70.1'
+TDEPS := pytest pytest-timeout pytest-xdist==3.6.1 hypothesis numpy matplotlib 'setuptools>=70.1'
 
 $(STAMP): Makefile
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
@@ -74,8 +74,7 @@ torch-venv:
 
 test-torch: torch-venv
 	$(TIMED) torch-$(TORCH) env CFSDP_IMPL=c CFSDP_TEST_WORLD_SIZES=2 CFSDP_HYPOTHESIS_PROFILE=versions \
-		$(TVENV)/bin/python -m pytest \
-		-q -p no:cacheprovider --durations=5 $(TORCH_TESTS)
+		XDIST="$(XDIST)" tools/pytest_split $(TVENV)/bin/python -q -p no:cacheprovider --durations=5 -- $(TORCH_TESTS)
 
 build: $(STAMP)
 	CFSDP_WERROR=1 $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
@@ -101,13 +100,19 @@ TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_preci
 # launches of both faces, ZeRO and state dicts at world size 2; see test-torch above).
 # Each pass runs through tools/timed, which prints "=== pass NAME: M:SS (exit RC)".
 TIMED := tools/timed
+# Unit tests run in one process each but on 1 core of 2: pytest-xdist runs them on two
+# processes, a test file per process at a time (--dist loadfile: a module's fixtures, e.g. its
+# one-rank group, stay in one process).  The distributed launches already use both cores (and
+# 4 ranks oversubscribe them), so they stay one at a time: tools/pytest_split runs the
+# tests/unit paths of a pass with $(XDIST) and the rest after them without.
+XDIST := -n 2 --dist loadfile
 test: build
 	@date +%s > .test-start
-	$(TIMED) unit env CFSDP_IMPL=c $(PY) -m pytest -q tests/unit
+	$(TIMED) unit env CFSDP_IMPL=c $(PY) -m pytest -q $(XDIST) tests/unit
 	$(TIMED) sanitize $(MAKE) --no-print-directory sanitize
 	$(TIMED) distributed env CFSDP_IMPL=c $(PY) -m pytest -q --durations=12 tests/distributed
-	$(TIMED) twins env CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 $(PY) -m pytest -q --durations=8 \
-		-m "not no_core" tests/unit $(TWIN_DIST)
+	$(TIMED) twins env CFSDP_IMPL=python CFSDP_TEST_WORLD_SIZES=2 XDIST="$(XDIST)" tools/pytest_split $(PY) -q --durations=8 \
+		-m "not no_core" -- tests/unit $(TWIN_DIST)
 	for v in $(TORCH_OTHERS); do $(MAKE) --no-print-directory test-torch TORCH=$$v || exit 1; done
 	@secs=$$(( $$(date +%s) - $$(cat .test-start) )); rm -f .test-start; \
 		printf '=== make test: %d:%02d in all\n' $$((secs / 60)) $$((secs % 60))
@@ -168,4 +173,4 @@ sanitize: $(STAMP)
 		assert m.__file__.startswith('$(SAN_LIB)'), m.__file__; \
 		print('sanitized extension:', m.__file__)"
 	$(SAN_ENV) CFSDP_HYPOTHESIS_PROFILE=sanitize $(PY) -m pytest -q -p no:cacheprovider \
-		--capture=sys -m "not no_core" tests/unit
+		--capture=sys -m "not no_core" $(XDIST) tests/unit

@@ -89,9 +89,17 @@ def _matches(only: str, name: str) -> bool:
 
 
 # ------------------------------------------------------------------------ reading the source
+# torch's dtypes print as ``torch.bfloat16`` (str of a torch.dtype), not as their last attribute
+_TORCH_DTYPES = frozenset({
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "uint8",
+    "int16", "int32", "int", "int64", "long", "bool", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2"})
+
+
 class _Sym:
     """A name the source reader does not evaluate (an import, or what it gives): prints as its
-    last attribute, as _harness._fmt prints an enum member; calling it gives itself."""
+    last attribute, as _harness._fmt prints an enum member (a torch dtype as torch prints it:
+    ``torch.bfloat16``); calling it gives itself."""
 
     def __init__(self, name: str):
         self.name = self.value = name
@@ -99,6 +107,8 @@ class _Sym:
     def __getattr__(self, attr: str) -> _Sym:
         if attr.startswith("__"):
             raise AttributeError(attr)
+        if self.name == "torch" and attr in _TORCH_DTYPES:
+            return _Sym(f"torch.{attr}")
         return _Sym(attr)
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Sym:

@@ -13,7 +13,15 @@ from subtest_items import Launch, SplitWorker
 
 LAUNCH_TIMEOUT_S = 420
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py)
-AT_4 = "HYBRID|odd|hybrid|orig_param_writes[strategy=FULL_SHARD"
+# (no_sync_dtypes' mixed-precision configurations, 20 points at 4 ranks, keep one each of the
+# hybrid strategies there: the configurations do not depend on the world size)
+AT_4 = ("strategy_parity[strategy=HYBRID|strategy_parity[strategy=_HYBRID|hybrid|odd"
+        "|no_sync_accumulation[strategy=HYBRID|no_sync_accumulation[strategy=_HYBRID"
+        "|writes_inside_no_sync[strategy=HYBRID|writes_inside_no_sync[strategy=_HYBRID"
+        "|orig_param_attributes[strategy=HYBRID|orig_param_attributes[strategy=_HYBRID"
+        "|no_sync_dtypes[strategy=HYBRID_SHARD,config=bf16,"
+        "|no_sync_dtypes[strategy=_HYBRID_SHARD_ZERO2,config=cpu_offload,"
+        "|orig_param_writes[strategy=FULL_SHARD")
 WORKER = SplitWorker("worker_strategies.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
                      timeout=LAUNCH_TIMEOUT_S)
 

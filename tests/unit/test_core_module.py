@@ -19,7 +19,7 @@ def test_the_table_lists_every_entry_point():
     assert FUNCTIONS == sorted([
         "plan_layout", "shard_fill", "chunk_unpack", "chunk_pack", "scale_cast_add",
         "norm_partial", "shm_reduce", "shm_memcpy", "shm_segment_bytes",
-        "adam_step", "sgd_step", "optim_uses_avx2", "dict_set", "dict_pop", "attr_flags",
+        "adam_step", "sgd_step", "muon_momentum", "optim_uses_avx2", "dict_set", "dict_pop", "attr_flags",
         "attr_set", "attr_get", "shape_views"])
     assert {"ShmGroup", "ShmWork", "ShmSegment"} <= set(dir(C))
 
