@@ -231,6 +231,7 @@ BINDINGS = [
     (checkpoint, "StateDictInfo", "torch.distributed.checkpoint.state_dict", "_StateDictInfo"),
     (core, "scalar_dtype", "torch.optim.optimizer", "_get_scalar_dtype"),
     (core, "muon_adjust_lr", "torch.optim._muon", "_adjust_lr"),
+    (core, "muon_newton_schulz", "torch.optim._muon", "_zeropower_via_newtonschulz"),
     (dynamo, "OptimizedModule", "torch._dynamo.eval_frame", "OptimizedModule"),
 ]
 

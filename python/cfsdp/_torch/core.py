@@ -11,6 +11,8 @@
   (``torch.optim.optimizer._get_scalar_dtype``).
 * ``muon_adjust_lr(lr, adjust_lr_fn, shape)``: torch's Muon learning-rate adjustment
   (``torch.optim._muon._adjust_lr``; torch 2.14 adds ``"spectral_unclamped"``).
+* ``muon_newton_schulz(grad, ns_coefficients, ns_steps, eps)``: torch's Muon orthogonalization
+  of one matrix (``torch.optim._muon._zeropower_via_newtonschulz``).
 
 The same in torch 2.11, 2.13 and 2.14.
 """
@@ -21,6 +23,7 @@ from typing import Callable
 
 import torch
 from torch.optim._muon import _adjust_lr as muon_adjust_lr
+from torch.optim._muon import _zeropower_via_newtonschulz as muon_newton_schulz
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
 
 ENGINE = torch.autograd.Variable._execution_engine
@@ -38,4 +41,4 @@ def dispatch_mode_active() -> bool:
 
 
 __all__ = ["ENGINE", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
-           "muon_adjust_lr", "profiler_enabled", "queue_callback", "scalar_dtype"]
+           "muon_adjust_lr", "muon_newton_schulz", "profiler_enabled", "queue_callback", "scalar_dtype"]

@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .. import _core
-from .._torch.core import muon_adjust_lr
+from .._torch.core import muon_adjust_lr, muon_newton_schulz
 
 __all__ = ["Muon"]
 
@@ -106,27 +106,25 @@ def _describe(group: dict, i: int, gi: Optional[int]) -> str:
 
 
 def _newton_schulz(x: Tensor, ns_coefficients: tuple, ns_steps: int, eps: float) -> Tensor:
-    """torch's ``_zeropower_via_newtonschulz`` on a matrix (2-D: its very ops) or a stack of
-    matrices (3-D: the same ops batched; [Note: stacked Newton-Schulz]).  Returns bf16."""
-    if ns_steps >= 100:
+    """torch's ``_zeropower_via_newtonschulz`` on a matrix (2-D: torch's own function, so
+    its bits and errors) or the same ops batched over a stack of matrices (3-D; [Note:
+    stacked Newton-Schulz]).  Returns bf16."""
+    if x.ndim == 2:
+        return muon_newton_schulz(x, ns_coefficients, ns_steps, eps)
+    if ns_steps >= 100:  # torch's checks, before any arithmetic, as its 2-D function
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
     a, b, c = ns_coefficients
-    stacked = x.ndim == 3
-    mm = torch.baddbmm if stacked else torch.addmm
     o = x.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:
         o = o.mT
-    if stacked:
-        o.div_(o.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
-    else:
-        o.div_(o.norm().clamp(min=eps))
+    o.div_(o.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
     for _ in range(ns_steps):
         gram = o @ o.mT
-        gram_update = mm(gram, gram, gram, beta=b, alpha=c)
-        o = mm(o, gram_update, o, beta=a)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        o = torch.baddbmm(o, gram_update, o, beta=a)
     return o.mT if tall else o
 
 
