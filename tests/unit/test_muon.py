@@ -329,7 +329,7 @@ def test_dtensor_sharded_vs_whole():
     """A DTensor on a one-rank mesh is whole (stepped like its local tensor); one sharded
     over more ranks raises, naming it."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (1,))
     local = torch.randn(8, 4)
@@ -352,12 +352,20 @@ def test_dtensor_sharded_vs_whole():
             return 2
 
     sharded = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
+    whole = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Replicate()]))
+    opt = cfsdp.optim.Muon([("r", whole)])
+    whole.grad = DTensor.from_local(torch.ones(8, 4), mesh, [Partial()])
     replicated = DTensor.from_local(local.clone(), mesh, [Replicate()])
     with pytest.MonkeyPatch.context() as mp:  # the mesh as two ranks would see it
         mp.setattr(DTensor, "device_mesh", property(lambda self: _Mesh()))
         assert _muon._sharded(replicated) is None
         with pytest.raises(NotImplementedError, match="'w'.*Shard.*ZeroRedundancyOptimizer"):
             cfsdp.optim.Muon([("w", sharded)])
+        # a replicated parameter with an unreduced (Partial) gradient: its local gradient is
+        # not the whole one, so stepping it would be another number than torch's; refused
+        with pytest.raises(NotImplementedError, match="'r'.*gradient is a DTensor.*Partial"):
+            opt.step()
+        assert torch.equal(whole.to_local(), local)  # nothing stepped
 
 
 def _bias_free_mlp():

@@ -40,7 +40,8 @@ rank (``Shard``, ``_StridedShard``, ``Partial``; a DTensor on a one-rank mesh, o
 replicated, is whole: its local tensor is the matrix, and that is what is stepped), and
 the FullyShardedDataParallel wrapper's parameters (its flat parameter, and with
 ``use_orig_params=True`` the original parameters, views of the flat shard: both marked
-``_cfsdp_flattened``).  ``_muon_owners.assign_owners`` already picks which rank would
+``_cfsdp_flattened``); so does a whole parameter whose gradient is such a DTensor (e.g.
+an unreduced ``Partial`` one: its local tensor is not the whole gradient).  ``_muon_owners.assign_owners`` already picks which rank would
 orthogonalize which matrix there.
 
 [Note: stacked Newton-Schulz]
@@ -218,6 +219,14 @@ class Muon(torch.optim.Muon):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
+            why = _sharded(p.grad) if _sharded(p) is None else None
+            if why is not None:  # a whole parameter whose local gradient is not the whole one
+                raise NotImplementedError(
+                    f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
+                    f"is whole on this rank but its gradient is {why}: reduce the gradient to "
+                    "Replicate() before step() (e.g. grad.redistribute(placements=[Replicate()]"
+                    " * mesh.ndim)), or use ZeroRedundancyOptimizer or DDP"
+                )
             state = self.state[p]
             if _KIND not in state:
                 state[_KIND] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
