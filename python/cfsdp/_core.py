@@ -632,7 +632,8 @@ class FusedPlan:
     Each step, ``refresh`` checks what can change between steps, cheaply: every
     parameter tensor is still where it was (``p.data = t`` moves it), and every gradient (a new
     tensor each step, possibly) is a plain fp32 CPU tensor, strided, contiguous, not lazily
-    negated (C would read it un-negated: a wrong step), of the parameter's numel, at the
+    negated (C would read it un-negated: a wrong step), of the parameter's numel, held by
+    its storage (one whose storage was resized smaller would be read past its end), at the
     same offset as its bucket's others, with the bucket's spans disjoint.  False: the caller
     builds a new plan (or steps the tensors with torch ops).  The states are not checked
     again: the caller rebuilds the plan when they may have been replaced."""
@@ -705,6 +706,7 @@ class FusedPlan:
                 type(g) is _Tensor and p.data_ptr() == ptr and g.dtype is _F32
                 and g.layout is _STRIDED and g.is_cpu and g.is_contiguous() and not g.is_neg()
                 and g.numel() == n
+                and g.untyped_storage().nbytes() >= 4 * (g.storage_offset() + n)
             ):
                 return False
             deltas.append(g.data_ptr() - ptr)

@@ -625,8 +625,8 @@ def test_fused_plan_checks_in_full_once_and_cheaply_per_step():
     in full (a shrunk storage is the door's ValueError; a tensor that may not cross, an
     AssertionError: the caller routes by ``fused_ok``), and each step's ``refresh`` refuses
     what can change between steps: a gradient that may not cross (subclass, lazily negated,
-    strided, fp64, another numel) or at another offset than its bucket's, and a parameter
-    whose memory moved."""
+    strided, fp64, another numel, one its storage no longer holds) or at another offset
+    than its bucket's, and a parameter whose memory moved."""
     flat, gbuf, m, v = torch.randn(24), torch.randn(24), torch.zeros(24), torch.zeros(24)
     ps, gs = [flat[0:8], flat[8:16]], [gbuf[0:8], gbuf[8:16]]
     states = [(m[0:8], v[0:8]), (m[8:16], v[8:16])]
@@ -642,6 +642,14 @@ def test_fused_plan_checks_in_full_once_and_cheaply_per_step():
     assert all(g.data_ptr() == gs[0].data_ptr() for g in odd[:-1])
     for g in odd:
         assert not plan.refresh([g, gs[1]]), g
+    assert plan.refresh(gs)
+    # a gradient whose storage was resized smaller than it (numel, shape and contiguity
+    # unchanged): C would read past the end of its memory
+    g3 = torch.randn(16)
+    g3s = [g3[0:8], g3[8:16]]
+    assert plan.refresh(g3s)
+    g3.untyped_storage().resize_(4 * 12)
+    assert g3s[1].numel() == 8 and g3s[1].is_contiguous() and not plan.refresh(g3s)
     assert plan.refresh(gs)
     ps[1].data = ps[1].clone()  # the parameter moved (as ZeRO rebuilding its buckets)
     assert not plan.refresh(gs)
