@@ -164,6 +164,13 @@ if TWO_LEVEL:
     def two_level_collectives(ctx, dtype):
         expect_transport(ctx.pg, "two levels")
         check_ops(ctx.pg, dtype, shmc.SIZES, seed0=0)
+        for bad in (-1, ctx.pg.size()):  # refused on every rank before any rank sends
+            try:
+                comm.broadcast(torch.zeros(4, dtype=dtype), bad, ctx.pg, async_op=False)
+            except ValueError as e:
+                assert "is not a rank of the group" in str(e), e
+            else:
+                raise AssertionError(f"broadcast from source rank {bad} was not refused")
         comm.release(ctx.pg)
 
     @h.subtest

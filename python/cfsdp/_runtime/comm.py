@@ -957,6 +957,9 @@ class _SharedBase(Transport):
     def close(self) -> None:
         self.engine.close()
 
+    def _check_src(self, src: int) -> None:
+        """A broadcast's source rank, before the engine takes it (a segment checks it itself)."""
+
     def all_gather(self, out, shard, async_op):
         adm = self._carries(out, shard)
         if adm is None:
@@ -985,6 +988,7 @@ class _SharedBase(Transport):
         adm = self._carries(t)
         if adm is None:
             return super().broadcast(t, src, async_op)
+        self._check_src(src)
         return _shm_done(self._run("broadcast", adm, t, int(src), _threads()), async_op, t)
 
 
@@ -1019,11 +1023,10 @@ class _TwoLevel(_SharedBase):
     engine).  The chunk ops take the base class's composition (an all-gather or
     reduce-scatter, which the lane carries, and the chunk copy)."""
 
-    def broadcast(self, t, src, async_op):
-        if self._carries(t) is not None and not 0 <= src < self.group.size():
+    def _check_src(self, src: int) -> None:
+        if not 0 <= src < self.group.size():
             raise ValueError(f"broadcast: source rank {src} is not a rank of "
                              f"the group (size {self.group.size()})")
-        return super().broadcast(t, src, async_op)
 
 
 # --------------------------------------------------------------------------------------
