@@ -248,7 +248,8 @@ def _refused(mm: pc.Mismatches, mesh, bad: dict) -> None:
 def muon_bad_layout(ctx):
     """Layouts whose chunks are not torch.chunk along one dim (``Partial``, ``_StridedShard``):
     NotImplementedError naming the parameter and what to use, when the group is added; a
-    sharded parameter with a gradient placed otherwise: at step(), nothing stepped."""
+    sharded parameter with a gradient placed otherwise, or a sharded bf16 one without Nesterov:
+    at step(), nothing stepped."""
     mm = pc.Mismatches(ctx)
     mesh = mesh_1d(ctx)
     _refused(mm, mesh, {"blocks.0.partial": [Partial()],
@@ -261,6 +262,13 @@ def muon_bad_layout(ctx):
     mm.check(isinstance(e, NotImplementedError) and "'mlp.w'" in str(e) and "Partial" in str(e),
              f"a Shard(0) parameter with a Partial gradient: {e!r}")
     mm.check(torch.equal(p.to_local(), before), "the refused step changed the parameter")
+    # bf16 without Nesterov: torch normalizes the bf16 momentum buffer in place
+    p = nn.Parameter(DTensor.from_local(torch.randn(4, 6, dtype=torch.bfloat16), mesh, [Shard(0)]))
+    opt = cfsdp.optim.Muon([("head.w", p)], nesterov=False)
+    p.grad = DTensor.from_local(torch.ones(4, 6, dtype=torch.bfloat16), mesh, [Shard(0)])
+    e = raised(opt.step)
+    mm.check(isinstance(e, NotImplementedError) and "'head.w'" in str(e) and "nesterov=True" in str(e),
+             f"a sharded bf16 parameter without Nesterov: {e!r}")
     mm.raise_if_any()
 
 
