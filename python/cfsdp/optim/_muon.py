@@ -79,7 +79,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _core
 from .._torch.core import muon_adjust_lr, muon_newton_schulz
-from ._muon_shard import exchange, shard_layout
+from ._muon_shard import Layout, exchange, shard_layout
 
 __all__ = ["Muon"]
 
@@ -91,16 +91,16 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _unsupported(p: Tensor) -> Optional[str]:
-    """Why Muon cannot step ``p`` (a layout it cannot reassemble), or None when it can (whole,
-    or sharded as ``_muon_shard.shard_layout`` takes)."""
+def _layout(p: Tensor) -> tuple[Optional[Layout], Optional[str]]:
+    """``(layout, None)`` for a sharded ``p`` Muon steps, ``(None, None)`` for a whole one,
+    ``(None, why)`` for a layout it cannot reassemble (see ``_muon_shard.shard_layout``)."""
     if getattr(p, "_cfsdp_flattened", False):
         fqns = getattr(p, "_fqns", None)
         if fqns:
-            return f"a FullyShardedDataParallel wrapper's flat parameter (of {', '.join(fqns)})"
-        return ("a FullyShardedDataParallel wrapper's original parameter (use_orig_params="
-                "True): a view of the wrapper's flat shard")
-    return shard_layout(p)[1]
+            return None, f"a FullyShardedDataParallel wrapper's flat parameter (of {', '.join(fqns)})"
+        return None, ("a FullyShardedDataParallel wrapper's original parameter (use_orig_params="
+                      "True): a view of the wrapper's flat shard")
+    return shard_layout(p)
 
 
 def _sharded(p: Tensor) -> Optional[str]:
@@ -194,7 +194,7 @@ class Muon(torch.optim.Muon):
 
     @staticmethod
     def _check_param(group: dict, i: int, p: Tensor, gi: int) -> None:
-        why = _unsupported(p)
+        why = _layout(p)[1]
         if why is not None:
             raise NotImplementedError(
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
@@ -237,9 +237,11 @@ class Muon(torch.optim.Muon):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
-            layout = None if _unsupported(p) is not None else shard_layout(p)[0]
+            layout, unsupported = _layout(p)
+            if unsupported is not None:  # placed so since it was added: its error
+                self._check_param(group, i, p, gi)
             if layout is None:
-                why = _sharded(p.grad) if _unsupported(p) is None else None
+                why = _sharded(p.grad)
                 if why is not None:  # a whole parameter whose local gradient is not the whole one
                     raise NotImplementedError(
                         f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape "
