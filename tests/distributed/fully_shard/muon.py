@@ -15,7 +15,6 @@ each matrix exactly once in its shard group, on the owner ``assign_owners`` name
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -34,6 +33,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import _harness as h
 import parity_common as pc
 from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
+from fully_shard.checkpoint import clone_tree
 from fully_shard.common import WORLD, largest_dim, raised
 from muon_oracle import AllGatherMuon
 
@@ -187,10 +187,7 @@ def muon_state_dict(ctx):
     """get/set_optimizer_state_dict (full_state_dict=True) round trip of cfsdp.optim.Muon: the
     momentum buffers are DTensors placed as their parameters; a fresh model and Muon loaded
     from the full state dicts after 2 steps (Shard(0) and Shard(1) matrices) continue 2 more
-    steps bitwise as the uninterrupted run. The AdamW of the pairing (torch's, not under test)
-    is copied through its own state_dict(): through set_optimizer_state_dict, torch 2.13's AdamW
-    on the 1-D parameters resumed ~1e-3 off the uninterrupted run, with torch's fully_shard as
-    with cfsdp's (its states and param groups compared equal after the load)."""
+    steps bitwise as the uninterrupted run (Muon and the pairing's AdamW in one DSD call)."""
     mesh, mm = mesh_1d(ctx), pc.Mismatches(ctx)
     sc = Scenario(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False,
                   make_optim=muon_factory(dict(lr=0.02)))
@@ -204,17 +201,16 @@ def muon_state_dict(ctx):
                      and buf.shape == p.shape, f"momentum buffer of a {p.placements} parameter "
                      f"is {type(buf).__name__} {getattr(buf, 'placements', None)}")
     full = StateDictOptions(full_state_dict=True)
-    msd = get_model_state_dict(model, options=full)
-    osd = get_optimizer_state_dict(model, opt.muon, options=full)
-    adamw_sd = copy.deepcopy(opt.adamw.state_dict())
+    # saved = cloned: state dicts hold live tensors (AdamW's step) that the next steps update
+    msd = clone_tree(get_model_state_dict(model, options=full))
+    osd = clone_tree(get_optimizer_state_dict(model, (opt.muon, opt.adamw), options=full))
     fresh = make_model(CFSDP, sc, mesh)
     with torch.no_grad():  # another start: the load must bring everything back
         for p in fresh.parameters():
             p.to_local().mul_(0.5)
     fresh_opt = sc.make_optim(CFSDP, fresh)
     set_model_state_dict(fresh, msd, options=full)
-    set_optimizer_state_dict(fresh, fresh_opt.muon, osd, options=full)
-    fresh_opt.adamw.load_state_dict(adamw_sd)
+    set_optimizer_state_dict(fresh, (fresh_opt.muon, fresh_opt.adamw), osd, options=full)
     for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
         if p.ndim >= 2:
             mm.tensors(f"momentum buffer of {n} after the load",
