@@ -10,7 +10,8 @@ and local parameters are compared **bitwise** (``run_scenario``'s comparisons; n
 reference: Newton–Schulz in bf16 turns the reduction order's ulps into bf16 ulps). Matrices
 (ndim >= 2) go to Muon, the rest (biases, norms, the 1-element scale) to a torch AdamW on the
 same model (the usual pairing). A spy counts the matrices each rank orthogonalizes: per step,
-each matrix exactly once in its shard group, on the owner ``assign_owners`` names.
+each matrix exactly once in its shard group, on the owner ``assign_owners`` names, all of
+them in one exchange (one pair of all_to_all_single) per step.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from fully_shard.common import WORLD, largest_dim, raised
 from muon_oracle import AllGatherMuon
 
 import cfsdp
+from cfsdp.optim import _muon
 from cfsdp.optim._muon_owners import assign_owners
+from cfsdp.optim._muon_shard import exchange
 
 
 class Experts(nn.Module):
@@ -90,16 +93,24 @@ class Pair:
 
 
 def _spy(opt: cfsdp.optim.Muon, counts: list) -> None:
-    """Record, per step, how many matrices this rank orthogonalizes."""
+    """Record, per step, ``[matrices this rank orthogonalizes, exchanges it joins]``."""
     inner, step = opt._cf_orthogonalize, opt.step
 
     def ortho(updates, group):
-        counts[-1] += sum(math.prod(u.shape[:-2]) for u in updates)
+        counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
         return inner(updates, group)
 
+    def counted_exchange(*a, **k):
+        counts[-1][1] += 1
+        return exchange(*a, **k)
+
     def counted_step(*a, **k):
-        counts.append(0)
-        return step(*a, **k)
+        counts.append([0, 0])
+        _muon.exchange = counted_exchange
+        try:
+            return step(*a, **k)
+        finally:
+            _muon.exchange = exchange
 
     opt._cf_orthogonalize, opt.step = ortho, counted_step
 
@@ -131,6 +142,10 @@ def _check_owners(ctx, mm: pc.Mismatches, model: nn.Module, mesh, counts: list) 
     owners = assign_owners(shapes, n)
     mine = sum(math.prod(s[:-2]) for s, o in zip(shapes, owners) if o == me)
     total = sum(math.prod(s[:-2]) for s in shapes)
+    mm.check([e for _, e in counts] == [1] * len(counts),
+             f"rank {ctx.rank}: {[e for _, e in counts]} exchanges per step, expected one (every "
+             "matrix of the shard group batched)")
+    counts = [c for c, _ in counts]
     mm.check(counts == [mine] * len(counts),
              f"rank {ctx.rank} (chunk {me} of {n}) orthogonalized {counts} matrices per step, "
              f"its owned share is {mine} of {total}")
