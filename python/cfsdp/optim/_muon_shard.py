@@ -139,23 +139,21 @@ def exchange(
     dtype = chunks[0].dtype if chunks else torch.float32
     device = chunks[0].device if chunks else torch.device("cpu")
     by_owner = [[k for k in range(len(shapes)) if owners[k] == r] for r in range(n)]
-    mine = by_owner[me]
+    per_owner = [sum(numel[k] for k in ks) for ks in by_owner]  # slots' numel per owner
+    mine, mine_numel = by_owner[me], per_owner[me]
     # 1. chunks to their owners
     send = [pad_chunk(chunks[k], dims[k], slots[k][dims[k]]).view(-1)
             for r in range(n) for k in by_owner[r]]
     send_t = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
-    mine_numel = sum(numel[k] for k in mine)
     recv_t = torch.empty(mine_numel * n, dtype=dtype, device=device)
-    dist.all_to_all_single(recv_t, send_t, [mine_numel] * n,
-                           [sum(numel[k] for k in by_owner[r]) for r in range(n)], group=pg)
-    # 2. the owner reassembles and orthogonalizes its matrices
-    per_rank = recv_t.split(mine_numel) if mine_numel else [recv_t] * n
-    fulls = []
-    for r_k, k in enumerate(mine):
-        off = sum(numel[j] for j in mine[:r_k])
+    dist.all_to_all_single(recv_t, send_t, [mine_numel] * n, per_owner, group=pg)
+    # 2. the owner reassembles and orthogonalizes its matrices (rank r's slots at r * mine_numel)
+    fulls, off = [], 0
+    for k in mine:
         d = dims[k]
-        fulls.append(unpad_cat([per_rank[r].narrow(0, off, numel[k]).view(slots[k])
+        fulls.append(unpad_cat([recv_t.narrow(0, r * mine_numel + off, numel[k]).view(slots[k])
                                 for r in range(n)], chunk_sizes(shapes[k][d], n), d))
+        off += numel[k]
     results = [o.reshape(shapes[k]) for k, o in zip(mine, orthogonalize(fulls))] if fulls else []
     # 3. each rank's chunk of every result back
     send = []
@@ -168,9 +166,8 @@ def exchange(
             part = res.narrow(d, min(r * c, size), chunk_sizes(size, n)[r])
             send.append(pad_chunk(part, d, c).view(-1))
     send_t = torch.cat(send) if send else torch.empty(0, dtype=out_dtype, device=device)
-    recv_splits = [sum(numel[k] for k in by_owner[r]) for r in range(n)]
-    recv_t = torch.empty(sum(recv_splits), dtype=out_dtype, device=device)
-    dist.all_to_all_single(recv_t, send_t, recv_splits, [mine_numel] * n, group=pg)
+    recv_t = torch.empty(sum(per_owner), dtype=out_dtype, device=device)
+    dist.all_to_all_single(recv_t, send_t, per_owner, [mine_numel] * n, group=pg)
     # 4. this rank's chunk of each matrix, padding dropped
     out: list = [None] * len(shapes)
     off = 0
