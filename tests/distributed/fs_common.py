@@ -279,6 +279,8 @@ class Scenario:
     after_step: Hook | None = None  # (impl, model, step, data, notes)
     call: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda model, x: model(x)
     ref: bool = True  # compare torch with the single-process reference
+    # (impl, model) -> the optimizer of that contender's model; None: pc.make_optim(optim)
+    make_optim: Callable[[Impl, nn.Module], Any] | None = None
     ref_grad_scale: float = 1.0
 
 
@@ -343,7 +345,7 @@ def run_steps(impl: Impl, sc: Scenario, model: nn.Module, opt, data, rank: int, 
 
 def train(impl: Impl, ctx: h.Context, mesh: DeviceMesh, sc: Scenario, data) -> Trace:
     model = make_model(impl, sc, mesh)
-    opt = pc.make_optim(sc.optim, model.parameters())
+    opt = sc.make_optim(impl, model) if sc.make_optim else pc.make_optim(sc.optim, model.parameters())
     notes: list = []
     record: dict = {}
     losses = run_steps(impl, sc, model, opt, data, ctx.rank, notes, record)

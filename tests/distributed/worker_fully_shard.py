@@ -113,7 +113,7 @@ import _harness as h
 
 # the feature modules (fully_shard/<name>.py), in the order their subtests run
 FEATURES = ("parity", "mixed_precision", "accumulation", "features", "checkpoint", "hsdp",
-            "bad_input", "shard_dims", "view_outputs", "extensions")
+            "bad_input", "shard_dims", "view_outputs", "extensions", "muon")
 MODULES = tuple(f"fully_shard.{f}" for f in FEATURES)
 RESHARD = "fully_shard.reshard"  # registers the phases of CFSDP_FS_PHASE, nothing without it
 

@@ -19,6 +19,7 @@ from cfsdp import _core
 from cfsdp._ref import optim as ref
 from cfsdp.optim import _muon
 from cfsdp.optim._muon_owners import assign_owners, ns_cost
+from cfsdp.optim._muon_shard import chunk_sizes, pad_chunk, unpad_cat
 
 _CORE_MOMENTUM = _core.muon_momentum
 NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
@@ -326,10 +327,11 @@ def test_flattened_parameter_is_not_implemented():
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_dtensor_sharded_vs_whole():
-    """A DTensor on a one-rank mesh is whole (stepped like its local tensor); one sharded
-    over more ranks raises, naming it."""
+    """A DTensor on a one-rank mesh is whole (stepped like its local tensor); one placed over
+    more ranks in a way Muon cannot reassemble (Partial, _StridedShard) raises, naming it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = init_device_mesh("cpu", (1,))
     local = torch.randn(8, 4)
@@ -351,7 +353,9 @@ def test_dtensor_sharded_vs_whole():
         def size(self, dim):
             return 2
 
-    sharded = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
+    partial = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Partial()]))
+    strided = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh,
+                                                    [_StridedShard(0, split_factor=2)]))
     whole = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Replicate()]))
     opt = cfsdp.optim.Muon([("r", whole)])
     whole.grad = DTensor.from_local(torch.ones(8, 4), mesh, [Partial()])
@@ -359,8 +363,11 @@ def test_dtensor_sharded_vs_whole():
     with pytest.MonkeyPatch.context() as mp:  # the mesh as two ranks would see it
         mp.setattr(DTensor, "device_mesh", property(lambda self: _Mesh()))
         assert _muon._sharded(replicated) is None
-        with pytest.raises(NotImplementedError, match="'w'.*Shard.*ZeroRedundancyOptimizer"):
-            cfsdp.optim.Muon([("w", sharded)])
+        # layouts whose chunks are not torch.chunk along one dim: refused, named, what to use
+        with pytest.raises(NotImplementedError, match="'w'.*Partial.*fully_shard"):
+            cfsdp.optim.Muon([("w", partial)])
+        with pytest.raises(NotImplementedError, match="'s'.*_StridedShard.*fully_shard"):
+            cfsdp.optim.Muon([("s", strided)])
         # a replicated parameter with an unreduced (Partial) gradient: its local gradient is
         # not the whole one, so stepping it would be another number than torch's; refused
         with pytest.raises(NotImplementedError, match="'r'.*gradient is a DTensor.*Partial"):
@@ -417,3 +424,36 @@ def test_owner_assignment_balanced_and_deterministic():
         ns_cost((5,))
     with pytest.raises(ValueError):
         assign_owners([(2, 2)], 0)
+
+
+# ------------------------------------------------------------- sharded layouts: packing
+
+@pytest.mark.no_core
+@pytest.mark.parametrize("size", [0, 1, 3, 7, 8, 9, 12, 19])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_chunk_sizes_are_torch_chunk_padded(size, count):
+    """torch.chunk's sizes along the dim, zeros for the chunks it does not make (FSDP2's
+    empty shards past the last one)."""
+    got = chunk_sizes(size, count)
+    want = [c.shape[0] for c in torch.arange(size).chunk(count)] if size else []
+    assert got == want + [0] * (count - len(want))
+    assert sum(got) == size and len(got) == count
+
+
+@pytest.mark.no_core
+@pytest.mark.parametrize("shape, dim", [((9, 7), 0), ((9, 7), 1), ((3, 5, 4), 0), ((3, 5, 4), 2),
+                                        ((2, 3), 0), ((0, 4), 0)])
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_pad_then_unpad_reassembles_in_chunk_order(shape, dim, count):
+    """Every rank's torch.chunk piece padded to the largest chunk (zeros past the data: the
+    padding), then cut back and concatenated: the full tensor, bitwise."""
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    sizes = chunk_sizes(shape[dim], count)
+    c = max(sizes) if sizes else 0
+    pieces = [full.narrow(dim, min(i * c, shape[dim]), k) for i, k in enumerate(sizes)]
+    slots = [pad_chunk(t, dim, c) for t in pieces]
+    for t, s, k in zip(pieces, slots, sizes):
+        assert s.shape[dim] == c and s.is_contiguous()
+        assert torch.equal(s.narrow(dim, 0, k), t)
+        assert not s.narrow(dim, k, c - k).any()
+    assert torch.equal(unpad_cat(slots, sizes, dim), full)

@@ -3,9 +3,11 @@
 * ``Adam``, ``AdamW``, ``SGD`` (``_fused.py``): ``torch.optim``'s classes whose
   ``step()`` is one C pass over flat buffers (see that module's docstring).
 * ``Muon`` (``_muon.py``): ``torch.optim.Muon`` with a C momentum pass and stacked
-  Newton–Schulz, on whole parameters of ndim >= 2 (sharded ones raise
-  ``NotImplementedError``: issue 27 phase 2); ``_muon_owners.py`` assigns each matrix
-  its owner rank by Newton–Schulz FLOPs.
+  Newton–Schulz, on parameters of ndim >= 2, whole or ``fully_shard``'s sharded DTensors
+  (``_muon_shard.py``: each matrix gathered to one owner rank, orthogonalized there, its
+  chunks scattered back; the wrapper's flat parameters and TP x FSDP raise
+  ``NotImplementedError``: issue 27 phase 2b); ``_muon_owners.py`` assigns each matrix its
+  owner rank by Newton–Schulz FLOPs.
 * ``ZeroRedundancyOptimizer`` (``zero.py``): torch's
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1) with flat rank-major
   buckets synced by one all-gather per dtype (``_zero_buckets.py``) and consolidation by

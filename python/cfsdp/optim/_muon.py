@@ -34,15 +34,24 @@ parameter listed twice in a group (torch warns and keeps both) is stepped once p
 as torch: the pending matrices are finished before a copy's momentum reads its buffer
 again.
 
-Sharded parameters raise ``NotImplementedError`` naming the parameter (phase 2 of issue
-27): a DTensor with a placement other than ``Replicate`` on a mesh dim of more than one
-rank (``Shard``, ``_StridedShard``, ``Partial``; a DTensor on a one-rank mesh, or
-replicated, is whole: its local tensor is the matrix, and that is what is stepped), and
-the FullyShardedDataParallel wrapper's parameters (its flat parameter, and with
+Sharded parameters (issue 27 phase 2a): a DTensor ``Shard(d)`` over one mesh dim of more than
+one rank, the others ``Replicate`` (``fully_shard``'s parameters: ``Shard(0)``, any ``d`` from
+``shard_placement_fn``, HSDP's ``(Replicate(), Shard(d))``), whose gradient is placed the same
+way.  The momentum (and Nesterov) update runs on the local shard (elementwise: the shard's bits
+are the whole one's); every such matrix of a param group then goes to its owner rank in the
+shard group, is orthogonalized there once and comes back chunk by chunk
+(``_muon_shard.exchange``: two ``all_to_all_single`` per process group and step, owners from
+``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr.  The
+numbers are those of torch's Muon on the full matrices (the all-gather-everywhere Muon
+of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`` naming the
+parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim (sharded
+over two mesh dims: TP x FSDP; ``_StridedShard``; a ``Partial`` parameter), a sharded
+parameter whose gradient is placed otherwise, a sharded bf16 one without Nesterov (torch
+normalizes its bf16 momentum buffer in place, which a gathered copy cannot), the
+FullyShardedDataParallel wrapper's parameters (its flat parameter, and with
 ``use_orig_params=True`` the original parameters, views of the flat shard: both marked
-``_cfsdp_flattened``); so does a whole parameter whose gradient is such a DTensor (e.g.
-an unreduced ``Partial`` one: its local tensor is not the whole gradient).  ``_muon_owners.assign_owners`` already picks which rank would
-orthogonalize which matrix there.
+``_cfsdp_flattened``), and a whole parameter whose gradient is sharded (e.g. an unreduced
+``Partial`` one: its local tensor is not the whole gradient).
 
 [Note: stacked Newton-Schulz]
 The matrices of a param group that share a trailing shape and dtype (2-D parameters of one
@@ -70,25 +79,32 @@ from torch.distributed.tensor import DTensor
 
 from .. import _core
 from .._torch.core import muon_adjust_lr, muon_newton_schulz
+from ._muon_shard import Layout, exchange, shard_layout
 
 __all__ = ["Muon"]
 
 _KIND = "momentum_buffer"
-_PHASE2 = "cfsdp.optim.Muon on sharded parameters is not implemented yet (issue 27 phase 2)"
+_PHASE2 = "cfsdp.optim.Muon on this layout is not implemented yet (issue 27 phase 2)"
 
 
 def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _sharded(p: Tensor) -> Optional[str]:
-    """Why ``p`` is not a whole matrix on this rank, or None when it is."""
+def _layout(p: Tensor) -> tuple[Optional[Layout], Optional[str]]:
+    """``(layout, None)`` for a sharded ``p`` Muon steps, ``(None, None)`` for a whole one,
+    ``(None, why)`` for a layout it cannot reassemble (see ``_muon_shard.shard_layout``)."""
     if getattr(p, "_cfsdp_flattened", False):
         fqns = getattr(p, "_fqns", None)
         if fqns:
-            return f"a FullyShardedDataParallel wrapper's flat parameter (of {', '.join(fqns)})"
-        return ("a FullyShardedDataParallel wrapper's original parameter (use_orig_params="
-                "True): a view of the wrapper's flat shard")
+            return None, f"a FullyShardedDataParallel wrapper's flat parameter (of {', '.join(fqns)})"
+        return None, ("a FullyShardedDataParallel wrapper's original parameter (use_orig_params="
+                      "True): a view of the wrapper's flat shard")
+    return shard_layout(p)
+
+
+def _sharded(p: Tensor) -> Optional[str]:
+    """Why ``p`` (a gradient) is not whole on this rank, or None when it is."""
     if isinstance(p, DTensor):
         mesh = p.device_mesh
         for dim, pl in enumerate(p.placements):
@@ -178,12 +194,14 @@ class Muon(torch.optim.Muon):
 
     @staticmethod
     def _check_param(group: dict, i: int, p: Tensor, gi: int) -> None:
-        why = _sharded(p)
+        why = _layout(p)[1]
         if why is not None:
             raise NotImplementedError(
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
-                f"is {why}; Newton–Schulz needs each matrix whole on the rank that steps it: use "
-                "ZeroRedundancyOptimizer or DDP (whole parameters on each rank)"
+                f"is {why}; Newton–Schulz needs each matrix whole on the rank that steps it, "
+                "gathered from torch.chunk shards along one dim: use cfsdp.fully_shard "
+                "(Shard(d) DTensors on one mesh dim, HSDP included), ZeroRedundancyOptimizer "
+                "or DDP (whole parameters on each rank)"
             )
         if p.ndim < 2:
             raise ValueError(
@@ -219,51 +237,101 @@ class Muon(torch.optim.Muon):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
-            why = _sharded(p.grad) if _sharded(p) is None else None
-            if why is not None:  # a whole parameter whose local gradient is not the whole one
-                raise NotImplementedError(
-                    f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
-                    f"is whole on this rank but its gradient is {why}: reduce the gradient to "
-                    "Replicate() before step() (e.g. grad.redistribute(placements=[Replicate()]"
-                    " * mesh.ndim)), or use ZeroRedundancyOptimizer or DDP"
-                )
+            layout, unsupported = _layout(p)
+            if unsupported is not None:  # placed so since it was added: its error
+                self._check_param(group, i, p, gi)
+            if layout is None:
+                why = _sharded(p.grad)
+                if why is not None:  # a whole parameter whose local gradient is not the whole one
+                    raise NotImplementedError(
+                        f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape "
+                        f"{tuple(p.shape)} is whole on this rank but its gradient is {why}: "
+                        "reduce the gradient to Replicate() before step() (e.g. grad."
+                        "redistribute(placements=[Replicate()] * mesh.ndim)), or use "
+                        "ZeroRedundancyOptimizer or DDP"
+                    )
+            else:
+                self._check_sharded(group, i, gi, p)
             state = self.state[p]
             if _KIND not in state:
                 state[_KIND] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            todo.append((i, p))
-        for i, p in todo:
+            todo.append((i, p, layout))
+        for i, p, layout in todo:
             pl, g, buf = _local(p), _local(p.grad), _local(self.state[p][_KIND])
-            if not (pl.shape == g.shape == buf.shape == p.shape) or p.ndim < 2:
+            whole = p.shape if layout is None else pl.shape
+            if not (pl.shape == g.shape == buf.shape == whole) or p.ndim < 2:
                 self._check_param(group, i, p, gi)  # sharded (since added), or 1-D: its error
-                raise ValueError(  # whole, yet its gradient or buffer is not
+                raise ValueError(  # its gradient or buffer is not laid out as the parameter
                     f"cfsdp.optim.Muon: parameter {_describe(group, i, gi)} of shape "
-                    f"{tuple(p.shape)} has a gradient of local shape {tuple(g.shape)} and a "
-                    f"momentum buffer of local shape {tuple(buf.shape)}; both must be the "
-                    "parameter's (whole) shape"
+                    f"{tuple(p.shape)} (local {tuple(pl.shape)}) has a gradient of local shape "
+                    f"{tuple(g.shape)} and a momentum buffer of local shape {tuple(buf.shape)}; "
+                    "both must be the parameter's local shape"
                 )
         # a parameter listed twice is stepped twice, as torch: the first copy's step is
         # finished before the second's momentum reads the buffer it updated
         pending: list = []
         seen: set = set()
-        for _, p in todo:
+        for _, p, layout in todo:
             if id(p) in seen:
                 self._cf_finish(pending, group)
                 pending, seen = [], set()
             seen.add(id(p))
             buf = _local(self.state[p][_KIND])
-            pending.append((_local(p), self._cf_momentum(_local(p.grad), buf, group["momentum"],
-                                                         group["nesterov"])))
+            upd = self._cf_momentum(_local(p.grad), buf, group["momentum"], group["nesterov"])
+            pending.append((_local(p), upd, layout, tuple(p.shape)))
         self._cf_finish(pending, group)
 
+    @staticmethod
+    def _check_sharded(group: dict, i: int, gi: int, p: Tensor) -> None:
+        """A sharded parameter's gradient must be placed as the parameter (what fully_shard's
+        reduce-scatter gives); a bf16 one needs Nesterov (see the module docstring)."""
+        g = p.grad
+        if (not isinstance(g, DTensor) or g.device_mesh != p.device_mesh
+                or tuple(g.placements) != tuple(p.placements)):
+            got = (f"placed as {tuple(g.placements)}" if isinstance(g, DTensor)
+                   else f"a {type(g).__name__}")
+            raise NotImplementedError(
+                f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} is "
+                f"sharded as {tuple(p.placements)} but its gradient is {got}: cfsdp.optim.Muon "
+                "steps a sharded parameter whose gradient is placed as the parameter (as "
+                "fully_shard's reduce-scatter leaves it); reduce it so before step()"
+            )
+        if not group["nesterov"] and p.grad.dtype == torch.bfloat16:
+            raise NotImplementedError(
+                f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} is a "
+                "sharded bf16 parameter stepped without Nesterov: torch's Muon then normalizes "
+                "the bf16 momentum buffer in place during Newton–Schulz, which the gathered copy "
+                "cannot reproduce on the shards; use nesterov=True or fp32 parameters"
+            )
+
     def _cf_finish(self, pending: list, group: dict) -> None:
-        """Newton–Schulz of the pending (local parameter, update) pairs, then torch's
-        parameter update."""
+        """Newton–Schulz of the pending (local parameter, update, layout, full shape) entries
+        (whole ones here, sharded ones through their owners: ``_muon_shard.exchange``), then
+        torch's parameter update."""
         if not pending:
             return
         lr = _to_scalar(group["lr"])
-        ortho = self._cf_orthogonalize([u for _, u in pending], group)
-        for (pl, _), o in zip(pending, ortho):
-            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], pl.shape[-2:])
+        ortho: list = [None] * len(pending)
+        whole = [k for k, e in enumerate(pending) if e[2] is None]
+        if whole:
+            for k, o in zip(whole, self._cf_orthogonalize([pending[k][1] for k in whole], group)):
+                ortho[k] = o
+        # (group's ranks, chunk index, dtype) -> pending indices, in order: by ranks, not by
+        # group object (a unit's Shard(d > 0) parameters may hold another ProcessGroup object of
+        # the same ranks), so that each group's matrices share one owner assignment and exchange
+        batches: dict = {}
+        for k, (_, upd, lay, _) in enumerate(pending):
+            if lay is not None:
+                batches.setdefault((lay.ranks, lay.index, upd.dtype), []).append(k)
+        for ks in batches.values():
+            lay = pending[ks[0]][2]
+            res = exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks],
+                           [pending[k][1] for k in ks],
+                           lambda fulls: self._cf_orthogonalize(fulls, group), torch.bfloat16)
+            for k, o in zip(ks, res):
+                ortho[k] = o
+        for (pl, _, _, shape), o in zip(pending, ortho):
+            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], shape[-2:])
             pl.mul_(1 - lr * group["weight_decay"])
             pl.add_(o if o.shape == pl.shape else o.reshape(pl.shape), alpha=-adjusted_lr)
 

@@ -1,0 +1,298 @@
+"""cfsdp.optim.Muon on fully_shard's sharded DTensor parameters (issue 27 phase 2a).
+
+The oracle is torch's fully_shard with the all-gather-everywhere Muon (``muon_oracle``:
+``full_tensor()`` of every gradient, ``torch.optim.Muon`` on the full matrices, the local chunk
+written back); the contender is cfsdp's fully_shard with ``cfsdp.optim.Muon`` (momentum on the
+local shard, each matrix gathered to one owner, orthogonalized there, its chunks scattered back).
+Both get the same gradient bits (fully_shard's parity, sections 1 and 9), the momentum is
+elementwise and Newton–Schulz deterministic on the same full matrix, so losses, local gradients
+and local parameters are compared **bitwise** (``run_scenario``'s comparisons; no single-process
+reference: Newton–Schulz in bf16 turns the reduction order's ulps into bf16 ulps). Matrices
+(ndim >= 2) go to Muon, the rest (biases, norms, the 1-element scale) to a torch AdamW on the
+same model (the usual pairing). A spy counts the matrices each rank orthogonalizes: per step,
+each matrix exactly once in its shard group, on the owner ``assign_owners`` names, all of
+them in one exchange (one pair of all_to_all_single) per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import _harness as h
+import parity_common as pc
+from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
+from fully_shard.checkpoint import clone_tree
+from fully_shard.common import WORLD, largest_dim, raised
+from muon_oracle import AllGatherMuon
+
+import cfsdp
+from cfsdp.optim import _muon
+from cfsdp.optim._muon_owners import assign_owners
+from cfsdp.optim._muon_shard import exchange
+
+
+class Experts(nn.Module):
+    """A unit holding a stacked-experts parameter ``[E, M, N]`` (3, 8, 6): E=3 does not divide
+    by W (Shard(0): chunks 2+1, at W=4 1+1+1+0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 8, 6) * 0.3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,eij->bj", h, self.w) / 3
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 8)
+        self.moe = Experts()
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.moe(torch.tanh(self.inp(x)))))
+
+    def fsdp_units(self) -> list:
+        return [self.moe]
+
+
+def _build_moe(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return MoE()
+
+
+class Pair:
+    """Muon on the matrices, torch's AdamW on the rest: one optimizer to ``run_steps``."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        if self.adamw is not None:
+            self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
+
+
+def _spy(opt: cfsdp.optim.Muon, counts: list) -> None:
+    """Record, per step, ``[matrices this rank orthogonalizes, exchanges it joins]``."""
+    inner, step = opt._cf_orthogonalize, opt.step
+
+    def ortho(updates, group):
+        counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
+        return inner(updates, group)
+
+    def counted_exchange(*a, **k):
+        counts[-1][1] += 1
+        return exchange(*a, **k)
+
+    def counted_step(*a, **k):
+        counts.append([0, 0])
+        _muon.exchange = counted_exchange
+        try:
+            return step(*a, **k)
+        finally:
+            _muon.exchange = exchange
+
+    opt._cf_orthogonalize, opt.step = ortho, counted_step
+
+
+def muon_factory(kw: dict, counts: list | None = None):
+    """(impl, model) -> Pair: the oracle on torch's model, cfsdp.optim.Muon on cfsdp's."""
+
+    def make(impl, model):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        mats = [(n, p) for n, p in named if p.ndim >= 2]
+        rest = [p for _, p in named if p.ndim < 2]
+        adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01) if rest else None
+        if impl.name == "torch":
+            return Pair(AllGatherMuon([p for _, p in mats], **kw), adamw)
+        muon = cfsdp.optim.Muon(mats, **kw)
+        if counts is not None:
+            _spy(muon, counts)
+        return Pair(muon, adamw)
+
+    return make
+
+
+def _check_owners(ctx, mm: pc.Mismatches, model: nn.Module, mesh, counts: list) -> None:
+    """Each matrix of (the unsharded) ``model`` orthogonalized once per step in its shard group
+    (the mesh's last dim), by its assigned owner."""
+    shard_dim = mesh.ndim - 1
+    n, me = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.ndim >= 2]
+    owners = assign_owners(shapes, n)
+    mine = sum(math.prod(s[:-2]) for s, o in zip(shapes, owners) if o == me)
+    total = sum(math.prod(s[:-2]) for s in shapes)
+    mm.check([e for _, e in counts] == [1] * len(counts),
+             f"rank {ctx.rank}: {[e for _, e in counts]} exchanges per step, expected one (every "
+             "matrix of the shard group batched)")
+    counts = [c for c, _ in counts]
+    mm.check(counts == [mine] * len(counts),
+             f"rank {ctx.rank} (chunk {me} of {n}) orthogonalized {counts} matrices per step, "
+             f"its owned share is {mine} of {total}")
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, (mesh.get_coordinate(), counts), group=ctx.pg)
+    groups: dict = {}
+    for coord, c in every:
+        key = tuple(x for i, x in enumerate(coord) if i != shard_dim)
+        groups[key] = [a + b for a, b in zip(groups.get(key, [0] * len(c)), c)]
+    for key, c in groups.items():
+        mm.check(c == [total] * len(c), f"shard group {key}: {c} matrices orthogonalized per "
+                 f"step, expected each of the {total} once")
+    if ctx.rank == 0:
+        ctx.log(f"Muon owners over {n}: this rank {mine} of {total} matrices per step")
+
+
+CASES: dict[str, tuple[dict, dict]] = {  # name -> (Scenario kwargs, Muon kwargs)
+    # Shard(0): qkv (36, 12), mlp (48, 12), pos (6, 12) even; tok (19, 12) uneven
+    "lm_shard0": (dict(kind="lm"), dict(lr=0.02)),
+    # Shard(0) of (9, 7), (9, 9), (3, 9): uneven; at W=4 rank 3 holds nothing of (3, 9)
+    "mlp_no_nesterov_wd": (dict(kind="mlp"), dict(lr=0.02, nesterov=False, weight_decay=0.05,
+                                                  adjust_lr_fn="match_rms_adamw")),
+    # Shard(1) beside Shard(0) in one unit (shard_placement_fn)
+    "lm_largest_dim": (dict(kind="lm", unit_kw={"shard_placement_fn": largest_dim}),
+                       dict(lr=0.02, adjust_lr_fn="original")),
+    # stacked experts [E, M, N], Shard(0) (along E) and Shard(2) (the matrices' N = 6: FSDP2
+    # takes Shard(d > 0) on even dims only)
+    "experts_shard0": (dict(kind="mlp", build=_build_moe), dict(lr=0.03)),
+    "experts_shard2": (dict(kind="mlp", build=_build_moe,
+                            unit_kw={"shard_placement_fn": lambda p: Shard(2 if p.ndim == 3 else 0)}),
+                       dict(lr=0.03, nesterov=False, momentum=0.9)),
+}
+
+
+def _muon_run(ctx, case: str, mesh) -> None:
+    sc_kw, kw = CASES[case]
+    counts: list = []
+    sc = Scenario(**sc_kw, ref=False, make_optim=muon_factory(kw, counts))
+    mm = pc.Mismatches(ctx)
+    run_scenario(ctx, sc, mesh, mm)
+    _check_owners(ctx, mm, sc.build(sc.kind, 0), mesh, counts)
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"case": list(CASES)})
+def muon_parity(ctx, case: str):
+    """3 steps of cfsdp.optim.Muon (+ AdamW) on cfsdp.fully_shard against the all-gather Muon
+    on torch's fully_shard: bitwise; each matrix orthogonalized once, by its owner."""
+    _muon_run(ctx, case, mesh_1d(ctx))
+
+
+@h.subtest
+def muon_state_dict(ctx):
+    """get/set_optimizer_state_dict (full_state_dict=True) round trip of cfsdp.optim.Muon: the
+    momentum buffers are DTensors placed as their parameters; a fresh model and Muon loaded
+    from the full state dicts after 2 steps (Shard(0) and Shard(1) matrices) continue 2 more
+    steps bitwise as the uninterrupted run (Muon and the pairing's AdamW in one DSD call)."""
+    mesh, mm = mesh_1d(ctx), pc.Mismatches(ctx)
+    sc = Scenario(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False,
+                  make_optim=muon_factory(dict(lr=0.02)))
+    data = batches("lm", 4, ctx.world_size)
+    model = make_model(CFSDP, sc, mesh)
+    opt = sc.make_optim(CFSDP, model)
+    run_steps(CFSDP, sc, model, opt, data[:2], ctx.rank, [])
+    for p in (p for p in model.parameters() if p.ndim >= 2):
+        buf = opt.muon.state[p].get("momentum_buffer")
+        mm.check(isinstance(buf, DTensor) and buf.placements == p.placements
+                     and buf.shape == p.shape, f"momentum buffer of a {p.placements} parameter "
+                     f"is {type(buf).__name__} {getattr(buf, 'placements', None)}")
+    full = StateDictOptions(full_state_dict=True)
+    # saved = cloned: state dicts hold live tensors (AdamW's step) that the next steps update
+    msd = clone_tree(get_model_state_dict(model, options=full))
+    osd = clone_tree(get_optimizer_state_dict(model, (opt.muon, opt.adamw), options=full))
+    fresh = make_model(CFSDP, sc, mesh)
+    with torch.no_grad():  # another start: the load must bring everything back
+        for p in fresh.parameters():
+            p.to_local().mul_(0.5)
+    fresh_opt = sc.make_optim(CFSDP, fresh)
+    set_model_state_dict(fresh, msd, options=full)
+    set_optimizer_state_dict(fresh, (fresh_opt.muon, fresh_opt.adamw), osd, options=full)
+    for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
+        if p.ndim >= 2:
+            mm.tensors(f"momentum buffer of {n} after the load",
+                       fresh_opt.muon.state[p]["momentum_buffer"].to_local(),
+                       opt.muon.state[q]["momentum_buffer"].to_local(),
+                       a_name="loaded", b_name="saved")
+    a = run_steps(CFSDP, sc, model, opt, data[2:], ctx.rank, [])
+    b = run_steps(CFSDP, sc, fresh, fresh_opt, data[2:], ctx.rank, [])
+    for i, (x, y) in enumerate(zip(b, a)):
+        mm.tensors(f"loss #{i} after the load", x, y, a_name="loaded", b_name="uninterrupted")
+    for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
+        mm.tensors(f"local param {n} 2 steps after the load", p.to_local(), q.to_local(),
+                   a_name="loaded", b_name="uninterrupted")
+    mm.raise_if_any()
+
+
+def _named_dtensor(mesh, placements) -> nn.Parameter:
+    return nn.Parameter(DTensor.from_local(torch.randn(4, 6), mesh, placements))
+
+
+def _refused(mm: pc.Mismatches, mesh, bad: dict) -> None:
+    """Each ``name: placements`` refused when its group is added: NotImplementedError naming
+    the parameter and saying what to use."""
+    for name, pls in bad.items():
+        e = raised(lambda: cfsdp.optim.Muon([(name, _named_dtensor(mesh, pls))]))
+        mm.check(isinstance(e, NotImplementedError) and f"'{name}'" in str(e)
+                 and "fully_shard" in str(e), f"{name} ({pls}): {e!r}")
+
+
+@h.subtest
+def muon_bad_layout(ctx):
+    """Layouts whose chunks are not torch.chunk along one dim (``Partial``, ``_StridedShard``):
+    NotImplementedError naming the parameter and what to use, when the group is added; a
+    sharded parameter with a gradient placed otherwise, or a sharded bf16 one without Nesterov:
+    at step(), nothing stepped."""
+    mm = pc.Mismatches(ctx)
+    mesh = mesh_1d(ctx)
+    _refused(mm, mesh, {"blocks.0.partial": [Partial()],
+                        "blocks.1.strided": [_StridedShard(0, split_factor=2)]})
+    p = _named_dtensor(mesh, [Shard(0)])
+    before = p.to_local().clone()
+    opt = cfsdp.optim.Muon([("mlp.w", p)])
+    p.grad = DTensor.from_local(torch.ones(p.shape), mesh, [Partial()])
+    e = raised(opt.step)
+    mm.check(isinstance(e, NotImplementedError) and "'mlp.w'" in str(e) and "Partial" in str(e),
+             f"a Shard(0) parameter with a Partial gradient: {e!r}")
+    mm.check(torch.equal(p.to_local(), before), "the refused step changed the parameter")
+    # bf16 without Nesterov: torch normalizes the bf16 momentum buffer in place
+    p = nn.Parameter(DTensor.from_local(torch.randn(4, 6, dtype=torch.bfloat16), mesh, [Shard(0)]))
+    opt = cfsdp.optim.Muon([("head.w", p)], nesterov=False)
+    p.grad = DTensor.from_local(torch.ones(4, 6, dtype=torch.bfloat16), mesh, [Shard(0)])
+    e = raised(opt.step)
+    mm.check(isinstance(e, NotImplementedError) and "'head.w'" in str(e) and "nesterov=True" in str(e),
+             f"a sharded bf16 parameter without Nesterov: {e!r}")
+    mm.raise_if_any()
+
+
+if WORLD == 4:
+
+    @h.subtest
+    def muon_hsdp(ctx):
+        """HSDP 2 x 2 ((Replicate(), Shard(d)), gradients all-reduced over replicas): Shard(0)
+        and Shard(1) matrices (largest_dim) and stacked experts, bitwise as the oracle, each
+        matrix orthogonalized once per shard group; a TP x FSDP layout (Shard(0), Shard(1))
+        on the 2-D mesh is refused, named."""
+        for case in ("lm_largest_dim", "experts_shard0"):
+            _muon_run(ctx, case, mesh_2d(ctx))
+        mm = pc.Mismatches(ctx)
+        _refused(mm, mesh_2d(ctx), {"tp.w": [Shard(0), Shard(1)]})
+        mm.raise_if_any()

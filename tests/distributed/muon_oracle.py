@@ -1,0 +1,77 @@
+"""The all-gather-everywhere Muon: the oracle of ``cfsdp.optim.Muon`` on sharded DTensor
+parameters (tests/distributed/fully_shard/muon.py), and baseline (a) of the Muon benchmark.
+
+What the usual hand-made fix does on FSDP2: every rank ``full_tensor()``s every gradient and
+parameter, runs torch's own ``torch.optim.Muon`` on the full matrices (so every rank
+orthogonalizes every matrix: W-fold redundant), and writes back its local chunk. It keeps the
+full momentum buffers (torch's ``momentum_buffer`` of each full matrix). A 3-D parameter
+``[E, M, N]`` is E matrices, each a parameter of the inner ``torch.optim.Muon`` (torch's Muon
+takes 2-D ones only; its math is per matrix, the momentum elementwise, so this is the
+per-trailing-matrix Muon that cfsdp's docs promise).
+
+Bits: the momentum is elementwise and Newton–Schulz deterministic on the same full input, the
+weight decay and the update elementwise, so a correct sharded Muon is bitwise this.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's part of ``full`` as ``like`` places it (``Shard(d)``: torch.chunk along d,
+    empty past the last chunk; ``Replicate``: all of it)."""
+    mesh, out = like.device_mesh, full
+    for md, pl in enumerate(like.placements):
+        if pl.is_shard():
+            n, i = mesh.size(md), mesh.get_local_rank(md)
+            chunks = torch.chunk(out, n, dim=pl.dim)
+            out = chunks[i] if i < len(chunks) else out.narrow(pl.dim, 0, 0)
+        elif not pl.is_replicate():
+            raise AssertionError(f"the oracle takes Shard and Replicate placements, got {pl!r}")
+    return out
+
+
+class AllGatherMuon:
+    """``torch.optim.Muon(**kwargs)`` on the full matrices of DTensor ``params`` (see the module
+    docstring); ``step()`` and ``zero_grad()`` as an optimizer's."""
+
+    def __init__(self, params, **kwargs):
+        self.params = list(params)
+        self.shadows: list[list[nn.Parameter]] = []
+        for p in self.params:
+            full = p.full_tensor().detach()
+            self.shadows.append([nn.Parameter(m.clone()) for m in full.reshape(-1, *full.shape[-2:])])
+        self.inner = torch.optim.Muon([s for ss in self.shadows for s in ss], **kwargs)
+        self.ns_matrices = 0  # matrices this rank orthogonalized (all of them, every step)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        stepped = []
+        for p, ss in zip(self.params, self.shadows):
+            if p.grad is None:
+                for s in ss:
+                    s.grad = None
+                continue
+            full_p, full_g = p.full_tensor(), p.grad.full_tensor()
+            for s, fp, fg in zip(ss, full_p.reshape(-1, *full_p.shape[-2:]),
+                                 full_g.reshape(-1, *full_g.shape[-2:])):
+                s.copy_(fp)
+                s.grad = fg.clone()
+            stepped.append((p, ss))
+        self.inner.step()
+        for p, ss in stepped:
+            self.ns_matrices += len(ss)
+            full = torch.stack([s.detach() for s in ss]).reshape(p.shape)
+            p.to_local().copy_(local_part(full, p))
+
+    def full_momentum(self, p: DTensor) -> torch.Tensor:
+        """The full momentum buffer of ``p`` (its matrices' buffers stacked)."""
+        ss = self.shadows[next(i for i, q in enumerate(self.params) if q is p)]
+        return torch.stack([self.inner.state[s]["momentum_buffer"] for s in ss]).reshape(p.shape)
