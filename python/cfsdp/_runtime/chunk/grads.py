@@ -255,7 +255,7 @@ class ChunkGrads:
             post.wait_stream(rs)
         with layer.on(post):
             accumulate_sharded(self, out, False)
-            ctx.post_reduce_event = post.record_event()
+            ctx.post_reduce_events[post] = post.record_event()
         ctx.hold_reduce_scatter((inp,), rs_event)
         return FinishedReduce()
 

@@ -24,7 +24,7 @@ old path (``async_op`` collectives, the C core, shared memory); with streams, as
   event is recorded after the last.  The reduce-scatter input is held until the next
   reduction, where the current stream waits for its event (torch's ``reduce_scatter_states``);
 * end of backward (the root's final callback): the current stream waits for the last
-  post-reduce event, and the held buffers are released.
+  post-reduce event of each stream that post-reduced, and the held buffers are released.
 
 Each wait is one method here, so a test can take one away and watch the checker fail.
 """
@@ -51,7 +51,9 @@ class CommContext:
         self.streams = False  # the layer has streams: the units take the protocol's path
         self.all_gather_state: Optional[tuple[tuple, Any]] = None  # (buffers, event)
         self.reduce_scatter_state: Optional[tuple[tuple, Any]] = None
-        self.post_reduce_event: Any = None
+        # the last post-reduce event of each stream that post-reduced (torch's
+        # _last_post_reduce_events: a later event on a stream subsumes earlier ones)
+        self.post_reduce_events: dict[Any, Any] = {}
 
     # -- root pre-forward -----------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -112,10 +114,12 @@ class CommContext:
             self.layer.free(t)
 
     def wait_post_reduce(self) -> None:
-        """End of backward: the current stream waits for the last post-reduce event."""
-        event, self.post_reduce_event = self.post_reduce_event, None
-        if event is not None:
-            self.layer.current_stream().wait_event(event)
+        """End of backward: the current stream waits for the last post-reduce event of
+        each stream that post-reduced."""
+        events, self.post_reduce_events = self.post_reduce_events, {}
+        cur = self.layer.current_stream()
+        for event in events.values():
+            cur.wait_event(event)
 
     def end_backward(self) -> None:
         if not self.streams:
