@@ -11,49 +11,34 @@ transport in its place, so the log carries gloo's c10d collectives on their stre
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import cfsdp
 from cfsdp._runtime import comm, device
 from cfsdp._runtime.chunk.streams import CommContext
 
-sys.path.insert(0, os.path.dirname(__file__))
-from stream_check import CURRENT, RaceError, RecordingDevice, check  # noqa: E402
+# the recorder and checker are a helper of tests/distributed too (fully_shard/features.py)
+_spec = importlib.util.spec_from_file_location(
+    "stream_check", Path(__file__).resolve().parents[1] / "distributed" / "stream_check.py")
+sc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sc)
+CURRENT, RaceError, RecordingDevice, check = sc.CURRENT, sc.RaceError, sc.RecordingDevice, sc.check
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 
 SIDE = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce")
 
 
-def _train(rec, reshard_after_forward=True, hsdp=False, hook_stream=None, steps=2):
-    """A 3-unit model (two children and the root), two steps of SGD with momentum; with
-    ``rec``, under it.  Returns (losses, full parameters)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+def _train(rec, reshard_after_forward=True, hsdp=False, hook_stream=None):
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
-    for i in (0, 2):
-        cfsdp.fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard_after_forward)
-    cfsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if hook_stream is not None or not hsdp:
-        stream = None if hook_stream is None else hook_stream(rec)
-        model[2].set_all_reduce_hook(lambda out: out.mul_(0.5), stream=stream)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    with device.use(rec) if rec is not None else contextlib.nullcontext():
-        for _ in range(steps):
-            loss = model(torch.randn(4, 8)).square().sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-    return losses, [p.detach().full_tensor() for p in model.parameters()]
+    # (HSDP takes no all-reduce hook with a stream; without one its hook runs after the
+    # all-reduce on the all-reduce stream either way)
+    return sc.train(rec, mesh, reshard_after_forward, hook=not hsdp or hook_stream is not None,
+                    hook_stream=hook_stream)
 
 
 @pytest.fixture(params=["solo", "process group"])
@@ -71,8 +56,7 @@ def test_recorded_training_is_ordered_and_bitwise_equal(transport, reshard_after
     rec = RecordingDevice()
     got = _train(rec, reshard_after_forward, hsdp)
     check(rec.log)
-    for a, b in zip(want[0] + want[1], got[0] + got[1]):
-        assert torch.equal(a, b)
+    sc.assert_same(want, got)
     ops = {s: rec.ops_on(s) for s in (CURRENT, *SIDE)}
     # the stream roles: allocation on copy-in, collectives inside their streams
     assert "aten.empty.memory_format" in ops["all_gather_copy_in"]
@@ -97,8 +81,7 @@ def test_all_reduce_hook_on_its_stream(transport):
     got = _train(rec, hook_stream=lambda r: r.stream("user hook"))
     check(rec.log)
     assert "aten.mul_.Tensor" in rec.ops_on("user hook")
-    for a, b in zip(want[0] + want[1], got[0] + got[1]):
-        assert torch.equal(a, b)
+    sc.assert_same(want, got)
 
 
 @pytest.mark.parametrize("wait", ["wait_unshard_event", "reduce_scatter_waits_current",
@@ -133,8 +116,7 @@ def test_no_streams_leaves_the_cpu_path_alone(monkeypatch):
     monkeypatch.setattr(CommContext, "release_all_gather", boom)
     assert device.notified() is None
     got = _train(None)
-    for a, b in zip(want[0] + want[1], got[0] + got[1]):
-        assert torch.equal(a, b)
+    sc.assert_same(want, got)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ takes the accelerator path (twins' torch ops, the process group), so every op is
   other streams, unless ``record_stream`` covered that stream.
 
 This checks the ordering logic of the runtime, as the log shows it; it proves nothing about
-CUDA itself (kernels, the caching allocator, NCCL).
+CUDA itself (kernels, the caching allocator, NCCL).  :func:`train` is the run both tests make
+(``tests/unit/test_streams.py`` at world 1, ``fully_shard/features.py``'s
+``recorded_streams`` at world 2).  A helper: it registers no subtest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import itertools
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -285,4 +288,47 @@ def check(log: list[tuple]) -> None:
             raise ValueError(f"log[{i}]: unknown entry {e!r}")
 
 
-__all__ = ["CURRENT", "RaceError", "RecordingDevice", "RecStream", "check", "key"]
+# ---------------------------------------------------------------------------------------------
+# the run the tests record
+# ---------------------------------------------------------------------------------------------
+
+
+def train(rec: Optional[RecordingDevice], mesh: Any = None, reshard_after_forward: bool = True,
+          hook: bool = True, hook_stream: Any = None, steps: int = 2, seed: int = 0) -> tuple:
+    """A 3-unit ``cfsdp.fully_shard`` model (two children and the root) on ``mesh``, ``steps``
+    steps of SGD with momentum, with an all-reduce hook on one unit (``hook``; on
+    ``hook_stream(rec)`` if given); under ``rec`` if given.  Returns (losses, parameters'
+    full tensors)."""
+    import cfsdp
+    from cfsdp._runtime import device
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    for i in (0, 2):
+        cfsdp.fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard_after_forward)
+    cfsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if hook:
+        stream = None if hook_stream is None else hook_stream(rec)
+        model[2].set_all_reduce_hook(lambda out: out.mul_(0.5), stream=stream)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    with device.use(rec) if rec is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8, generator=gen)).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return losses, [p.detach().full_tensor() for p in model.parameters()]
+
+
+def assert_same(want: tuple, got: tuple) -> None:
+    """Losses and parameters of two :func:`train` runs bitwise equal."""
+    for i, (a, b) in enumerate(zip(want[0] + want[1], got[0] + got[1])):
+        if not torch.equal(a, b):
+            raise AssertionError(f"recorded run differs at item {i}: {a} != {b}")
+
+
+__all__ = ["CURRENT", "RaceError", "RecordingDevice", "RecStream", "assert_same", "check", "key",
+           "train"]
