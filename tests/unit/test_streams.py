@@ -74,6 +74,20 @@ def test_recorded_training_is_ordered_and_bitwise_equal(transport, reshard_after
     assert any(e[0] == "free" for e in rec.log)  # held buffers released
 
 
+def test_mixed_precision_casts_on_the_copy_in_stream(transport):
+    """bf16 parameters, fp32 reductions: the copy-in cast runs on the copy-in stream, the
+    cast of the reduced gradient with the fold on the reduce-scatter (or hook) stream."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    want = sc.train(None, mp_policy=mp)
+    rec = RecordingDevice()
+    got = sc.train(rec, mp_policy=mp)
+    check(rec.log)
+    sc.assert_same(want, got)
+    assert "aten.copy_.default" in rec.ops_on("all_gather_copy_in")
+
+
 def test_all_reduce_hook_on_its_stream(transport):
     """``set_all_reduce_hook(stream=s)`` runs the hook on ``s``, ordered both ways."""
     want = _train(None)
