@@ -162,11 +162,11 @@ class _FSState:
         first = st.training_state is not TrainingState.FORWARD
         if first:
             self.lazy_init(module)
-            if st.is_root and self.post_optim_event is not None:
-                event, self.post_optim_event = self.post_optim_event, None
-                _wait_event_on_current_stream(event)
             if st.is_root:
-                st.root.streams.begin_forward()
+                event, self.post_optim_event = self.post_optim_event, None
+                # with streams the all-gather streams wait for it ([Note: stream protocol])
+                if not st.root.streams.begin_forward(event) and event is not None:
+                    _wait_event_on_current_stream(event)
             self._to_run = {id(m) for m in self.modules}
         args, kwargs = self._cast_inputs(args, kwargs)
         st.pre_forward()

@@ -88,6 +88,43 @@ def test_mixed_precision_casts_on_the_copy_in_stream(transport):
     assert "aten.copy_.default" in rec.ops_on("all_gather_copy_in")
 
 
+def test_post_optim_event_is_waited_by_the_all_gather_streams(transport, monkeypatch):
+    """``set_post_optim_event(ev)``: the next root pre-forward makes the copy-in and all-gather
+    streams wait for ``ev`` instead of for the current stream (torch's _root_pre_forward)."""
+    import cfsdp
+
+    rec = RecordingDevice()
+    events = []
+    real_step = torch.optim.SGD.step
+
+    def step(opt, *a, **k):
+        out = real_step(opt, *a, **k)
+        ev = rec.current_stream().record_event()
+        events.append(ev)
+        for m in models:
+            m.set_post_optim_event(ev)
+        return out
+
+    models = []
+    real_fully_shard = cfsdp.fully_shard
+
+    def fully_shard(module, **kw):
+        out = real_fully_shard(module, **kw)
+        if module.__class__.__name__.startswith("FSDPSequential"):
+            models.append(module)
+        return out
+
+    monkeypatch.setattr(cfsdp, "fully_shard", fully_shard)
+    monkeypatch.setattr(torch.optim.SGD, "step", step)
+    sc.train(rec, steps=3)
+    check(rec.log)
+    for ev in events[:-1]:
+        assert ("wait_event", "all_gather_copy_in", ev.id) in rec.log
+        assert ("wait_event", "all_gather", ev.id) in rec.log
+    assert [e for e in rec.log if e[0] == "wait_stream" and e[1] == "all_gather_copy_in"] == [
+        ("wait_stream", "all_gather_copy_in", CURRENT)]  # the first step only
+
+
 def test_all_reduce_hook_on_its_stream(transport):
     """``set_all_reduce_hook(stream=s)`` runs the hook on ``s``, ordered both ways."""
     want = _train(None)

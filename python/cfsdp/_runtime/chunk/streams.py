@@ -7,7 +7,7 @@ a layer without streams (CPU: ``NoStreams``) ``streams`` is False and the units 
 old path (``async_op`` collectives, the C core, shared memory); with streams, as torch 2.13:
 
 * root pre-forward: the all-gather copy-in and all-gather streams wait for the current stream
-  (the optimizer wrote the shards there);
+  (the optimizer wrote the shards there), or for the event of ``set_post_optim_event``;
 * unshard in forward / pre-backward (and their prefetches): the copy-in (cast to
   ``param_dtype``, the all-gather output allocated) on the copy-in stream; the all-gather
   stream waits for it, issues the collective inside it (``async_op=False``) and records an
@@ -24,7 +24,9 @@ old path (``async_op`` collectives, the C core, shared memory); with streams, as
   event is recorded after the last.  The reduce-scatter input is held until the next
   reduction, where the current stream waits for its event (torch's ``reduce_scatter_states``);
 * end of backward (the root's final callback): the current stream waits for the last
-  post-reduce event of each stream that post-reduced, and the held buffers are released.
+  post-reduce event of each stream that post-reduced and for the held reduce-scatter input's
+  event; the held all-gather buffers are released too (torch keeps them until the next
+  unshard: the same waits, freed one step earlier).
 
 Each wait is one method here, so a test can take one away and watch the checker fail.
 """
@@ -56,13 +58,24 @@ class CommContext:
         self.post_reduce_events: dict[Any, Any] = {}
 
     # -- root pre-forward -----------------------------------------------------------------
-    def begin_forward(self) -> None:
+    def begin_forward(self, post_optim_event: Any = None) -> bool:
+        """Pick the layer for this step; with streams, the all-gather streams wait for the
+        optimizer: for ``post_optim_event`` if given (``set_post_optim_event``), else for the
+        current stream.  Whether the layer has streams (if not, the caller waits for the
+        event its own way)."""
         self.layer = layer = device.layer_for(self.device)
         self.streams = layer.has_streams
-        if self.streams:
+        if not self.streams:
+            return False
+        copy_in, ag = layer.stream(device.ALL_GATHER_COPY_IN), layer.stream(device.ALL_GATHER)
+        if post_optim_event is not None:
+            copy_in.wait_event(post_optim_event)
+            ag.wait_event(post_optim_event)
+        else:
             cur = layer.current_stream()
-            layer.stream(device.ALL_GATHER_COPY_IN).wait_stream(cur)
-            layer.stream(device.ALL_GATHER).wait_stream(cur)
+            copy_in.wait_stream(cur)
+            ag.wait_stream(cur)
+        return True
 
     # -- all-gather -------------------------------------------------------------------------
     def all_gather_streams(self) -> tuple[Any, Any, bool]:
