@@ -23,6 +23,9 @@ checked in full and stepped many times, with only what can change between
 steps checked per step.  A CPU tensor whose storage cannot hold it (freed or shrunk
 with ``untyped_storage().resize_()``) is a ``ValueError`` on every path:
 torch's own ops would read past the storage too.
+While a recording device layer is installed (``set_twins_only``, set by
+``_runtime.device.use``) no tensor crosses (``c_tensor_ok`` is False): every call takes its
+twin, as an accelerator tensor's does, so every op goes through torch's dispatcher.
 Calls that may split a large copy across threads (``chunk_pack``,
 ``chunk_unpack``) pass ``torch.get_num_threads()`` as the limit, so
 ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` bound the C core as they

@@ -11,11 +11,13 @@ transport in its place, so the log carries gloo's c10d collectives on their stre
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from cfsdp._runtime import comm, device
@@ -123,6 +125,46 @@ def test_post_optim_event_is_waited_by_the_all_gather_streams(transport, monkeyp
         assert ("wait_event", "all_gather", ev.id) in rec.log
     assert [e for e in rec.log if e[0] == "wait_stream" and e[1] == "all_gather_copy_in"] == [
         ("wait_stream", "all_gather_copy_in", CURRENT)]  # the first step only
+
+
+def test_a_call_of_two_dtypes_shares_the_root_streams(transport):
+    """A ``fully_shard`` call over two dtypes (``ChunkUnitGroup``: one chunk unit each) takes
+    the root's protocol in every member."""
+    import cfsdp
+
+    class TwoDtypes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.s = nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+        def forward(self, x):
+            return (x @ self.w) * self.s.float()
+
+    def run(rec):
+        torch.manual_seed(0)
+        model = nn.Sequential(TwoDtypes(), nn.Linear(8, 2))
+        cfsdp.fully_shard(model[0])
+        cfsdp.fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with device.use(rec) if rec is not None else contextlib.nullcontext():
+            for _ in range(2):
+                loss = model(torch.randn(4, 8)).square().sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return losses, [p.detach().full_tensor() for p in model.parameters()]
+
+    want = run(None)
+    rec = RecordingDevice()
+    got = run(rec)
+    check(rec.log)
+    sc.assert_same(want, got)
+    # 3 chunk units x 2 steps reduced on the stream, 2 events each (after the collective,
+    # after the fold)
+    assert len([e for e in rec.log if e[0] == "record_event" and e[1] == "reduce_scatter"]) == 12
 
 
 def test_all_reduce_hook_on_its_stream(transport):
