@@ -408,6 +408,8 @@ class FSDPModule:
         for p in root.pending:
             p.pending.wait()
         root.pending.clear()
+        if root.streams is not None:  # as torch: the current stream waits, held buffers go
+            root.streams.end_backward()
         root.callback_queued = False
         root.exec_order.clear()
         root.recording = True

@@ -167,6 +167,27 @@ def test_a_call_of_two_dtypes_shares_the_root_streams(transport):
     assert len([e for e in rec.log if e[0] == "record_event" and e[1] == "reduce_scatter"]) == 12
 
 
+def test_reset_iter_state_after_an_aborted_backward(transport):
+    """An exception in backward (after some reductions), ``reset_iter_state``, then a step:
+    the checker passes over all of it."""
+    import cfsdp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    for m in model:
+        cfsdp.fully_shard(m)
+    cfsdp.fully_shard(model)
+    rec = RecordingDevice()
+    with device.use(rec):
+        x = torch.randn(4, 8, requires_grad=True)
+        x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
+        with pytest.raises(RuntimeError, match="injected"):
+            model(x).sum().backward()
+        model.reset_iter_state()
+        model(torch.randn(4, 8)).sum().backward()
+    check(rec.log)
+
+
 def test_all_reduce_hook_on_its_stream(transport):
     """``set_all_reduce_hook(stream=s)`` runs the hook on ``s``, ordered both ways."""
     want = _train(None)

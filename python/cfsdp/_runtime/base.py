@@ -206,6 +206,7 @@ class FinishedReduce:
     ordering is the streams', [Note: stream protocol] in chunk/streams.py)."""
 
     __slots__ = ()
+    pending = comm.Pending(None)  # nothing in flight (reset_iter_state waits for it)
 
     def finish(self) -> None:
         pass
