@@ -23,6 +23,9 @@ checked in full and stepped many times, with only what can change between
 steps checked per step.  A CPU tensor whose storage cannot hold it (freed or shrunk
 with ``untyped_storage().resize_()``) is a ``ValueError`` on every path:
 torch's own ops would read past the storage too.
+While a recording device layer is installed (``set_twins_only``, set by
+``_runtime.device.use``) no tensor crosses (``c_tensor_ok`` is False): every call takes its
+twin, as an accelerator tensor's does, so every op goes through torch's dispatcher.
 Calls that may split a large copy across threads (``chunk_pack``,
 ``chunk_unpack``) pass ``torch.get_num_threads()`` as the limit, so
 ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` bound the C core as they
@@ -139,13 +142,24 @@ def _storage_error(t: torch.Tensor, need: int, have: int) -> ValueError:
     )
 
 
+_TWINS_ONLY = False  # set_twins_only: a recording device layer is installed
+
+
+def set_twins_only(on: bool) -> None:
+    """While on, no tensor may cross into C (``c_tensor_ok`` is False): every call takes
+    its twin, as an accelerator tensor's does.  Set by the runtime's device layer
+    (``_runtime.device.use``) for a layer whose tensors must take the accelerator path."""
+    global _TWINS_ONLY
+    _TWINS_ONLY = bool(on)
+
+
 def c_tensor_ok(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory may cross into C as (address, numel, dtype code): the
     rule of the module doc, also the shared-memory collectives' (``cfsdp._runtime.comm``;
     nothing in it depends on an address, so it picks the same route on every rank).
     ``ValueError`` for a CPU tensor whose storage cannot hold it.  On the hot path of
     every call: cheap checks first, no Python loop for a contiguous tensor."""
-    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided:
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or _TWINS_ONLY:
         return False
     if not _has_storage(t) or _functorch_wrapped(t):
         return False

@@ -41,7 +41,9 @@ from ._torch.fsdp2 import STATE_KEY as _STATE_KEY
 from ._torch.fsdp2 import RegistryItem as _RegistryItem
 from ._torch.fsdp2 import ShardPlacementResult
 from ._torch.fsdp2 import get_registry as _get_registry
+from ._runtime import device as device_layer
 from ._runtime.chunk.group import chunk_units
+from ._runtime.chunk.streams import CommContext
 from ._runtime.chunk.param import DPMesh, local_data
 from ._runtime.chunk.unit import ChunkUnit
 from ._runtime.hooks import BACKWARD_PRE, UnitState, cast_floating, lazy_init_root
@@ -142,8 +144,13 @@ class _FSState:
                 "call module.reset_parameters() on each module to initialize values."
             )
         lazy_init_root(st, [s.ustate for s in states], BACKWARD_PRE, False)
+        units = [s.unit for s in states if s.unit is not None]
+        ctx = CommContext(st, units[0].device if units else torch.device("cpu"))
+        st.root.streams = ctx
         for s in states:
             s.ustate.fs_state = s  # type: ignore[attr-defined]
+        for u in units:
+            u._comm = ctx
 
     @dynamo_disable
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -155,9 +162,11 @@ class _FSState:
         first = st.training_state is not TrainingState.FORWARD
         if first:
             self.lazy_init(module)
-            if st.is_root and self.post_optim_event is not None:
+            if st.is_root:
                 event, self.post_optim_event = self.post_optim_event, None
-                _wait_event_on_current_stream(event)
+                # with streams the all-gather streams wait for it ([Note: stream protocol])
+                if not st.root.streams.begin_forward(event) and event is not None:
+                    _wait_event_on_current_stream(event)
             self._to_run = {id(m) for m in self.modules}
         args, kwargs = self._cast_inputs(args, kwargs)
         st.pre_forward()
@@ -399,6 +408,8 @@ class FSDPModule:
         for p in root.pending:
             p.pending.wait()
         root.pending.clear()
+        if root.streams is not None:  # as torch: the current stream waits, held buffers go
+            root.streams.end_backward()
         root.callback_queued = False
         root.exec_order.clear()
         root.recording = True
@@ -843,24 +854,23 @@ def _validate_call(modules: list, mesh: Optional[DeviceMesh], dp_mesh_dims: Any,
 def _on_stream(hook: Callable[[torch.Tensor], None], stream) -> Callable[[torch.Tensor], None]:
     """``set_all_reduce_hook``'s ``hook`` run on ``stream``, ordered after the work that
     made its argument and before the work that reads it next (both on the current stream
-    of ``stream``'s device)."""
+    of ``stream``'s device, as its device layer gives it: [Note: device layer])."""
     device = getattr(stream, "device", None)  # (torch.cpu.Stream has none)
-    device_type = "cpu" if device is None else torch.device(device).type
-    device_module = torch.get_device_module(device_type)
-    if device_type == "cpu":  # CPU work is synchronous: nothing to order
-        def on_cpu(output: torch.Tensor) -> None:
-            with device_module.stream(stream):
-                hook(output)
-
-        return on_cpu
+    device = torch.device("cpu") if device is None else torch.device(device)
+    device_module = torch.get_device_module(device.type)
 
     def on_stream(output: torch.Tensor) -> None:
-        current = device_module.current_stream()
+        layer = device_layer.layer_for(device)
+        if not layer.has_streams:  # CPU work is synchronous: nothing to order
+            with device_module.stream(stream):
+                hook(output)
+            return
+        current = layer.current_stream()
         stream.wait_stream(current)  # the reduced gradient is ready
-        with device_module.stream(stream):
+        with layer.on(stream):
             hook(output)
-        if output.device.type == device_type:
-            output.record_stream(stream)  # not reused while the hook's kernels read it
+        if output.device.type == device.type:
+            layer.record_stream(output, stream)  # not reused while the hook's kernels read it
         current.wait_stream(stream)  # the post-divide and accumulation come after the hook
 
     return on_stream
@@ -871,10 +881,10 @@ def _wait_event_on_current_stream(event: torch.Event) -> None:
     ``wait_event``): the stream cfsdp issues the root's all-gathers from (the current one)
     waits for ``event`` on the device, the CPU does not block.  A CPU event (torch has none
     that records) is waited for on the CPU."""
-    if event.device.type == "cpu":
+    if event.device.type == "cpu" and device_layer.layer_for(event.device) is device_layer.NO_STREAMS:
         event.synchronize()
         return
-    torch.get_device_module(event.device.type).current_stream(event.device).wait_event(event)
+    device_layer.layer_for(event.device).current_stream().wait_event(event)
 
 
 def _states_to_move(managed: list[nn.Module], params: list, device: torch.device) -> list:

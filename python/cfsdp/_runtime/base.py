@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
+from . import comm, device
 from .reduce import scale_cast_add
 
 
@@ -201,6 +201,17 @@ class PendingReduce:
         self.unit.accumulate_reduced(self.out, self.divided)
 
 
+class FinishedReduce:
+    """A reduction already folded in when it was issued (the stream protocol's: its
+    ordering is the streams', [Note: stream protocol] in chunk/streams.py)."""
+
+    __slots__ = ()
+    pending = comm.Pending(None)  # nothing in flight (reset_iter_state waits for it)
+
+    def finish(self) -> None:
+        pass
+
+
 def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool) -> None:
     """Fold a reduce-scattered gradient shard ``out`` into ``u.saved_grad``: HSDP's
     all-reduce across replicas, the all-reduce hook, then torch's order: post-divide in
@@ -270,10 +281,16 @@ def alloc_storage(t: torch.Tensor) -> None:
     want = t.numel() * t.element_size()
     if st.size() != want:
         st.resize_(want)
+        layer = device.notified()
+        if layer is not None:
+            layer.alloc(t)
 
 
 def free_storage(t: torch.Tensor) -> None:
     """Free ``t``'s storage, keeping the tensor (and views of it) for reuse."""
+    layer = device.notified()
+    if layer is not None:
+        layer.free(t)
     t.untyped_storage().resize_(0)
 
 
@@ -319,6 +336,7 @@ def wrappers_in(module: nn.Module) -> list[nn.Module]:
 
 __all__ = [
     "TrainingState", "UnitContract", "ShardedReduceTarget", "UnshardStates", "PendingReduce",
+    "FinishedReduce",
     "accumulate_sharded", "hook_grad_ready", "alloc_storage", "free_storage", "set_grad",
     "all_none", "views_or_none", "WRAPPER_CLASS_MARK", "wrappers_in",
 ]

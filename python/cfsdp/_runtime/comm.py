@@ -66,7 +66,9 @@ takes the process group (NCCL) through a transport of its own per group
 thread.  So a group whose collectives only ever carry accelerator tensors (every group of a
 GPU job) never makes a segment; a group that carries both (``cpu:gloo,cuda:nccl``) is set
 up at its first CPU-tensor collective, which is the same point on every rank (ranks issue
-a group's collectives in one order).
+a group's collectives in one order).  A device layer whose tensors must take that path
+(``device.layer_for(t.device).host_paths`` False: a test's recording layer, [Note: device
+layer]) sends CPU tensors here too, the one seam for it.
 
 Set-up (the decision that cannot be fooled).  On the group's first collective on CPU tensors (or
 ``uses_shm``/``describe``), every rank of the group, through the default store under the
@@ -229,7 +231,7 @@ import torch.distributed as dist
 
 from .. import _core
 from .._torch import core as _torch_core
-from . import agree, shutdown, two_level
+from . import agree, device, shutdown, two_level
 
 SHM_ENV = "CFSDP_SHM"
 SHM_SLOT_ENV = "CFSDP_SHM_SLOT_BYTES"
@@ -1054,7 +1056,7 @@ def transport(group: Optional[dist.ProcessGroup] = None,
     tensors"); else the group's transport, set up on its first use: a collective call, so
     every rank of the group calls it at the same point."""
     group = _resolve(group)
-    if t is not None and t.device.type != "cpu":
+    if t is not None and (t.device.type != "cpu" or not device.layer_for(t.device).host_paths):
         return _accelerator_transport(group)
     return _state(group)
 

@@ -115,6 +115,9 @@ class RootState:
         self.callback_queued = False
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
+        # the face's stream protocol, if it has one (fully_shard: chunk.streams.CommContext):
+        # ``end_backward()`` runs in the final callback once every reduction is finished
+        self.streams: Optional[Any] = None
 
 
 class UnitState:
@@ -317,6 +320,8 @@ class UnitState:
             raise AssertionError("cfsdp: final callback without root")
         while root.pending:
             root.pending.pop(0).finish()
+        if root.streams is not None:
+            root.streams.end_backward()
         for st in root.states:
             u = st.unit
             if u is not None:

@@ -278,3 +278,27 @@ def unshard_in_backward_false(ctx):
 @h.subtest(grid={"feature": list(FEATURES)})
 def features(ctx, feature: str):
     run_scenario(ctx, FEATURES[feature]())
+
+
+@h.subtest(grid={"reshard_after_forward": [True, False]})
+def recorded_streams(ctx, reshard_after_forward: bool):
+    """torch FSDP2's stream protocol under the recording device layer (stream_check.py;
+    tests/unit/test_streams.py runs it at world 1): two steps with gloo's collectives, the
+    happens-before checker passes, losses and parameters bitwise those of the same run
+    without the recorder, every collective issued on a side stream.  The ordering logic
+    only: nothing here runs on a GPU."""
+    import stream_check as sc
+
+    mesh = mesh_1d(ctx)
+    want = sc.train(None, mesh, reshard_after_forward, seed=ctx.rank)
+    rec = sc.RecordingDevice()
+    got = sc.train(rec, mesh, reshard_after_forward, seed=ctx.rank)
+    sc.check(rec.log)
+    sc.assert_same(want, got)
+    on_current = [op for op in rec.ops_on(sc.CURRENT) if op.startswith("c10d.")]
+    if on_current:
+        raise AssertionError(f"collectives on the current stream: {on_current}")
+    for stream, op in (("all_gather", "c10d._allgather_base_.default"),
+                       ("reduce_scatter", "c10d._reduce_scatter_base_.default")):
+        if op not in rec.ops_on(stream):
+            raise AssertionError(f"no {op} on the {stream} stream")

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from ... import _core
 from ..._torch.dtensor import DTensorSpec, redistribute_local_tensor
-from .. import comm
-from ..base import PendingReduce, accumulate_sharded, all_none, views_or_none
+from .. import comm, device
+from ..base import FinishedReduce, PendingReduce, accumulate_sharded, all_none, views_or_none
 from ..reduce import divide_factors
 
 
@@ -212,16 +212,52 @@ class ChunkGrads:
             grad, self.acc_grad = acc, None
         if self._partial:  # (a partial sum is redistributed once it is complete)
             self._redistribute_partial(grad)
-        if self.saved_grad is None and self.reduce_dtype == self.dtype:
-            out = self.new_grad_buffer()  # reduce straight into the gradient
-        else:
-            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        ctx = self._comm
+        if ctx is not None and ctx.streams:
+            return self._reduce_on_streams(ctx, grad)
+        out = self._reduce_out()
         self.grad_unsharded = False
         # on shared memory the pack runs piece by piece into the shared slots (no
         # rank-major buffer); on the process group it is chunk_pack, then the collective
         pending = comm.reduce_scatter_pack(out, grad.contiguous(), self._plan, self._plan_bytes,
                                            self.pre_divide, self.group, True, op=self.reduce_op)
         return PendingReduce(self, pending, out)
+
+    def _reduce_out(self) -> torch.Tensor:
+        if self.saved_grad is None and self.reduce_dtype == self.dtype:
+            return self.new_grad_buffer()  # reduce straight into the gradient
+        return torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+
+    def _reduce_on_streams(self, ctx, grad: torch.Tensor) -> FinishedReduce:
+        """[Note: stream protocol] in streams.py: pack, reduce-scatter (``async_op=False``)
+        and fold in on the reduce-scatter stream (HSDP's all-reduce and an all-reduce hook
+        on the all-reduce stream, which the fold then follows); finished when it returns,
+        as far as the CPU is concerned."""
+        layer = ctx.layer
+        cur = layer.current_stream()
+        rs = layer.stream(device.REDUCE_SCATTER)
+        ctx.release_reduce_scatter()
+        ctx.reduce_scatter_waits_current(rs, cur)
+        W, S = self.world_size, self.shard_numel
+        grad = grad.contiguous()
+        layer.record_stream(grad, rs)  # made on the current stream, read on this one
+        with layer.on(rs):
+            inp = torch.empty(W * S, dtype=self.reduce_dtype, device=self.device)
+            _core.chunk_pack(inp, grad, self._plan, W, S, divisor=self.pre_divide)
+            out = self._reduce_out()
+            comm.reduce_scatter(out, inp, self.group, False, op=self.reduce_op)
+            rs_event = rs.record_event()
+        self.grad_unsharded = False
+        post = rs
+        if (self.replicate_group is not None and self.requires_all_reduce) or (
+                self.replicate_group is None and self.all_reduce_hook is not None):
+            post = layer.stream(device.ALL_REDUCE)
+            post.wait_stream(rs)
+        with layer.on(post):
+            accumulate_sharded(self, out, False)
+            ctx.post_reduce_events[post] = post.record_event()
+        ctx.hold_reduce_scatter((inp,), rs_event)
+        return FinishedReduce()
 
     def publish_grad(self) -> None:
         """Expose the reduced gradient: each parameter's ``.grad`` is a DTensor

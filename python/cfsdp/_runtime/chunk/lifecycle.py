@@ -57,6 +57,9 @@ class ChunkLifecycle(UnshardStates):
         self._bind.register(self._unsharded_occ)
 
     def _start_unshard(self):
+        ctx = self._comm
+        if ctx is not None and ctx.streams:
+            return self._start_unshard_on_streams(ctx)
         gathered = self._post_forward_shard_gather()
         if gathered is not None:
             return gathered
@@ -71,6 +74,43 @@ class ChunkLifecycle(UnshardStates):
         work = comm.all_gather_unpack(self.natural.data, src, self._plan, self._plan_bytes,
                                       self.group, async_op=True)
         return work, None
+
+    def _start_unshard_on_streams(self, ctx):
+        """[Note: stream protocol] in streams.py: the copy-in on the copy-in stream, the
+        all-gather (``async_op=False``) inside the all-gather stream, an event after it; the
+        copy-out is ``_finish_unshard``'s, on the current stream."""
+        layer = ctx.layer
+        copy_in, ag, in_step = ctx.all_gather_streams()
+        if in_step:
+            ctx.release_all_gather()
+        kept, self._post_forward_shard = self._post_forward_shard, None
+        with layer.on(copy_in):
+            src, group = self.shard, self.group
+            if kept is not None:  # reshard_after_forward=k: over the post-forward group
+                src, group = kept, self.post_forward_group
+            elif self.uses_mp:
+                src = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+                _core.scale_cast_add(src, self.shard, 1.0, False)
+            gathered = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype,
+                                   device=self.device)
+        ag.wait_stream(copy_in)
+        with layer.on(ag):
+            comm.all_gather(gathered, src, group, async_op=False)
+            event = ag.record_event()
+        temps = (gathered,) if src is self.shard else (gathered, src)
+        return comm.Pending(None), (temps, event, in_step)
+
+    def _copy_out_on_streams(self, temps: tuple, event, in_step: bool) -> None:
+        ctx = self._comm
+        ctx.wait_unshard_event(event)
+        alloc_storage(self.natural)
+        _core.chunk_unpack(self.natural.data, temps[0], self._plan, self.world_size,
+                           self.shard_numel)
+        if in_step:  # held until the next unshard's streams waited (torch's all_gather_state)
+            ctx.hold_all_gather(temps, ctx.layer.current_stream().record_event())
+        else:
+            for t in temps:
+                ctx.layer.free(t)
 
     def reshard_after_forward(self, for_backward: bool) -> None:
         """Post-forward reshard.  With a post-forward group (``reshard_after_forward``
@@ -105,8 +145,10 @@ class ChunkLifecycle(UnshardStates):
         out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
         return comm.all_gather(out, kept, self.post_forward_group, async_op=True), out
 
-    def _finish_unshard(self, gathered: Optional[torch.Tensor]) -> None:
-        if gathered is not None:  # gathered over the post-forward group: copy it out
+    def _finish_unshard(self, gathered) -> None:
+        if type(gathered) is tuple:  # the stream protocol's all-gather
+            self._copy_out_on_streams(*gathered)
+        elif gathered is not None:  # gathered over the post-forward group: copy it out
             alloc_storage(self.natural)
             # through ``.data``: refilling the buffer must not bump the version counter
             # of the views autograd saved in forward (they see the same values again)

@@ -147,6 +147,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
             _core.shard_fill(self.shard, 0, rows_here, [q.shard_off for q in self.params])
         self._new_natural()
         self._init_unshard_states()  # ``_buf``: ``natural`` while unsharded
+        self._comm = None  # the root's CommContext (streams.py), set at lazy init
         self.saved_grad: Optional[torch.Tensor] = None
         # no sync: the unreduced gradient summed in reduce_dtype ([Note: no-sync accumulation])
         self.acc_grad: Optional[torch.Tensor] = None

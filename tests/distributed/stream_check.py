@@ -1,0 +1,336 @@
+"""A recording device layer and a happens-before checker for cfsdp's stream protocol.
+
+``RecordingDevice`` is a device layer ([Note: device layer] in ``cfsdp/_runtime/device.py``)
+installed with ``cfsdp._runtime.device.use``: its streams are names with one sequential queue
+each, and it logs, in program order, every stream op (``wait_stream``, ``record_event``,
+``wait_event``), ``record_stream``, the runtime's ``free``/``alloc`` notifications, and every
+tensor op the run executes (a ``TorchDispatchMode``), with the stream that was current when it
+ran, the storages it read and wrote, and those it made.  While it is installed the runtime
+takes the accelerator path (twins' torch ops, the process group), so every op is seen.
+
+``check(log)`` replays the log with one vector clock per stream (``wait_event`` and
+``wait_stream`` join clocks) and raises :class:`RaceError` on:
+
+* a read of a storage not ordered after the last write to it on another stream;
+* a write not ordered after the prior reads and writes on other streams;
+* a free not ordered (on the stream the storage was allocated on) after every access on
+  other streams, unless ``record_stream`` covered that stream.
+
+This checks the ordering logic of the runtime, as the log shows it; it proves nothing about
+CUDA itself (kernels, the caching allocator, NCCL).  :func:`train` is the run both tests make
+(``tests/unit/test_streams.py`` at world 1, ``fully_shard/features.py``'s
+``recorded_streams`` at world 2).  A helper: it registers no subtest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CURRENT = "current"
+
+
+class RaceError(AssertionError):
+    """An access or free the streams do not order (the message names ops and streams)."""
+
+
+class RecEvent:
+    _ids = itertools.count()
+
+    def __init__(self, stream: "RecStream"):
+        self.id = next(self._ids)
+        self.stream = stream
+
+
+class RecStream:
+    """A stream of the recording device: its ops only go to the log."""
+
+    def __init__(self, rec: "RecordingDevice", name: str):
+        self.rec, self.name = rec, name
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, other: "RecStream") -> None:
+        self.rec.log.append(("wait_stream", self.name, other.name))
+
+    def record_event(self) -> RecEvent:
+        ev = RecEvent(self)
+        self.rec.log.append(("record_event", self.name, ev.id))
+        return ev
+
+    def wait_event(self, ev: RecEvent) -> None:
+        self.rec.log.append(("wait_event", self.name, ev.id))
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+def _storages(x: Any, out: list) -> None:
+    if isinstance(x, torch.Tensor):
+        if type(x) not in (torch.Tensor, torch.nn.Parameter) and hasattr(x, "__tensor_flatten__"):
+            attrs, _ = x.__tensor_flatten__()
+            for a in attrs:
+                _storages(getattr(x, a), out)
+            return
+        try:
+            out.append(x.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            pass
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _storages(y, out)
+
+
+def key(t: torch.Tensor) -> int:
+    out: list = []
+    _storages(t, out)
+    return out[0]
+
+
+# c10d's schemas mark no writes: the tensors each collective writes, by argument name
+_C10D_WRITES = {"output_tensor", "output_tensors", "output"}
+_C10D_INPLACE = {"tensors", "tensor"}
+
+
+class RecordingDevice(TorchDispatchMode):
+    """A device layer that logs (see the module doc); ``log`` is the list ``check`` reads."""
+
+    has_streams = True
+    host_paths = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple] = []
+        self._streams: dict[str, RecStream] = {}
+        self._current = self._cur = RecStream(self, CURRENT)
+
+    # -- the device layer --------------------------------------------------------------------
+    def current_stream(self) -> RecStream:
+        return self._cur
+
+    def stream(self, name: str) -> RecStream:
+        s = self._streams.get(name)
+        if s is None:
+            s = self._streams[name] = RecStream(self, name)
+        return s
+
+    @contextlib.contextmanager
+    def on(self, s: RecStream) -> Iterator[None]:
+        prev, self._cur = self._cur, s
+        try:
+            yield
+        finally:
+            self._cur = prev
+
+    def record_stream(self, t: torch.Tensor, s: RecStream) -> None:
+        self.log.append(("record_stream", s.name, key(t)))
+
+    def free(self, t: torch.Tensor) -> None:
+        self.log.append(("free", self._cur.name, key(t)))
+
+    def alloc(self, t: torch.Tensor) -> None:
+        self.log.append(("alloc", self._cur.name, key(t)))
+
+    # -- every tensor op -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        reads: list = []
+        writes: list = []
+        c10d = schema.name.startswith("c10d::")
+        named = dict(zip((a.name for a in schema.arguments), args))
+        named.update(kwargs)
+        for a in schema.arguments:
+            if a.name not in named:
+                continue
+            got: list = []
+            _storages(named[a.name], got)
+            if not got:
+                continue
+            if c10d:
+                if a.name in _C10D_WRITES:
+                    writes += got
+                elif a.name in _C10D_INPLACE and schema.name.endswith("_"):
+                    reads += got
+                    writes += got
+                else:
+                    reads += got
+            elif a.alias_info is not None and a.alias_info.is_write:
+                writes += got
+            else:
+                reads += got
+        out = func(*args, **kwargs)
+        fresh: list = []
+        if not c10d:
+            flat, _ = tree_flatten(out)
+            rets = schema.returns
+            for i, o in enumerate(flat):
+                r = rets[i] if i < len(rets) else None
+                if r is not None and r.alias_info is not None:
+                    continue
+                got = []
+                _storages(o, got)
+                for k in got:
+                    (writes if k in reads or k in writes else fresh).append(k)
+        self.log.append(("op", self._cur.name, str(func), tuple(reads), tuple(writes), tuple(fresh)))
+        return out
+
+    def ops_on(self, stream: str) -> list[str]:
+        """The names of the tensor ops logged on ``stream``."""
+        return [e[2] for e in self.log if e[0] == "op" and e[1] == stream]
+
+
+# ---------------------------------------------------------------------------------------------
+# the checker
+# ---------------------------------------------------------------------------------------------
+
+
+class _Storage:
+    __slots__ = ("owner", "write", "reads", "acc", "rec")
+
+    def __init__(self, owner: Optional[str]):
+        self.owner = owner
+        self.write: Optional[tuple] = None  # (stream, n, op)
+        self.reads: dict[str, tuple] = {}  # since the last write: stream -> (n, op)
+        self.acc: dict[str, tuple] = {}  # since the allocation: stream -> (n, op)
+        self.rec: set[str] = set()  # record_stream'd streams
+
+
+def check(log: list[tuple]) -> None:
+    """Replay ``log`` (``RecordingDevice.log``'s format) and raise :class:`RaceError` at the
+    first access or free the streams do not order."""
+    vc: dict[str, dict[str, int]] = {}
+    events: dict[int, dict[str, int]] = {}
+    st: dict[int, _Storage] = {}
+
+    def clock(s: str) -> dict[str, int]:
+        c = vc.get(s)
+        if c is None:
+            c = vc[s] = {}
+        return c
+
+    def join(a: dict, b: dict) -> None:
+        for k, v in b.items():
+            if a.get(k, 0) < v:
+                a[k] = v
+
+    def ordered(at: str, s: str, n: int) -> bool:
+        return s == at or clock(at).get(s, 0) >= n
+
+    for i, e in enumerate(log):
+        kind, s = e[0], e[1]
+        if kind == "wait_stream":
+            join(clock(s), clock(e[2]))
+        elif kind == "record_event":
+            events[e[2]] = dict(clock(s))
+        elif kind == "wait_event":
+            join(clock(s), events[e[2]])
+        elif kind == "record_stream":
+            st.setdefault(e[2], _Storage(None)).rec.add(s)
+        elif kind == "alloc":
+            st[e[2]] = _Storage(s)
+        elif kind == "free":
+            x = st.pop(e[2], None)
+            if x is None:
+                continue
+            owner = x.owner or s
+            for t, (n, op) in x.acc.items():
+                if t != owner and t not in x.rec and not ordered(owner, t, n):
+                    raise RaceError(
+                        f"log[{i}]: free of storage {e[2]:#x} (notified on stream '{s}', "
+                        f"allocated on '{owner}') is not ordered after {op} on stream '{t}'")
+        elif kind == "op":
+            op, reads, writes, fresh = e[2], e[3], e[4], e[5]
+            c = clock(s)
+            n = c[s] = c.get(s, 0) + 1
+            for k in reads:
+                x = st.get(k)
+                if x is not None and x.write is not None:
+                    ws, wn, wop = x.write
+                    if not ordered(s, ws, wn):
+                        raise RaceError(
+                            f"log[{i}]: {op} on stream '{s}' reads storage {k:#x} not ordered "
+                            f"after its write by {wop} on stream '{ws}'")
+            for k in writes:
+                x = st.get(k)
+                if x is None:
+                    continue
+                prior = ([x.write] if x.write is not None else []) + [
+                    (t, rn, rop) for t, (rn, rop) in x.reads.items()]
+                for ps, pn, pop in prior:
+                    if not ordered(s, ps, pn):
+                        raise RaceError(
+                            f"log[{i}]: {op} on stream '{s}' writes storage {k:#x} not ordered "
+                            f"after {pop} on stream '{ps}'")
+            for k in reads:
+                x = st.get(k)
+                if x is None:
+                    x = st[k] = _Storage(None)
+                x.reads[s] = (n, op)
+                x.acc[s] = (n, op)
+            for k in writes:
+                x = st.get(k)
+                if x is None:
+                    x = st[k] = _Storage(None)
+                x.write = (s, n, op)
+                x.reads = {}
+                x.acc[s] = (n, op)
+            for k in fresh:
+                x = st[k] = _Storage(s)
+                x.write = (s, n, op)
+                x.acc[s] = (n, op)
+        else:
+            raise ValueError(f"log[{i}]: unknown entry {e!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the run the tests record
+# ---------------------------------------------------------------------------------------------
+
+
+def train(rec: Optional[RecordingDevice], mesh: Any = None, reshard_after_forward: bool = True,
+          hook: bool = True, hook_stream: Any = None, steps: int = 2, seed: int = 0,
+          mp_policy: Any = None) -> tuple:
+    """A 3-unit ``cfsdp.fully_shard`` model (two children and the root) on ``mesh``, ``steps``
+    steps of SGD with momentum, with an all-reduce hook on one unit (``hook``; on
+    ``hook_stream(rec)`` if given) and ``mp_policy`` (if given); under ``rec`` if given.  Returns (losses, parameters'
+    full tensors)."""
+    import cfsdp
+    from cfsdp._runtime import device
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for i in (0, 2):
+        cfsdp.fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
+    cfsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
+    if hook:
+        stream = None if hook_stream is None else hook_stream(rec)
+        model[2].set_all_reduce_hook(lambda out: out.mul_(0.5), stream=stream)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    with device.use(rec) if rec is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8, generator=gen)).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return losses, [p.detach().full_tensor() for p in model.parameters()]
+
+
+def assert_same(want: tuple, got: tuple) -> None:
+    """Losses and parameters of two :func:`train` runs bitwise equal."""
+    for i, (a, b) in enumerate(zip(want[0] + want[1], got[0] + got[1])):
+        if not torch.equal(a, b):
+            raise AssertionError(f"recorded run differs at item {i}: {a} != {b}")
+
+
+__all__ = ["CURRENT", "RaceError", "RecordingDevice", "RecStream", "assert_same", "check", "key",
+           "train"]
