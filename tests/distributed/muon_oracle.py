@@ -75,3 +75,58 @@ class AllGatherMuon:
         """The full momentum buffer of ``p`` (its matrices' buffers stacked)."""
         ss = self.shadows[next(i for i, q in enumerate(self.params) if q is p)]
         return torch.stack([self.inner.state[s]["momentum_buffer"] for s in ss]).reshape(p.shape)
+
+
+class WrapperAllGatherMuon:
+    """The same for the FullyShardedDataParallel wrapper: ``torch.optim.Muon(**kwargs)`` on full
+    copies of the original matrices ``(unit, k)`` (``unit.infos[k]``) of wrapper units. Each
+    step all-gathers each unit's flat shard and flat gradient shard (the same gradient bits the
+    wrapper's optimizer sees, flat or through ``use_orig_params=True`` views), takes each
+    matrix's full parameter and gradient from the unit's layout, steps torch's Muon on all of
+    them (every rank every matrix), and writes this rank's range of each back into the shard.
+    ``zero_grad`` is the model's (the wrapper's own path)."""
+
+    def __init__(self, matrices, **kwargs):
+        self.matrices = list(matrices)
+        self.shadows = []
+        gathered = {}
+        for unit, k in self.matrices:
+            if id(unit) not in gathered:
+                gathered[id(unit)] = self._gather(unit, unit.shard)
+            self.shadows.append(nn.Parameter(self._full(unit, k, gathered[id(unit)]).clone()))
+        self.inner = torch.optim.Muon(self.shadows, **kwargs)
+        self.ns_matrices = 0
+
+    @staticmethod
+    def _gather(unit, shard: torch.Tensor) -> torch.Tensor:
+        out = shard.new_empty(unit.layout.padded_numel)
+        torch.distributed.all_gather_into_tensor(out, shard.contiguous(), group=unit.group)
+        return out
+
+    @staticmethod
+    def _full(unit, k: int, flat: torch.Tensor) -> torch.Tensor:
+        info, off = unit.infos[k], unit.layout.offsets[k]
+        return info.view(flat[off: off + info.numel])
+
+    @torch.no_grad()
+    def step(self) -> None:
+        params, grads = {}, {}
+        for unit, _ in self.matrices:
+            if id(unit) not in params and unit.flat_param.grad is not None:
+                params[id(unit)] = self._gather(unit, unit.shard)
+                grads[id(unit)] = self._gather(unit, unit.flat_param.grad)
+        stepped = []
+        for (unit, k), s in zip(self.matrices, self.shadows):
+            if id(unit) not in grads:
+                s.grad = None
+                continue
+            s.copy_(self._full(unit, k, params[id(unit)]))
+            s.grad = self._full(unit, k, grads[id(unit)]).clone()
+            stepped.append((unit, k, s))
+        self.inner.step()
+        for unit, k, s in stepped:
+            self.ns_matrices += 1
+            sl = unit.layout.slices[unit.rank][k]
+            flat = unit.infos[k].flat(s.detach())
+            unit.shard[sl.shard_offset: sl.shard_offset + sl.numel].copy_(
+                flat[sl.param_start: sl.param_start + sl.numel])

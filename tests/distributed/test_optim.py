@@ -1,6 +1,7 @@
 """cfsdp.optim on both faces (FSDP1 wrapper with use_orig_params False/True, fully_shard)
 against torch.optim on the same face: bitwise losses, parameters and optimizer state dicts,
-and resume from saved state dicts (see worker_optim.py).
+and resume from saved state dicts (see worker_optim.py); cfsdp.optim.Muon on the wrapper's flat
+shards against the all-gather-everywhere Muon (muon_wrapper*).
 
 One torchrun launch per world size. ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
 """
@@ -10,9 +11,12 @@ import pytest
 from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 120
+# at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py): every
+# optimizer parity subtest, and one Muon-on-the-wrapper case
+AT_4 = "parity_and_resume|muon_wrapper[case=orig_adamw]"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_optim(world_size):
-    run_worker("worker_optim.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S)
+    run_worker("worker_optim.py", world_size, args=subtest_filter(world_size, AT_4), timeout=LAUNCH_TIMEOUT_S)

@@ -23,6 +23,7 @@ path, in at most one bucket (one C call) per unit.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -38,6 +39,10 @@ import cfsdp
 from cfsdp import FullyShardedDataParallel as CFSDP
 from cfsdp import optim as co
 from cfsdp.checkpoint import state_dict as dsd
+from cfsdp.optim import _muon
+from cfsdp.optim._muon_owners import assign_owners
+from cfsdp.optim._muon_shard import exchange
+from muon_oracle import WrapperAllGatherMuon
 
 CPU = torch.device("cpu")
 STEPS, SAVE_AT = 8, 4
@@ -225,6 +230,180 @@ def parity_and_resume(ctx, case):
     load_optim_sd(face, model, opt, saved[1])
     same("resumed losses", train(model, opt, batches[SAVE_AT:]), closs[SAVE_AT:])
     same("resumed params", dict(model.named_parameters()), dict(cm.named_parameters()))
+
+
+class MatBlock(nn.Module):
+    """A unit of matrices only (the flat parameter Muon can take with use_orig_params=False):
+    63 + 45 + 35 = 143 elements, so at W=2 ``a`` lies on rank 0, ``b`` straddles the shard
+    boundary, ``c`` lies on rank 1 with the padding after it (at W=4: ``a`` and ``b`` straddle,
+    ``c`` and the padding on rank 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 9, bias=False)
+        self.b = nn.Linear(9, 5, bias=False)
+        self.c = nn.Linear(5, 7, bias=False)
+
+    def forward(self, x):
+        return x + self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class MuonNet(nn.Module):
+    """Two matrix units and a root unit of a matrix with a bias on each end."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList([MatBlock(), MatBlock()])
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+MUON_CASES = {  # name: (use_orig_params, Muon kwargs)
+    "flat": (False, {"lr": 0.02, "weight_decay": 0.1}),
+    "flat_plain_wd": (False, {"lr": 0.02, "weight_decay": 0.3, "nesterov": False}),
+    "orig_adamw": (True, {"lr": 0.02, "weight_decay": 0.1}),
+    "orig_plain_wd": (True, {"lr": 0.02, "weight_decay": 0.3, "nesterov": False,
+                             "adjust_lr_fn": "match_rms_adamw"}),
+    # Muon on the matrix units' originals only, AdamW on the root unit: FSDP.optim_state_dict
+    # of the Muon (it wants every trainable parameter of a unit it sees in the optimizer)
+    "orig_state_dict": (True, {"lr": 0.02, "weight_decay": 0.1}),
+}
+
+
+def _muon_model(ctx, uop: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return CFSDP(MuonNet(), process_group=ctx.pg, use_orig_params=uop, device_id=CPU,
+                 auto_wrap_policy=ModuleWrapPolicy({MatBlock}))
+
+
+def _muon_split(model: nn.Module, uop: bool, by_unit: bool = False):
+    """(Muon's parameters, AdamW's): with use_orig_params=False the matrix units' flat
+    parameters and the root's; with True the matrices (ndim >= 2 originals) and the rest
+    (``by_unit``: the matrix units' originals and the root unit's)."""
+    if uop:
+        mats, rest = [], []
+        root = model._handle.flat_param
+        for p in model.parameters():
+            unit, k = _muon._wrapped(p)
+            mat = unit.flat_param is not root if by_unit else len(unit.infos[k].shape) >= 2
+            (mats if mat else rest).append(p)
+        return mats, rest
+    units = [m for m in model.modules() if isinstance(m, CFSDP)]
+    flat = [u._handle.flat_param for u in units if u._handle is not None]
+    return flat[1:], flat[:1]  # the root unit's flat parameter comes first (emb, head)
+
+
+@h.subtest(grid={"case": list(MUON_CASES)})
+def muon_wrapper(ctx, case):
+    """cfsdp.optim.Muon on the wrapper's flat shards against the all-gather-everywhere Muon
+    (muon_oracle.WrapperAllGatherMuon) on the same wrapper: bitwise losses and parameters
+    after 3 steps, each matrix orthogonalized once per step, by its owner, in one exchange."""
+    uop, kw = MUON_CASES[case]
+    batches = data(ctx, 3)
+    runs = {}
+    for impl in ("cfsdp", "oracle"):
+        model = _muon_model(ctx, uop)
+        mats, rest = _muon_split(model, uop, case == "orig_state_dict")
+        adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
+        if impl == "cfsdp":
+            muon = co.Muon(mats, **kw)
+            counts = _muon_spy(muon)
+        else:
+            pairs = [_muon._wrapped(p) for p in mats]
+            muon = WrapperAllGatherMuon(
+                [(u, k) for u, j in pairs for k in ([j] if j is not None else range(len(u.infos)))],
+                **kw)
+        losses = []
+        for x, y in batches:
+            model.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            muon.step()
+            adamw.step()
+            losses.append(loss.detach().clone())
+        runs[impl] = (model, muon, losses, mats)
+    (cm, cmuon, closs, cmats), (om, omuon, oloss, _) = runs["cfsdp"], runs["oracle"]
+    same("losses", closs, oloss)
+    same("params", dict(cm.named_parameters()), dict(om.named_parameters()))
+    if case == "orig_state_dict":  # FSDP.optim_state_dict consolidates the 1-D momentum pieces, and loads back
+        _muon_state_round_trip(ctx, cm, cmuon, cmats, omuon, kw)
+    shapes = [tuple(u.infos[k].shape) for u, k in omuon.matrices]
+    owners = assign_owners(shapes, ctx.world_size)
+    mine = sum(1 for o in owners if o == ctx.rank)
+    assert counts == [[mine, 1]] * 3, (
+        f"rank {ctx.rank}: (matrices orthogonalized, exchanges) per step {counts}, expected "
+        f"{[mine, 1]} ({len(shapes)} matrices, owners {owners})")
+    assert omuon.ns_matrices == 3 * len(shapes)
+
+
+def _muon_state_round_trip(ctx, model, muon, mats, oracle, kw) -> None:
+    """use_orig_params=True: ``FSDP.optim_state_dict`` gives each matrix's full momentum
+    buffer, the oracle's bit for bit; ``optim_state_dict_to_load`` + ``load_state_dict`` on a
+    fresh model and Muon give back each rank's 1-D pieces."""
+    osd = CFSDP.optim_state_dict(model, muon)
+    names = {p: n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
+    for p, s in zip(mats, oracle.shadows):
+        same(f"full momentum of {names[p]}", osd["state"][names[p]]["momentum_buffer"],
+             oracle.inner.state[s]["momentum_buffer"])
+    fresh = _muon_model(ctx, True)
+    fmats, _ = _muon_split(fresh, True, True)
+    fmuon = co.Muon(fmats, **kw)
+    fmuon.load_state_dict(CFSDP.optim_state_dict_to_load(fresh, fmuon, osd))
+    for p, q in zip(mats, fmats):
+        got = fmuon.state[q].get("momentum_buffer") if q in fmuon.state else None
+        want = muon.state[p].get("momentum_buffer") if p in muon.state else None
+        if want is None or want.numel() == 0:
+            assert got is None or got.numel() == 0, f"{names[p]}: state loaded for an empty piece"
+        else:
+            same(f"loaded momentum of {names[p]}", got, want)
+
+
+def _muon_spy(opt) -> list:
+    """Per step, ``[matrices this rank orthogonalizes, exchanges it joins]``."""
+    counts: list = []
+    inner, step = opt._cf_orthogonalize, opt.step
+
+    def ortho(updates, group):
+        counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
+        return inner(updates, group)
+
+    def counted_exchange(*a, **k):
+        counts[-1][1] += 1
+        return exchange(*a, **k)
+
+    def counted_step(*a, **k):
+        counts.append([0, 0])
+        _muon.exchange = counted_exchange
+        try:
+            return step(*a, **k)
+        finally:
+            _muon.exchange = exchange
+
+    opt._cf_orthogonalize, opt.step = ortho, counted_step
+    return counts
+
+
+@h.subtest
+def muon_wrapper_refuses_1d(ctx):
+    """A flat parameter holding a 1-D original parameter (use_orig_params=False): torch's
+    ValueError, the original's FQN and what to do; the group is not added."""
+    model = _muon_model(ctx, False)
+    _, (root,) = _muon_split(model, False)
+    try:
+        co.Muon([root], lr=0.02)
+    except ValueError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("cfsdp.optim.Muon took a flat parameter holding 1-D parameters")
+    for want in ("Muon only supports 2D parameters whereas we found a parameter with size: "
+                 "torch.Size([7])", "'emb.bias'", "use_orig_params=True", "AdamW"):
+        assert want in msg, f"{want!r} not in {msg!r}"
 
 
 def _clone(x):

@@ -74,6 +74,7 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -91,15 +92,66 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _wrapped(p: Tensor) -> Optional[tuple]:
+    """``(unit, index)`` for a FullyShardedDataParallel wrapper's parameter: its flat parameter
+    (``index`` None) or, with ``use_orig_params=True``, original parameter ``index`` of
+    ``unit.infos`` (a view of the flat shard); None for any other tensor."""
+    ref = getattr(p, "_cfsdp_unit", None)
+    unit = ref() if ref is not None else None
+    if unit is None:
+        return None
+    if p is unit.flat_param:
+        return unit, None
+    for j, info in enumerate(unit.infos):
+        if info.param is p:
+            return unit, j
+    return None
+
+
+def _flat_layout(unit, j: int) -> Layout:
+    """Original parameter ``j`` of a sharded wrapper unit as element ranges: rank ``r`` of the
+    unit's group holds ``layout.slices[r][j].numel`` consecutive elements of it."""
+    lay = unit.layout
+    return Layout(unit.group, -1, 0, unit.rank, unit.world_size,
+                  tuple(dist.get_process_group_ranks(unit.group)),
+                  tuple(lay.slices[r][j].numel for r in range(lay.world_size)))
+
+
+def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
+    """Why original parameter ``j`` (every one of the unit when None) cannot be stepped."""
+    for k, info in enumerate(unit.infos):
+        if j is not None and k != j:
+            continue
+        where = f"original parameter '{info.fqn}' of shape {tuple(info.shape)}"
+        if info.tp_spec is not None:
+            return f"{where}: a tensor-parallel parameter of a wrapper unit (issue 27 phase 2b)"
+        if info.stride is not None and unit.sharded:
+            return (f"{where}: not row-major (stride {info.stride}), so its shard ranges are not "
+                    "row-major element ranges")
+    return None
+
+
+def _empty_piece(unit, j: Optional[int]) -> bool:
+    """Whether original parameter ``j`` has no element on this rank while its unit has a
+    gradient (torch FSDP1 leaves such a parameter's ``.grad`` None): its matrix is stepped on
+    the ranks holding it, so this rank takes part in its exchange with nothing."""
+    return (j is not None and unit.sharded and unit.infos[j].param.requires_grad
+            and unit.layout.slices[unit.rank][j].numel == 0 and unit.flat_param.grad is not None)
+
+
 def _layout(p: Tensor) -> tuple[Optional[Layout], Optional[str]]:
     """``(layout, None)`` for a sharded ``p`` Muon steps, ``(None, None)`` for a whole one,
-    ``(None, why)`` for a layout it cannot reassemble (see ``_muon_shard.shard_layout``)."""
+    ``(None, why)`` for a layout it cannot reassemble (see ``_muon_shard.shard_layout``).
+    The wrapper's parameters: see ``_wrapped`` (their layouts are per original parameter)."""
     if getattr(p, "_cfsdp_flattened", False):
+        w = _wrapped(p)
+        if w is not None:
+            return None, _wrapped_why(*w)
         fqns = getattr(p, "_fqns", None)
         if fqns:
             return None, f"a FullyShardedDataParallel wrapper's flat parameter (of {', '.join(fqns)})"
         return None, ("a FullyShardedDataParallel wrapper's original parameter (use_orig_params="
-                      "True): a view of the wrapper's flat shard")
+                      "True) whose unit is gone")
     return shard_layout(p)
 
 
@@ -203,12 +255,43 @@ class Muon(torch.optim.Muon):
                 "(Shard(d) DTensors on one mesh dim, HSDP included), ZeroRedundancyOptimizer "
                 "or DDP (whole parameters on each rank)"
             )
+        w = _wrapped(p)
+        if w is not None:
+            Muon._check_wrapped(group, i, p, gi, *w)
+            return
         if p.ndim < 2:
             raise ValueError(
                 "Muon only supports 2D parameters whereas we found a parameter with size: "
                 f"{p.size()} (parameter {_describe(group, i, gi)}; cfsdp.optim.Muon takes "
                 "ndim >= 2, leading dims a batch of matrices): put it in an AdamW group "
                 "(biases, norms, embeddings and the output head usually go to AdamW)"
+            )
+
+    @staticmethod
+    def _check_wrapped(group: dict, i: int, p: Tensor, gi: int, unit, j: Optional[int]) -> None:
+        """torch's refusal of a parameter of ndim < 2, for the wrapper's original parameters
+        (``p`` a flat parameter, or with use_orig_params=True a 1-D view of one's shard)."""
+        fqns = getattr(unit.flat_param, "_fqns", None) or [x.fqn for x in unit.infos]
+        for k, info in enumerate(unit.infos):
+            if (j is not None and k != j) or len(info.shape) >= 2:
+                continue
+            head = ("Muon only supports 2D parameters whereas we found a parameter with size: "
+                    f"{info.shape} (original parameter '{fqns[k]}' ")
+            if j is None:
+                raise ValueError(
+                    head + f"in the flat parameter {_describe(group, i, gi)} of a "
+                    "FullyShardedDataParallel unit with use_orig_params=False; cfsdp.optim.Muon "
+                    "steps every original parameter of a flat parameter it is given, each needs "
+                    "ndim >= 2): a flat parameter's original parameters share its param group, so "
+                    "wrap with use_orig_params=True and put the 1-D ones (biases, norms) in an "
+                    "AdamW group (the usual Muon + AdamW pairing), or wrap the modules holding "
+                    "the matrices in FSDP units of their own and give the other units' flat "
+                    "parameters to AdamW"
+                )
+            raise ValueError(
+                head + f"of a FullyShardedDataParallel unit, parameter {_describe(group, i, gi)}"
+                " of the optimizer: a 1-D view of the unit's flat shard): put it in an AdamW "
+                "group (biases, norms, embeddings and the output head usually go to AdamW)"
             )
 
     @torch.no_grad()
@@ -231,7 +314,11 @@ class Muon(torch.optim.Muon):
         # torch's _init_group: every check and new buffer before any arithmetic
         todo = []
         for i, p in enumerate(group["params"]):
+            w = _wrapped(p)
             if p.grad is None:
+                if w is not None and _empty_piece(*w):  # its unit's matrix: in the exchange
+                    self._check_param(group, i, p, gi)
+                    todo.append((i, p, None, w))
                 continue
             if torch.is_complex(p):
                 raise RuntimeError("Muon does not support complex parameters")
@@ -240,7 +327,9 @@ class Muon(torch.optim.Muon):
             layout, unsupported = _layout(p)
             if unsupported is not None:  # placed so since it was added: its error
                 self._check_param(group, i, p, gi)
-            if layout is None:
+            if w is not None:
+                self._check_param(group, i, p, gi)
+            elif layout is None:
                 why = _sharded(p.grad)
                 if why is not None:  # a whole parameter whose local gradient is not the whole one
                     raise NotImplementedError(
@@ -255,8 +344,17 @@ class Muon(torch.optim.Muon):
             state = self.state[p]
             if _KIND not in state:
                 state[_KIND] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            todo.append((i, p, layout))
-        for i, p, layout in todo:
+            todo.append((i, p, layout, w))
+        for i, p, layout, w in todo:
+            if w is not None:
+                if p.grad is not None and not (p.grad.shape == self.state[p][_KIND].shape
+                                               == p.shape):
+                    raise ValueError(
+                        f"cfsdp.optim.Muon: parameter {_describe(group, i, gi)} of shape "
+                        f"{tuple(p.shape)} (a FullyShardedDataParallel unit's) has a gradient of "
+                        f"shape {tuple(p.grad.shape)} and a momentum buffer of shape "
+                        f"{tuple(self.state[p][_KIND].shape)}; both must be the parameter's")
+                continue
             pl, g, buf = _local(p), _local(p.grad), _local(self.state[p][_KIND])
             whole = p.shape if layout is None else pl.shape
             if not (pl.shape == g.shape == buf.shape == whole) or p.ndim < 2:
@@ -271,15 +369,41 @@ class Muon(torch.optim.Muon):
         # finished before the second's momentum reads the buffer it updated
         pending: list = []
         seen: set = set()
-        for _, p, layout in todo:
+        for _, p, layout, w in todo:
             if id(p) in seen:
                 self._cf_finish(pending, group)
                 pending, seen = [], set()
             seen.add(id(p))
+            if w is not None:
+                pending += self._cf_wrapped(p, *w, group)
+                continue
             buf = _local(self.state[p][_KIND])
             upd = self._cf_momentum(_local(p.grad), buf, group["momentum"], group["nesterov"])
             pending.append((_local(p), upd, layout, tuple(p.shape)))
         self._cf_finish(pending, group)
+
+    def _cf_wrapped(self, p: Tensor, unit, j: Optional[int], group: dict) -> list:
+        """The pending entries of a wrapper parameter: the momentum on its whole local tensor
+        (the flat shard, or an original parameter's 1-D piece of it: elementwise), then one
+        entry per original matrix, its range of the shard over the unit's group (whole with
+        NO_SHARD).  An original parameter with no element here (no gradient) sends nothing."""
+        pd = p.detach()
+        if p.grad is None:  # _empty_piece
+            return [(pd, pd.new_empty(0), _flat_layout(unit, j), tuple(unit.infos[j].shape))]
+        upd = self._cf_momentum(p.grad, self.state[p][_KIND], group["momentum"], group["nesterov"])
+        if j is not None:
+            lay = _flat_layout(unit, j) if unit.sharded else None
+            return [(pd, upd, lay, tuple(unit.infos[j].shape))]
+        out = []
+        for k, info in enumerate(unit.infos):
+            if unit.sharded:
+                sl = unit.layout.slices[unit.rank][k]
+                a, b = sl.shard_offset, sl.shard_offset + sl.numel
+                out.append((pd[a:b], upd[a:b], _flat_layout(unit, k), tuple(info.shape)))
+            else:
+                a, b = unit.layout.offsets[k], unit.layout.offsets[k] + info.numel
+                out.append((info.view(pd[a:b]), info.view(upd[a:b]), None, tuple(info.shape)))
+        return out
 
     @staticmethod
     def _check_sharded(group: dict, i: int, gi: int, p: Tensor) -> None:
@@ -327,7 +451,8 @@ class Muon(torch.optim.Muon):
             lay = pending[ks[0]][2]
             res = exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks],
                            [pending[k][1] for k in ks],
-                           lambda fulls: self._cf_orthogonalize(fulls, group), torch.bfloat16)
+                           lambda fulls: self._cf_orthogonalize(fulls, group), torch.bfloat16,
+                           [pending[k][2].sizes for k in ks])
             for k, o in zip(ks, res):
                 ortho[k] = o
         for (pl, _, _, shape), o in zip(pending, ortho):

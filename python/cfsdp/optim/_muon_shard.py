@@ -50,6 +50,9 @@ class Layout(NamedTuple):
     index: int
     count: int
     ranks: tuple
+    # per rank of the group, how many consecutive elements of the row-major flattened matrix
+    # it holds (the wrapper's flat shards); None: torch.chunk along ``dim``
+    sizes: Optional[tuple] = None
 
 
 def shard_layout(t: Tensor) -> tuple[Optional[Layout], Optional[str]]:
@@ -105,10 +108,10 @@ def unpad_cat(slots: Sequence[Tensor], sizes: Sequence[int], dim: int) -> Tensor
     return torch.cat([s.narrow(dim, 0, k) for s, k in zip(slots, sizes)], dim=dim)
 
 
-def _slot_shape(shape: Sequence[int], dim: int, count: int) -> list[int]:
-    s = list(shape)
-    s[dim] = -(-s[dim] // count)
-    return s
+def _view_shape(shape: Sequence[int], sizes: Optional[Sequence[int]]) -> list[int]:
+    """The shape a matrix is split in: its own, or for element ranges
+    (``sizes`` given) its flattened ``[numel]``."""
+    return list(shape) if sizes is None else [math.prod(shape)]
 
 
 def exchange(
@@ -118,6 +121,7 @@ def exchange(
     chunks: Sequence[Tensor],
     orthogonalize: Callable[[list], list],
     out_dtype: torch.dtype,
+    sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> list[Tensor]:
     """This rank's chunk of ``orthogonalize``'s result for every matrix (see the module
     docstring).  ``chunks[k]`` is this rank's chunk along ``dims[k]`` of matrix ``k`` (full
@@ -125,16 +129,29 @@ def exchange(
     ``layout.count``, one dtype); ``orthogonalize`` takes a list of full tensors and
     returns one tensor per input, each reshapeable to the input's shape, of ``out_dtype``
     (given: a rank that owns no matrix sends and receives it too).
-    Every rank of ``layout.group`` must call this with the same shapes."""
+    ``sizes[k]``, when given and not None, makes matrix ``k``'s chunks element ranges (the
+    wrapper's flat shards): rank ``r`` holds ``sizes[k][r]`` consecutive elements of the
+    row-major flattened matrix, the ranges in rank order (``chunks[k]`` 1-D, ``dims[k]`` 0).
+    Every rank of ``layout.group`` must call this with the same shapes and sizes."""
     n, me, pg = layout.count, layout.index, layout.group
     owners = assign_owners(shapes, n)
-    for k, (s, d, t) in enumerate(zip(shapes, dims, chunks)):
-        want = list(s)
-        want[d] = chunk_sizes(s[d], n)[me]
-        if list(t.shape) != want:
-            raise AssertionError(f"matrix {k} of shape {tuple(s)}: local chunk {tuple(t.shape)} "
-                                 f"on chunk {me} of {n} along dim {d}, expected {tuple(want)}")
-    slots = [_slot_shape(s, d, n) for s, d in zip(shapes, dims)]
+    sizes = list(sizes) if sizes is not None else [None] * len(shapes)
+    vshapes = [_view_shape(s, z) for s, z in zip(shapes, sizes)]
+    split = [chunk_sizes(v[d], n) if z is None else [int(x) for x in z]
+             for v, d, z in zip(vshapes, dims, sizes)]
+    for k, (v, d, t) in enumerate(zip(vshapes, dims, chunks)):
+        want = list(v)
+        want[d] = split[k][me]
+        if len(split[k]) != n or sum(split[k]) != v[d] or list(t.shape) != want:
+            raise AssertionError(f"matrix {k} of shape {tuple(shapes[k])}: local chunk "
+                                 f"{tuple(t.shape)} on chunk {me} of {n} along dim {d} of "
+                                 f"{tuple(v)} split {split[k]}, expected {tuple(want)}")
+    slots = []
+    for v, d, ss in zip(vshapes, dims, split):
+        slot = list(v)
+        slot[d] = max(ss) if ss else 0
+        slots.append(slot)
+    starts = [[sum(ss[:r]) for r in range(n)] for ss in split]
     numel = [math.prod(s) for s in slots]
     dtype = chunks[0].dtype if chunks else torch.float32
     device = chunks[0].device if chunks else torch.device("cpu")
@@ -150,11 +167,10 @@ def exchange(
     # 2. the owner reassembles and orthogonalizes its matrices (rank r's slots at r * mine_numel)
     fulls, off = [], 0
     for k in mine:
-        d = dims[k]
         fulls.append(unpad_cat([recv_t.narrow(0, r * mine_numel + off, numel[k]).view(slots[k])
-                                for r in range(n)], chunk_sizes(shapes[k][d], n), d))
+                                for r in range(n)], split[k], dims[k]).view(shapes[k]))
         off += numel[k]
-    results = [o.reshape(shapes[k]) for k, o in zip(mine, orthogonalize(fulls))] if fulls else []
+    results = [o.reshape(vshapes[k]) for k, o in zip(mine, orthogonalize(fulls))] if fulls else []
     # 3. each rank's chunk of every result back
     send = []
     for r in range(n):
@@ -162,9 +178,8 @@ def exchange(
             if res.dtype != out_dtype:
                 raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
             d = dims[k]
-            c, size = slots[k][d], shapes[k][d]
-            part = res.narrow(d, min(r * c, size), chunk_sizes(size, n)[r])
-            send.append(pad_chunk(part, d, c).view(-1))
+            part = res.narrow(d, starts[k][r], split[k][r])
+            send.append(pad_chunk(part, d, slots[k][d]).view(-1))
     send_t = torch.cat(send) if send else torch.empty(0, dtype=out_dtype, device=device)
     recv_t = torch.empty(sum(per_owner), dtype=out_dtype, device=device)
     dist.all_to_all_single(recv_t, send_t, per_owner, [mine_numel] * n, group=pg)
@@ -173,9 +188,6 @@ def exchange(
     off = 0
     for r in range(n):
         for k in by_owner[r]:
-            d = dims[k]
-            out[k] = (recv_t.narrow(0, off, numel[k]).view(slots[k])
-                      .narrow(d, 0, chunk_sizes(shapes[k][d], n)[me]))
+            out[k] = recv_t.narrow(0, off, numel[k]).view(slots[k]).narrow(dims[k], 0, split[k][me])
             off += numel[k]
     return out
-

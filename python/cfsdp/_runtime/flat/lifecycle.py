@@ -78,6 +78,7 @@ class FlatLifecycle(UnshardStates):
             for info, v in zip(self.infos, self.shard_views()):
                 info.param.data = v
                 info.param._cfsdp_flattened = True  # type: ignore[attr-defined]
+                info.param._cfsdp_unit = self.flat_param._cfsdp_unit  # type: ignore[attr-defined]
         else:
             for info, v in zip(self.infos, views):
                 del info.module._parameters[info.name]

@@ -39,6 +39,7 @@ users see, as torch FSDP1 shows it:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -138,6 +139,9 @@ class Unit(FlatLifecycle, FlatGrads, FlatWriteback, FlatLayout):
             self.shard = self.shard[: lay.flat_numel]
         self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
         self.flat_param._cfsdp_flattened = True  # type: ignore[attr-defined]
+        # the unit of a wrapper parameter (flat or, use_orig_params=True, original): what
+        # cfsdp.optim.Muon reads the layout of each matrix from
+        self.flat_param._cfsdp_unit = weakref.ref(self)  # type: ignore[attr-defined]
         self._make_buffers()
         self.saved_grad: Optional[torch.Tensor] = None
         self._applied: Optional[nn.Parameter] = None  # see _take_applied

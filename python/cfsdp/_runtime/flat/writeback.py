@@ -138,6 +138,7 @@ class FlatWriteback:
                 if new:  # a new parameter object: it becomes the parameter
                     param = info.param = current
                     param._cfsdp_flattened = True  # type: ignore[attr-defined]
+                    param._cfsdp_unit = self.flat_param._cfsdp_unit  # type: ignore[attr-defined]
                     adopted = True
                 if new or not _same_storage(param, self.shard):
                     self._write_param(info, sl, param)
