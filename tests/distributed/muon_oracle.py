@@ -1,5 +1,8 @@
 """The all-gather-everywhere Muon: the oracle of ``cfsdp.optim.Muon`` on sharded DTensor
-parameters (tests/distributed/fully_shard/muon.py), and baseline (a) of the Muon benchmark.
+parameters (tests/distributed/fully_shard/muon.py; ``AllGatherMuon``) and on the
+FullyShardedDataParallel wrapper's flat shards (``muon_wrapper`` in worker_optim.py;
+``WrapperAllGatherMuon``), and baseline (a) of the Muon benchmark; ``spy_muon`` counts what a
+``cfsdp.optim.Muon`` orthogonalizes and exchanges.
 
 What the usual hand-made fix does on FSDP2: every rank ``full_tensor()``s every gradient and
 parameter, runs torch's own ``torch.optim.Muon`` on the full matrices (so every rank
@@ -15,9 +18,14 @@ weight decay and the update elementwise, so a correct sharded Muon is bitwise th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from cfsdp.optim import _muon
+from cfsdp.optim._muon_shard import exchange
 
 
 def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
@@ -130,3 +138,27 @@ class WrapperAllGatherMuon:
             flat = unit.infos[k].flat(s.detach())
             unit.shard[sl.shard_offset: sl.shard_offset + sl.numel].copy_(
                 flat[sl.param_start: sl.param_start + sl.numel])
+
+
+def spy_muon(opt, counts: list) -> None:
+    """Record in ``counts``, per step of the ``cfsdp.optim.Muon`` ``opt``, ``[matrices this rank
+    orthogonalizes, exchanges it joins]``."""
+    inner, step = opt._cf_orthogonalize, opt.step
+
+    def ortho(updates, group):
+        counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
+        return inner(updates, group)
+
+    def counted_exchange(*a, **k):
+        counts[-1][1] += 1
+        return exchange(*a, **k)
+
+    def counted_step(*a, **k):
+        counts.append([0, 0])
+        _muon.exchange = counted_exchange
+        try:
+            return step(*a, **k)
+        finally:
+            _muon.exchange = exchange
+
+    opt._cf_orthogonalize, opt.step = ortho, counted_step

@@ -23,7 +23,6 @@ path, in at most one bucket (one C call) per unit.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -41,8 +40,7 @@ from cfsdp import optim as co
 from cfsdp.checkpoint import state_dict as dsd
 from cfsdp.optim import _muon
 from cfsdp.optim._muon_owners import assign_owners
-from cfsdp.optim._muon_shard import exchange
-from muon_oracle import WrapperAllGatherMuon
+from muon_oracle import WrapperAllGatherMuon, spy_muon
 
 CPU = torch.device("cpu")
 STEPS, SAVE_AT = 8, 4
@@ -313,7 +311,8 @@ def muon_wrapper(ctx, case):
         adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
         if impl == "cfsdp":
             muon = co.Muon(mats, **kw)
-            counts = _muon_spy(muon)
+            counts: list = []
+            spy_muon(muon, counts)
         else:
             pairs = [_muon._wrapped(p) for p in mats]
             muon = WrapperAllGatherMuon(
@@ -362,31 +361,6 @@ def _muon_state_round_trip(ctx, model, muon, mats, oracle, kw) -> None:
             assert got is None or got.numel() == 0, f"{names[p]}: state loaded for an empty piece"
         else:
             same(f"loaded momentum of {names[p]}", got, want)
-
-
-def _muon_spy(opt) -> list:
-    """Per step, ``[matrices this rank orthogonalizes, exchanges it joins]``."""
-    counts: list = []
-    inner, step = opt._cf_orthogonalize, opt.step
-
-    def ortho(updates, group):
-        counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
-        return inner(updates, group)
-
-    def counted_exchange(*a, **k):
-        counts[-1][1] += 1
-        return exchange(*a, **k)
-
-    def counted_step(*a, **k):
-        counts.append([0, 0])
-        _muon.exchange = counted_exchange
-        try:
-            return step(*a, **k)
-        finally:
-            _muon.exchange = exchange
-
-    opt._cf_orthogonalize, opt.step = ortho, counted_step
-    return counts
 
 
 @h.subtest

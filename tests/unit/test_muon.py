@@ -382,10 +382,11 @@ def _bias_free_mlp():
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_fully_shard_one_rank_is_whole_wrapper_raises():
+def test_fully_shard_and_wrapper_one_rank_are_whole():
     """cfsdp.fully_shard on one rank: DTensor parameters sharded over a one-rank mesh are
-    whole, stepped as torch.optim.Muon steps the plain model; the wrapper's flat parameter
-    (and its use_orig_params=True views) raise, naming what they hold."""
+    whole, stepped as torch.optim.Muon steps the plain model; so is the wrapper's (NO_SHARD on
+    one rank) flat parameter, matrix by matrix, and its use_orig_params=True originals.  A flat
+    parameter holding a 1-D original raises torch's ValueError with the original's FQN."""
     model, ref = _bias_free_mlp(), _bias_free_mlp()
     cfsdp.fully_shard(model)
     o = cfsdp.optim.Muon(model.parameters(), lr=0.02)
@@ -399,8 +400,20 @@ def test_fully_shard_one_rank_is_whole_wrapper_raises():
     _same([p.to_local() for p in model.parameters()], list(ref.parameters()))
     for orig in (False, True):
         w = cfsdp.FullyShardedDataParallel(_bias_free_mlp(), use_orig_params=orig)
-        with pytest.raises(NotImplementedError, match="issue 27 phase 2.*wrapper"):
-            cfsdp.optim.Muon(w.named_parameters())
+        o, ref = cfsdp.optim.Muon(w.parameters(), lr=0.02), _bias_free_mlp()
+        t = torch.optim.Muon(ref.parameters(), lr=0.02)
+        for m, opt in ((w, o), (ref, t)):
+            for _ in range(2):
+                m(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        with cfsdp.FullyShardedDataParallel.summon_full_params(w):
+            got = [w.module[0].weight.clone(), w.module[2].weight.clone()]
+        _same(got, list(ref.parameters()))
+    w = cfsdp.FullyShardedDataParallel(torch.nn.Linear(3, 4), use_orig_params=False)
+    with pytest.raises(ValueError, match=r"^Muon only supports 2D parameters .*torch.Size\(\[4\]\)"
+                       r" \(original parameter 'bias' .*use_orig_params=True"):
+        cfsdp.optim.Muon(w.parameters())
 
 
 # ------------------------------------------------------------------------------ owners

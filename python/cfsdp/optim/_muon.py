@@ -47,11 +47,33 @@ of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`
 parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim (sharded
 over two mesh dims: TP x FSDP; ``_StridedShard``; a ``Partial`` parameter), a sharded
 parameter whose gradient is placed otherwise, a sharded bf16 one without Nesterov (torch
-normalizes its bf16 momentum buffer in place, which a gathered copy cannot), the
-FullyShardedDataParallel wrapper's parameters (its flat parameter, and with
-``use_orig_params=True`` the original parameters, views of the flat shard: both marked
-``_cfsdp_flattened``), and a whole parameter whose gradient is sharded (e.g. an unreduced
-``Partial`` one: its local tensor is not the whole gradient).
+normalizes its bf16 momentum buffer in place, which a gathered copy cannot), and a whole
+parameter whose gradient is sharded (e.g. an unreduced ``Partial`` one: its local tensor is
+not the whole gradient).
+
+The FullyShardedDataParallel wrapper's parameters (issue 27, the wrapper): its flat parameter
+(``use_orig_params=False``) and its original parameters (``use_orig_params=True``: 1-D views of
+the flat shard, possibly empty, as torch FSDP1's) carry ``_cfsdp_unit``, a weak reference to
+their unit (``_runtime/flat``), whose layout places each original parameter: rank ``r`` holds
+``unit.layout.slices[r][k].numel`` consecutive elements of original ``k``'s row-major flat
+elements, the ranks' ranges in rank order.  A flat parameter's momentum (and Nesterov) is one
+C pass over the whole local shard (elementwise: padding included, whose gradient is zero);
+then each original matrix's range of the update goes to the matrix's owner over the unit's
+process group, which concatenates the ranges in rank order (the row-major matrix), and gets
+its range of the orthogonalized update back (``_muon_shard.exchange`` with element ranges:
+the same two ``all_to_all_single`` per process group and step, every matrix of the group's
+units batched); each range of the shard is updated with torch's weight decay and the full
+shape's adjusted lr.  Every original parameter of a flat parameter given to Muon must be a
+matrix (torch's ``ValueError`` plus the original's FQN otherwise: a flat parameter is one
+param group).  With ``use_orig_params=True`` each original matrix is stepped the same way on
+its own 1-D piece (so the 1-D ones go to AdamW: the usual pairing), its ``momentum_buffer``
+of the piece's shape (what ``FSDP.optim_state_dict`` consolidates).  A rank holding no element
+of a matrix has no gradient for it (torch FSDP1 leaves it None) and no state, yet takes part in
+its exchange with an empty range while its unit has a flat gradient.  With NO_SHARD (one rank)
+the matrices are whole.  Still ``NotImplementedError``: the wrapper's tensor-parallel
+originals and non-row-major (strided) ones of a sharded unit.  The numbers are the
+all-gather-everywhere ``torch.optim.Muon`` on the same wrapper's full matrices
+(``muon_oracle.WrapperAllGatherMuon``), bit for bit.
 
 [Note: stacked Newton-Schulz]
 The matrices of a param group that share a trailing shape and dtype (2-D parameters of one
@@ -119,9 +141,8 @@ def _flat_layout(unit, j: int) -> Layout:
 
 def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
     """Why original parameter ``j`` (every one of the unit when None) cannot be stepped."""
-    for k, info in enumerate(unit.infos):
-        if j is not None and k != j:
-            continue
+    for k in range(len(unit.infos)) if j is None else (j,):
+        info = unit.infos[k]
         where = f"original parameter '{info.fqn}' of shape {tuple(info.shape)}"
         if info.tp_spec is not None:
             return f"{where}: a tensor-parallel parameter of a wrapper unit (issue 27 phase 2b)"
@@ -272,8 +293,9 @@ class Muon(torch.optim.Muon):
         """torch's refusal of a parameter of ndim < 2, for the wrapper's original parameters
         (``p`` a flat parameter, or with use_orig_params=True a 1-D view of one's shard)."""
         fqns = getattr(unit.flat_param, "_fqns", None) or [x.fqn for x in unit.infos]
-        for k, info in enumerate(unit.infos):
-            if (j is not None and k != j) or len(info.shape) >= 2:
+        for k in range(len(unit.infos)) if j is None else (j,):
+            info = unit.infos[k]
+            if len(info.shape) >= 2:
                 continue
             head = ("Muon only supports 2D parameters whereas we found a parameter with size: "
                     f"{info.shape} (original parameter '{fqns[k]}' ")

@@ -20,6 +20,11 @@ whole matrix.  ``exchange`` does, per process group and dtype, for every matrix 
 4. one ``all_to_all_single`` back: the owner sends rank ``i`` chunk ``i`` of each result
    (padded the same way); each rank gets its chunk of every matrix's update.
 
+The FullyShardedDataParallel wrapper's matrices take the same path with element ranges
+(``Layout.sizes``, ``exchange``'s ``sizes``): rank ``i`` holds ``sizes[i]`` consecutive elements
+of the row-major flattened matrix (its range of the flat shard), the ranges in rank order, so
+the same padding to the largest range and concatenation (of the 1-D ranges) reassemble it.
+
 Slots are ordered by matrix index within a destination, destinations by rank (what
 ``all_to_all_single``'s splits want).  Both collectives move about one all-gather's bytes.
 Pure torch (``torch.distributed``; no C), layouts checked by ``shard_layout``.

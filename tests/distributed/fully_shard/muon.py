@@ -36,12 +36,10 @@ import parity_common as pc
 from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
 from fully_shard.checkpoint import clone_tree
 from fully_shard.common import WORLD, largest_dim, raised
-from muon_oracle import AllGatherMuon
+from muon_oracle import AllGatherMuon, spy_muon
 
 import cfsdp
-from cfsdp.optim import _muon
 from cfsdp.optim._muon_owners import assign_owners
-from cfsdp.optim._muon_shard import exchange
 
 
 class Experts(nn.Module):
@@ -92,29 +90,6 @@ class Pair:
             self.adamw.step()
 
 
-def _spy(opt: cfsdp.optim.Muon, counts: list) -> None:
-    """Record, per step, ``[matrices this rank orthogonalizes, exchanges it joins]``."""
-    inner, step = opt._cf_orthogonalize, opt.step
-
-    def ortho(updates, group):
-        counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
-        return inner(updates, group)
-
-    def counted_exchange(*a, **k):
-        counts[-1][1] += 1
-        return exchange(*a, **k)
-
-    def counted_step(*a, **k):
-        counts.append([0, 0])
-        _muon.exchange = counted_exchange
-        try:
-            return step(*a, **k)
-        finally:
-            _muon.exchange = exchange
-
-    opt._cf_orthogonalize, opt.step = ortho, counted_step
-
-
 def muon_factory(kw: dict, counts: list | None = None):
     """(impl, model) -> Pair: the oracle on torch's model, cfsdp.optim.Muon on cfsdp's."""
 
@@ -127,7 +102,7 @@ def muon_factory(kw: dict, counts: list | None = None):
             return Pair(AllGatherMuon([p for _, p in mats], **kw), adamw)
         muon = cfsdp.optim.Muon(mats, **kw)
         if counts is not None:
-            _spy(muon, counts)
+            spy_muon(muon, counts)
         return Pair(muon, adamw)
 
     return make
