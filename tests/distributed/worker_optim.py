@@ -364,9 +364,11 @@ def _muon_state_round_trip(ctx, model, muon, mats, oracle, kw) -> None:
 
 
 @h.subtest
-def muon_wrapper_refuses_1d(ctx):
+def muon_wrapper_refuses(ctx):
     """A flat parameter holding a 1-D original parameter (use_orig_params=False): torch's
-    ValueError, the original's FQN and what to do; the group is not added."""
+    ValueError, the original's FQN and what to do; the group is not added.  bf16 matrices
+    without Nesterov (torch normalizes the bf16 momentum buffer in place): NotImplementedError
+    on every rank, those holding no element of the matrix too, before any collective."""
     model = _muon_model(ctx, False)
     _, (root,) = _muon_split(model, False)
     try:
@@ -378,6 +380,18 @@ def muon_wrapper_refuses_1d(ctx):
     for want in ("Muon only supports 2D parameters whereas we found a parameter with size: "
                  "torch.Size([7])", "'emb.bias'", "use_orig_params=True", "AdamW"):
         assert want in msg, f"{want!r} not in {msg!r}"
+    for uop in (False, True):
+        model = _muon_model(ctx, uop).to(torch.bfloat16)
+        mats, _ = _muon_split(model, uop)
+        opt = co.Muon(mats, lr=0.02, nesterov=False)
+        x, y = data(ctx, 1)[0]
+        F.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+        try:
+            opt.step()
+        except NotImplementedError as e:
+            assert "bf16 parameter stepped without Nesterov" in str(e), str(e)
+        else:
+            raise AssertionError(f"use_orig_params={uop}: bf16 Muon without Nesterov stepped")
 
 
 def _clone(x):

@@ -340,6 +340,7 @@ class Muon(torch.optim.Muon):
             if p.grad is None:
                 if w is not None and _empty_piece(*w):  # its unit's matrix: in the exchange
                     self._check_param(group, i, p, gi)
+                    self._check_bf16(group, i, gi, p, w[0].flat_param.grad.dtype)
                     todo.append((i, p, None, w))
                 continue
             if torch.is_complex(p):
@@ -351,6 +352,8 @@ class Muon(torch.optim.Muon):
                 self._check_param(group, i, p, gi)
             if w is not None:
                 self._check_param(group, i, p, gi)
+                if w[0].sharded:
+                    self._check_bf16(group, i, gi, p, p.grad.dtype)
             elif layout is None:
                 why = _sharded(p.grad)
                 if why is not None:  # a whole parameter whose local gradient is not the whole one
@@ -411,7 +414,8 @@ class Muon(torch.optim.Muon):
         NO_SHARD).  An original parameter with no element here (no gradient) sends nothing."""
         pd = p.detach()
         if p.grad is None:  # _empty_piece
-            return [(pd, pd.new_empty(0), _flat_layout(unit, j), tuple(unit.infos[j].shape))]
+            empty = unit.flat_param.grad.new_empty(0)  # the gradients' dtype, as the holders'
+            return [(pd, empty, _flat_layout(unit, j), tuple(unit.infos[j].shape))]
         upd = self._cf_momentum(p.grad, self.state[p][_KIND], group["momentum"], group["nesterov"])
         if j is not None:
             lay = _flat_layout(unit, j) if unit.sharded else None
@@ -442,7 +446,13 @@ class Muon(torch.optim.Muon):
                 "steps a sharded parameter whose gradient is placed as the parameter (as "
                 "fully_shard's reduce-scatter leaves it); reduce it so before step()"
             )
-        if not group["nesterov"] and p.grad.dtype == torch.bfloat16:
+        Muon._check_bf16(group, i, gi, p, p.grad.dtype)
+
+    @staticmethod
+    def _check_bf16(group: dict, i: int, gi: int, p: Tensor, dtype: torch.dtype) -> None:
+        """A sharded bf16 parameter (``dtype``: its gradient's) needs Nesterov (see the module
+        docstring)."""
+        if not group["nesterov"] and dtype == torch.bfloat16:
             raise NotImplementedError(
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} is a "
                 "sharded bf16 parameter stepped without Nesterov: torch's Muon then normalizes "
