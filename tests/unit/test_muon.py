@@ -470,3 +470,25 @@ def test_pad_then_unpad_reassembles_in_chunk_order(shape, dim, count):
         assert torch.equal(s.narrow(dim, 0, k), t)
         assert not s.narrow(dim, k, c - k).any()
     assert torch.equal(unpad_cat(slots, sizes, dim), full)
+
+
+@pytest.mark.parametrize("bad", [{"ns_steps": 100}, {"ns_coefficients": (3.4, -4.7)}])
+def test_newton_schulz_settings_refused_before_any_buffer_moves(bad):
+    """torch's Newton–Schulz errors (its messages), raised before any momentum buffer changes:
+    torch's Muon has by then updated its first parameter's buffer; cfsdp's updates none (a
+    sharded exchange must not start on one rank and not another)."""
+    ps = _params(SHAPES[:3])
+    opt = cfsdp.optim.Muon(ps, lr=0.02)
+    _train(opt, ps, 1)
+    before = [opt.state[p]["momentum_buffer"].clone() for p in ps]
+    opt.param_groups[0].update(bad)
+    tp = _params(SHAPES[:3])
+    topt = torch.optim.Muon(tp, lr=0.02, **bad)
+    _grads(tp, 0)
+    with pytest.raises(ValueError) as torch_err:
+        topt.step()
+    _grads(ps, 1)
+    with pytest.raises(ValueError) as ours:
+        opt.step()
+    assert str(ours.value) == str(torch_err.value)
+    _same([opt.state[p]["momentum_buffer"] for p in ps], before)

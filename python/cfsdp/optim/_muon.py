@@ -195,16 +195,21 @@ def _describe(group: dict, i: int, gi: Optional[int]) -> str:
     return f"{i}{where}"
 
 
+def _check_newton_schulz(ns_coefficients: tuple, ns_steps: int) -> None:
+    """torch's ``_zeropower_via_newtonschulz`` checks of a group's settings, its errors."""
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if len(ns_coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+
+
 def _newton_schulz(x: Tensor, ns_coefficients: tuple, ns_steps: int, eps: float) -> Tensor:
     """torch's ``_zeropower_via_newtonschulz`` on a matrix (2-D: torch's own function, so
     its bits and errors) or the same ops batched over a stack of matrices (3-D; [Note:
     stacked Newton-Schulz]).  Returns bf16."""
     if x.ndim == 2:
         return muon_newton_schulz(x, ns_coefficients, ns_steps, eps)
-    if ns_steps >= 100:  # torch's checks, before any arithmetic, as its 2-D function
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if len(ns_coefficients) != 3:
-        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    _check_newton_schulz(ns_coefficients, ns_steps)
     a, b, c = ns_coefficients
     o = x.bfloat16()
     tall = x.size(-2) > x.size(-1)
@@ -390,6 +395,11 @@ class Muon(torch.optim.Muon):
                     f"{tuple(g.shape)} and a momentum buffer of local shape {tuple(buf.shape)}; "
                     "both must be the parameter's local shape"
                 )
+        # torch's Newton–Schulz errors before any momentum buffer moves (torch raises them
+        # after the first parameter's momentum update; here no buffer changes, and every rank of
+        # a sharded exchange raises before it, so none waits for the others)
+        if todo:
+            _check_newton_schulz(group["ns_coefficients"], group["ns_steps"])
         # a parameter listed twice is stepped twice, as torch: the first copy's step is
         # finished before the second's momentum reads the buffer it updated
         pending: list = []
