@@ -75,3 +75,10 @@ class AllGatherMuon:
         """The full momentum buffer of ``p`` (its matrices' buffers stacked)."""
         ss = self.shadows[next(i for i, q in enumerate(self.params) if q is p)]
         return torch.stack([self.inner.state[s]["momentum_buffer"] for s in ss]).reshape(p.shape)
+
+    def load_full_momentum(self, p: DTensor, full: torch.Tensor) -> None:
+        """Set the full momentum buffer of ``p`` (e.g. read from a checkpoint): its matrices'
+        buffers of the inner ``torch.optim.Muon``, as torch creates them (one per matrix)."""
+        ss = self.shadows[next(i for i, q in enumerate(self.params) if q is p)]
+        for s, m in zip(ss, full.reshape(-1, *full.shape[-2:])):
+            self.inner.state[s]["momentum_buffer"] = m.detach().clone()
