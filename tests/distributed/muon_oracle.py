@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     """This rank's part of ``full`` as ``like`` places it (``Shard(d)``: torch.chunk along d,
-    empty past the last chunk; ``Replicate``: all of it)."""
+    empty past the last chunk; ``Replicate``: all of it).  Sharded over two mesh dims (TP x
+    FSDP, ``_StridedShard`` included): DTensor's own ``redistribute`` from ``Replicate`` takes
+    it (and any other placement, e.g. ``_StridedShard`` on a one-rank dp dim), so the oracle
+    does not re-derive the layout."""
     mesh, out = like.device_mesh, full
+    sharded = [pl for md, pl in enumerate(like.placements) if mesh.size(md) > 1 and not pl.is_replicate()]
+    if len(sharded) > 1 or any(type(pl) not in (Shard, Replicate) for pl in like.placements):
+        rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return rep.redistribute(mesh, like.placements).to_local()
     for md, pl in enumerate(like.placements):
         if pl.is_shard():
             n, i = mesh.size(md), mesh.get_local_rank(md)
@@ -32,6 +39,23 @@ def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
         elif not pl.is_replicate():
             raise AssertionError(f"the oracle takes Shard and Replicate placements, got {pl!r}")
     return out
+
+
+class Pair:
+    """Muon on the matrices, torch's AdamW on the rest: one optimizer to a training loop."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        if self.adamw is not None:
+            self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
 
 
 class AllGatherMuon:

@@ -36,7 +36,7 @@ import parity_common as pc
 from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
 from fully_shard.checkpoint import clone_tree, dcp_load, dcp_save, shared_tmpdir
 from fully_shard.common import WORLD, largest_dim, raised
-from muon_oracle import AllGatherMuon
+from muon_oracle import AllGatherMuon, Pair
 
 import cfsdp
 from cfsdp.optim import _muon
@@ -73,23 +73,6 @@ class MoE(nn.Module):
 def _build_moe(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return MoE()
-
-
-class Pair:
-    """Muon on the matrices, torch's AdamW on the rest: one optimizer to ``run_steps``."""
-
-    def __init__(self, muon, adamw):
-        self.muon, self.adamw = muon, adamw
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.muon.zero_grad(set_to_none=set_to_none)
-        if self.adamw is not None:
-            self.adamw.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        self.muon.step()
-        if self.adamw is not None:
-            self.adamw.step()
 
 
 def _spy(opt: cfsdp.optim.Muon, counts: list) -> None:
@@ -347,10 +330,11 @@ if WORLD == 4:
     def muon_hsdp(ctx):
         """HSDP 2 x 2 ((Replicate(), Shard(d)), gradients all-reduced over replicas): Shard(0)
         and Shard(1) matrices (largest_dim) and stacked experts, bitwise as the oracle, each
-        matrix orthogonalized once per shard group; a TP x FSDP layout (Shard(0), Shard(1))
-        on the 2-D mesh is refused, named."""
+        matrix orthogonalized once per shard group; a layout sharded over both mesh dims whose
+        blocks do not tile the matrix ((Shard(0), Partial())) is refused, named (TP x FSDP's
+        own layouts: worker_tp.py's fs_muon)."""
         for case in ("lm_largest_dim", "experts_shard0"):
             _muon_run(ctx, case, mesh_2d(ctx))
         mm = pc.Mismatches(ctx)
-        _refused(mm, mesh_2d(ctx), {"tp.w": [Shard(0), Shard(1)]})
+        _refused(mm, mesh_2d(ctx), {"tp.w": [Shard(0), Partial()]})
         mm.raise_if_any()
