@@ -258,6 +258,21 @@ if WORLD == 4:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard", "tp"))
         check_pair(ctx, run_pair(ctx, mesh, sp, dp_key=("rep", "shard")))
 
+    @h.subtest
+    def fs_muon_hsdp_tp_refused(ctx):
+        """HSDP x TP (1, 2, 2): a matrix sharded over two dims of a 3-D mesh is not
+        reassembled yet (_muon_mesh takes a 2-D (dp, tp) mesh): NotImplementedError naming the
+        parameter and what to use, when the group is added."""
+        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+        model = fs_model("cfsdp", mesh, False, dp_key=("rep", "shard"))
+        try:
+            cfsdp.optim.Muon([(n, p) for n, p in model.named_parameters() if p.ndim >= 2])
+        except NotImplementedError as e:
+            if "'tok.weight'" not in str(e) or "TP x FSDP on a 2-D" not in str(e):
+                raise AssertionError(f"the message does not name the parameter and what to use: {e}")
+        else:
+            raise AssertionError("Muon took a matrix sharded over two dims of a 3-D mesh")
+
 
 # ----------------------------------------------------------------------------- DDP + TP
 
