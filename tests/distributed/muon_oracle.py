@@ -22,7 +22,7 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from cfsdp.optim import _muon
 from cfsdp.optim._muon_shard import exchange
@@ -30,8 +30,15 @@ from cfsdp.optim._muon_shard import exchange
 
 def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     """This rank's part of ``full`` as ``like`` places it (``Shard(d)``: torch.chunk along d,
-    empty past the last chunk; ``Replicate``: all of it)."""
+    empty past the last chunk; ``Replicate``: all of it).  Sharded over two mesh dims (TP x
+    FSDP, ``_StridedShard`` included): DTensor's own ``redistribute`` from ``Replicate`` takes
+    it (and any other placement, e.g. ``_StridedShard`` on a one-rank dp dim), so the oracle
+    does not re-derive the layout."""
     mesh, out = like.device_mesh, full
+    sharded = [pl for md, pl in enumerate(like.placements) if mesh.size(md) > 1 and not pl.is_replicate()]
+    if len(sharded) > 1 or any(type(pl) not in (Shard, Replicate) for pl in like.placements):
+        rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return rep.redistribute(mesh, like.placements).to_local()
     for md, pl in enumerate(like.placements):
         if pl.is_shard():
             n, i = mesh.size(md), mesh.get_local_rank(md)
@@ -40,6 +47,23 @@ def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
         elif not pl.is_replicate():
             raise AssertionError(f"the oracle takes Shard and Replicate placements, got {pl!r}")
     return out
+
+
+class Pair:
+    """Muon on the matrices, torch's AdamW on the rest: one optimizer to a training loop."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        if self.adamw is not None:
+            self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
 
 
 class AllGatherMuon:
@@ -84,6 +108,12 @@ class AllGatherMuon:
         ss = self.shadows[next(i for i, q in enumerate(self.params) if q is p)]
         return torch.stack([self.inner.state[s]["momentum_buffer"] for s in ss]).reshape(p.shape)
 
+    def load_full_momentum(self, p: DTensor, full: torch.Tensor) -> None:
+        """Set the full momentum buffer of ``p`` (e.g. read from a checkpoint): its matrices'
+        buffers of the inner ``torch.optim.Muon``, as torch creates them (one per matrix)."""
+        ss = self.shadows[next(i for i, q in enumerate(self.params) if q is p)]
+        for s, m in zip(ss, full.reshape(-1, *full.shape[-2:])):
+            self.inner.state[s]["momentum_buffer"] = m.detach().clone()
 
 class WrapperAllGatherMuon:
     """The same for the FullyShardedDataParallel wrapper: ``torch.optim.Muon(**kwargs)`` on full

@@ -37,7 +37,11 @@ from ckpt_common import ckpt_dir
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
+from muon_oracle import AllGatherMuon, Pair
+
 import cfsdp
+from cfsdp.optim._muon_mesh import MeshLayout
+from cfsdp.optim._muon_shard import shard_layout
 
 
 
@@ -81,13 +85,16 @@ def train(model, opt, data, rank: int, micro: Callable | None = None) -> list[to
 
 
 def run_pair(ctx, mesh, sp: bool, steps: int = STEPS, optim: str = "adamw", dp_key="dp",
-             fs_kw: dict | None = None, cfsdp_optim: bool = False):
-    """Train torch and cfsdp; return {impl: (losses, snapshot, state-dict description)}."""
+             fs_kw: dict | None = None, cfsdp_optim: bool = False, make_opt: Callable | None = None):
+    """Train torch and cfsdp; return {impl: (losses, snapshot, state-dict description)}.
+    ``make_opt(impl, model)``: the optimizer (else ``optim``, or cfsdp's AdamW)."""
     data = tc.batches(steps, dp_size(mesh, dp_key))
     out = {}
     for impl in ("torch", "cfsdp"):
         model = fs_model(impl, mesh, sp, dp_key=dp_key, **(fs_kw or {}))
-        if cfsdp_optim and impl == "cfsdp":
+        if make_opt is not None:
+            opt = make_opt(impl, model)
+        elif cfsdp_optim and impl == "cfsdp":
             opt = cfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         else:
             opt = pc.make_optim(optim, model.parameters())
@@ -198,6 +205,51 @@ def fs_cfsdp_optim(ctx, layout):
     check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), False, cfsdp_optim=True), exact=False)
 
 
+def _muon_pair(impl: str, model) -> Pair:
+    """Muon on the matrices (the all-gather oracle on torch's model, cfsdp.optim.Muon on
+    cfsdp's), torch's AdamW on the rest."""
+    mats = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-2,
+                              weight_decay=0.01)
+    if impl == "torch":
+        return Pair(AllGatherMuon([p for _, p in mats], lr=0.02), adamw)
+    return Pair(cfsdp.optim.Muon(mats, lr=0.02), adamw)
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "sp": [False, True]})
+def fs_muon(ctx, layout, sp: bool):
+    """cfsdp.optim.Muon (+ AdamW) on TP x fully_shard against the all-gather Muon on torch's:
+    bitwise (losses, placements, local and full parameters, local gradients, state dict).  At
+    (2, 2) every matrix is sharded over both mesh dims: colwise weights and the rowwise
+    embedding (_StridedShard(0) on dp, Shard(0) on tp; the 11-row head uneven) and rowwise
+    weights (Shard(0), Shard(1)), reassembled on one owner of the 4 ranks; at 2 ranks one
+    dim (Shard on tp or on dp)."""
+    mesh = tc.mesh_2d(*layout)
+    check_pair(ctx, run_pair(ctx, mesh, sp, make_opt=_muon_pair))
+    _check_blocks(ctx, fs_model("cfsdp", mesh, sp))
+
+
+def _check_blocks(ctx, model) -> None:
+    """The blocks Muon computes for a parameter sharded over both mesh dims
+    (``_muon_mesh.block``) are DTensor's: this rank's block of ``full_tensor()`` is its local
+    tensor, and the ranks' blocks tile the matrix once (a permuted layout would still pass
+    the parity: Newton–Schulz commutes with permuting rows)."""
+    mm = pc.Mismatches(ctx)
+    for n, p in model.named_parameters():
+        lay, why = shard_layout(p)
+        if not isinstance(lay, MeshLayout):
+            continue
+        full, cover = p.full_tensor(), torch.zeros(p.shape, dtype=torch.int32)
+        for r, (starts, sizes) in enumerate(lay.dim.of_rank):
+            region = tuple(slice(a, a + b) for a, b in zip(starts, sizes))
+            cover[region] += 1
+            if r == lay.index:
+                mm.tensors(f"{n} ({p.placements}): rank {r}'s block {starts} {sizes}",
+                           full[region], p.to_local(), a_name="block of full", b_name="local")
+        mm.check(bool((cover == 1).all()), f"{n}: blocks cover the matrix {cover.tolist()}")
+    mm.raise_if_any()
+
+
 if WORLD == 4:
     @h.subtest(grid={"shape": [(2, 1, 2), (1, 2, 2)], "sp": [False, True]})
     def fs_hsdp_tp(ctx, shape, sp: bool):
@@ -205,6 +257,21 @@ if WORLD == 4:
         (replicate, shard) sub-mesh."""
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard", "tp"))
         check_pair(ctx, run_pair(ctx, mesh, sp, dp_key=("rep", "shard")))
+
+    @h.subtest
+    def fs_muon_hsdp_tp_refused(ctx):
+        """HSDP x TP (1, 2, 2): a matrix sharded over two dims of a 3-D mesh is not
+        reassembled yet (_muon_mesh takes a 2-D (dp, tp) mesh): NotImplementedError naming the
+        parameter and what to use, when the group is added."""
+        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+        model = fs_model("cfsdp", mesh, False, dp_key=("rep", "shard"))
+        try:
+            cfsdp.optim.Muon([(n, p) for n, p in model.named_parameters() if p.ndim >= 2])
+        except NotImplementedError as e:
+            if "'tok.weight'" not in str(e) or "TP x FSDP on a 2-D" not in str(e):
+                raise AssertionError(f"the message does not name the parameter and what to use: {e}")
+        else:
+            raise AssertionError("Muon took a matrix sharded over two dims of a 3-D mesh")
 
 
 # ----------------------------------------------------------------------------- DDP + TP

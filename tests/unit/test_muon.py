@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from cfsdp import _core
 from cfsdp._ref import optim as ref
 from cfsdp.optim import _muon
 from cfsdp.optim._muon_owners import assign_owners, ns_cost
+from cfsdp.optim._muon_mesh import block
 from cfsdp.optim._muon_shard import chunk_sizes, pad_chunk, unpad_cat
 
 _CORE_MOMENTUM = _core.muon_momentum
@@ -492,3 +494,30 @@ def test_newton_schulz_settings_refused_before_any_buffer_moves(bad):
         opt.step()
     assert str(ours.value) == str(torch_err.value)
     _same([opt.state[p]["momentum_buffer"] for p in ps], before)
+
+
+def _nested_chunk(full: torch.Tensor, steps) -> torch.Tensor:
+    for d, n, i in steps:
+        chunks = full.chunk(n, d)
+        full = chunks[i] if i < len(chunks) else full.narrow(d, 0, 0)
+    return full
+
+
+@pytest.mark.no_core
+@pytest.mark.parametrize("shape", [(11, 12), (12, 48), (48, 12), (3, 5), (1, 4)])
+@pytest.mark.parametrize("dims", [(0, 0), (0, 1), (1, 0)])
+def test_mesh_blocks_are_nested_torch_chunks(shape, dims):
+    """``_muon_mesh.block``: the piece torch.chunk leaves after chunking along ``dims[0]`` in
+    2 then along ``dims[1]`` in 2 (TP's chunk, then fully_shard's): a rectangular block of the
+    full tensor, its region the nested chunks' elements (uneven and empty chunks included);
+    the 4 blocks tile the tensor once."""
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    cover = torch.zeros(shape, dtype=torch.int32)
+    for a in range(2):
+        for b in range(2):
+            steps = [(dims[0], 2, a), (dims[1], 2, b)]
+            starts, sizes = block(shape, steps)
+            region = tuple(slice(s, s + k) for s, k in zip(starts, sizes))
+            assert torch.equal(full[region], _nested_chunk(full, steps))
+            cover[region] += 1
+    assert bool((cover == 1).all())

@@ -5,9 +5,9 @@
 * ``Muon`` (``_muon.py``): ``torch.optim.Muon`` with a C momentum pass and stacked
   Newton–Schulz, on parameters of ndim >= 2, whole or ``fully_shard``'s sharded DTensors
   (``_muon_shard.py``: each matrix gathered to one owner rank, orthogonalized there, its
-  chunks scattered back; the wrapper's flat parameters and TP x FSDP raise
-  ``NotImplementedError``: issue 27 phase 2b); ``_muon_owners.py`` assigns each matrix its
-  owner rank by Newton–Schulz FLOPs.
+  chunks scattered back; ``_muon_mesh.py``: the same for TP x FSDP's blocks over two mesh
+  dims; the wrapper's flat parameters raise ``NotImplementedError``: issue 27 phase 2b);
+  ``_muon_owners.py`` assigns each matrix its owner rank by Newton–Schulz FLOPs.
 * ``ZeroRedundancyOptimizer`` (``zero.py``): torch's
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1) with flat rank-major
   buckets synced by one all-gather per dtype (``_zero_buckets.py``) and consolidation by

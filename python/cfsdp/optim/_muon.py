@@ -44,8 +44,9 @@ shard group, is orthogonalized there once and comes back chunk by chunk
 ``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr.  The
 numbers are those of torch's Muon on the full matrices (the all-gather-everywhere Muon
 of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`` naming the
-parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim (sharded
-over two mesh dims: TP x FSDP; ``_StridedShard``; a ``Partial`` parameter), a sharded
+parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim, nor TP x
+FSDP's blocks on a 2-D world mesh (``_muon_mesh``: phase 2b; a lone ``_StridedShard``, a
+``Partial`` parameter, a 3-D mesh sharded over two dims), a sharded
 parameter whose gradient is placed otherwise, a sharded bf16 one without Nesterov (torch
 normalizes its bf16 momentum buffer in place, which a gathered copy cannot), and a whole
 parameter whose gradient is sharded (e.g. an unreduced ``Partial`` one: its local tensor is
@@ -278,7 +279,8 @@ class Muon(torch.optim.Muon):
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
                 f"is {why}; Newton–Schulz needs each matrix whole on the rank that steps it, "
                 "gathered from torch.chunk shards along one dim: use cfsdp.fully_shard "
-                "(Shard(d) DTensors on one mesh dim, HSDP included), ZeroRedundancyOptimizer "
+                "(Shard(d) DTensors on one mesh dim, HSDP included; TP x FSDP on a 2-D (dp, "
+                "tp) mesh of every rank), ZeroRedundancyOptimizer "
                 "or DDP (whole parameters on each rank)"
             )
         w = _wrapped(p)
@@ -488,7 +490,7 @@ class Muon(torch.optim.Muon):
         batches: dict = {}
         for k, (_, upd, lay, _) in enumerate(pending):
             if lay is not None:
-                batches.setdefault((lay.ranks, lay.index, upd.dtype), []).append(k)
+                batches.setdefault((type(lay), lay.ranks, lay.index, upd.dtype), []).append(k)
         for ks in batches.values():
             lay = pending[ks[0]][2]
             res = exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks],

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from . import _muon_mesh
 from ._muon_owners import assign_owners
 
 __all__ = ["Layout", "chunk_sizes", "exchange", "pad_chunk", "shard_layout", "unpad_cat"]
@@ -63,8 +64,9 @@ class Layout(NamedTuple):
 def shard_layout(t: Tensor) -> tuple[Optional[Layout], Optional[str]]:
     """``(layout, None)`` for a DTensor sharded as ``Shard(d)`` over exactly one mesh dim of more
     than one rank (the others ``Replicate``); ``(None, None)`` for a whole tensor (not a DTensor,
-    or only ``Replicate`` / one-rank mesh dims); ``(None, why)`` for a layout Muon cannot
-    reassemble (``Partial``, ``_StridedShard``, sharded over two mesh dims: TP x FSDP)."""
+    or only ``Replicate`` / one-rank mesh dims); sharded over two mesh dims (TP x FSDP):
+    ``_muon_mesh.mesh_layout``'s; ``(None, why)`` for a layout Muon cannot reassemble
+    (``Partial``, a lone ``_StridedShard``)."""
     if not isinstance(t, DTensor):
         return None, None
     mesh = t.device_mesh
@@ -76,9 +78,8 @@ def shard_layout(t: Tensor) -> tuple[Optional[Layout], Optional[str]]:
         return None, None
     desc = (f"a DTensor placed as {tuple(t.placements)} over a mesh of shape "
             f"{tuple(mesh.shape)}")
-    if len(found) > 1:
-        return None, (f"{desc}, sharded over {len(found)} mesh dims (TP x FSDP): only one "
-                      "sharded mesh dim is implemented (issue 27 phase 2b)")
+    if len(found) > 1:  # TP x FSDP: _muon_mesh
+        return _muon_mesh.mesh_layout(t, found)
     md, pl = found[0]
     if type(pl) is not Shard:  # Partial, _StridedShard
         return None, (f"{desc}: mesh dim {md} holds {pl!r}, not a plain Shard(d) whose chunks "
@@ -137,7 +138,11 @@ def exchange(
     ``sizes[k]``, when given and not None, makes matrix ``k``'s chunks element ranges (the
     wrapper's flat shards): rank ``r`` holds ``sizes[k][r]`` consecutive elements of the
     row-major flattened matrix, the ranges in rank order (``chunks[k]`` 1-D, ``dims[k]`` 0).
-    Every rank of ``layout.group`` must call this with the same shapes and sizes."""
+    Every rank of ``layout.group`` must call this with the same shapes and sizes.  A matrix
+    sharded over two mesh dims (``_muon_mesh.MeshLayout``, ``dims`` its ``Blocks``):
+    ``_muon_mesh``'s."""
+    if isinstance(layout, _muon_mesh.MeshLayout):
+        return _muon_mesh.exchange(layout, shapes, dims, chunks, orthogonalize, out_dtype)
     n, me, pg = layout.count, layout.index, layout.group
     owners = assign_owners(shapes, n)
     sizes = list(sizes) if sizes is not None else [None] * len(shapes)

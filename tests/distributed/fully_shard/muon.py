@@ -34,9 +34,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import _harness as h
 import parity_common as pc
 from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
-from fully_shard.checkpoint import clone_tree
+from fully_shard.checkpoint import clone_tree, dcp_load, dcp_save, shared_tmpdir
 from fully_shard.common import WORLD, largest_dim, raised
-from muon_oracle import AllGatherMuon, spy_muon
+from muon_oracle import AllGatherMuon, Pair, spy_muon
 
 import cfsdp
 from cfsdp.optim._muon_owners import assign_owners
@@ -71,23 +71,6 @@ class MoE(nn.Module):
 def _build_moe(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return MoE()
-
-
-class Pair:
-    """Muon on the matrices, torch's AdamW on the rest: one optimizer to ``run_steps``."""
-
-    def __init__(self, muon, adamw):
-        self.muon, self.adamw = muon, adamw
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.muon.zero_grad(set_to_none=set_to_none)
-        if self.adamw is not None:
-            self.adamw.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        self.muon.step()
-        if self.adamw is not None:
-            self.adamw.step()
 
 
 def muon_factory(kw: dict, counts: list | None = None):
@@ -172,41 +155,65 @@ def muon_parity(ctx, case: str):
     _muon_run(ctx, case, mesh_1d(ctx))
 
 
-@h.subtest
-def muon_state_dict(ctx):
-    """get/set_optimizer_state_dict (full_state_dict=True) round trip of cfsdp.optim.Muon: the
-    momentum buffers are DTensors placed as their parameters; a fresh model and Muon loaded
-    from the full state dicts after 2 steps (Shard(0) and Shard(1) matrices) continue 2 more
-    steps bitwise as the uninterrupted run (Muon and the pairing's AdamW in one DSD call)."""
-    mesh, mm = mesh_1d(ctx), pc.Mismatches(ctx)
-    sc = Scenario(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False,
-                  make_optim=muon_factory(dict(lr=0.02)))
-    data = batches("lm", 4, ctx.world_size)
-    model = make_model(CFSDP, sc, mesh)
-    opt = sc.make_optim(CFSDP, model)
-    run_steps(CFSDP, sc, model, opt, data[:2], ctx.rank, [])
+MUON_SD = dict(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False)
+
+
+def muon_scenario(kind: str = "lm") -> Scenario:
+    """The checkpoint subtests' model: Shard(0) and Shard(1) matrices (largest_dim), the tied
+    embedding uneven (19 rows), Muon (lr 0.02) + AdamW (the rest)."""
+    return Scenario(**{**MUON_SD, "kind": kind}, make_optim=muon_factory(dict(lr=0.02)))
+
+
+def full_state(model: nn.Module, opt: Pair) -> dict[str, torch.Tensor]:
+    """``full_tensor()`` of every parameter and every optimizer state tensor (Muon's momentum
+    buffers, AdamW's moments and step), keyed ``param:<fqn>`` / ``<optim>:<fqn>:<key>``: what a
+    checkpoint must bring back, independent of the world size.  Collective."""
+    out = {}
+    for n, p in model.named_parameters():
+        out[f"param:{n}"] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        for name, o in (("muon", opt.muon), ("adamw", opt.adamw)):
+            for k, v in (o.state.get(p, {}) if o is not None else {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"{name}:{n}:{k}"] = (v.full_tensor() if isinstance(v, DTensor)
+                                              else v.detach().clone())
+    return out
+
+
+def check_full_state(mm: pc.Mismatches, got: dict, want: dict, what: str) -> None:
+    mm.check(list(got) == list(want), f"{what}: state {list(got)} != {list(want)}")
+    for k in want:
+        if k in got:
+            mm.tensors(f"{what}: {k}", got[k], want[k], a_name="loaded", b_name="saved")
+
+
+def _momentum_placed(mm: pc.Mismatches, model: nn.Module, opt: Pair) -> None:
     for p in (p for p in model.parameters() if p.ndim >= 2):
         buf = opt.muon.state[p].get("momentum_buffer")
         mm.check(isinstance(buf, DTensor) and buf.placements == p.placements
                      and buf.shape == p.shape, f"momentum buffer of a {p.placements} parameter "
                      f"is {type(buf).__name__} {getattr(buf, 'placements', None)}")
-    full = StateDictOptions(full_state_dict=True)
-    # saved = cloned: state dicts hold live tensors (AdamW's step) that the next steps update
-    msd = clone_tree(get_model_state_dict(model, options=full))
-    osd = clone_tree(get_optimizer_state_dict(model, (opt.muon, opt.adamw), options=full))
+
+
+def _resume(ctx, save, load) -> None:
+    """2 steps, ``save(model, opt)`` (returns the checkpoint), 2 more (the uninterrupted run);
+    a fresh model (other weights) and optimizers ``load(checkpoint, model, opt)``: its state
+    (full tensors) is the saved one and its next 2 steps are the uninterrupted run's, bitwise
+    (losses and local parameters)."""
+    mesh, mm = mesh_1d(ctx), pc.Mismatches(ctx)
+    sc = muon_scenario()
+    data = batches("lm", 4, ctx.world_size)
+    model = make_model(CFSDP, sc, mesh)
+    opt = sc.make_optim(CFSDP, model)
+    run_steps(CFSDP, sc, model, opt, data[:2], ctx.rank, [])
+    _momentum_placed(mm, model, opt)
+    saved, want = save(model, opt), full_state(model, opt)
     fresh = make_model(CFSDP, sc, mesh)
     with torch.no_grad():  # another start: the load must bring everything back
         for p in fresh.parameters():
             p.to_local().mul_(0.5)
     fresh_opt = sc.make_optim(CFSDP, fresh)
-    set_model_state_dict(fresh, msd, options=full)
-    set_optimizer_state_dict(fresh, (fresh_opt.muon, fresh_opt.adamw), osd, options=full)
-    for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
-        if p.ndim >= 2:
-            mm.tensors(f"momentum buffer of {n} after the load",
-                       fresh_opt.muon.state[p]["momentum_buffer"].to_local(),
-                       opt.muon.state[q]["momentum_buffer"].to_local(),
-                       a_name="loaded", b_name="saved")
+    load(saved, fresh, fresh_opt)
+    check_full_state(mm, full_state(fresh, fresh_opt), want, "after the load")
     a = run_steps(CFSDP, sc, model, opt, data[2:], ctx.rank, [])
     b = run_steps(CFSDP, sc, fresh, fresh_opt, data[2:], ctx.rank, [])
     for i, (x, y) in enumerate(zip(b, a)):
@@ -215,6 +222,40 @@ def muon_state_dict(ctx):
         mm.tensors(f"local param {n} 2 steps after the load", p.to_local(), q.to_local(),
                    a_name="loaded", b_name="uninterrupted")
     mm.raise_if_any()
+
+
+@h.subtest
+def muon_state_dict(ctx):
+    """get/set_optimizer_state_dict (full_state_dict=True) round trip of cfsdp.optim.Muon: the
+    momentum buffers are DTensors placed as their parameters; a fresh model and Muon loaded
+    from the full state dicts after 2 steps (Shard(0) and Shard(1) matrices) hold the saved
+    state and continue 2 more steps bitwise as the uninterrupted run (Muon and the pairing's
+    AdamW in one DSD call)."""
+    full = StateDictOptions(full_state_dict=True)
+
+    def save(model, opt):  # cloned: state dicts hold live tensors (AdamW's step)
+        return (clone_tree(get_model_state_dict(model, options=full)),
+                clone_tree(get_optimizer_state_dict(model, (opt.muon, opt.adamw), options=full)))
+
+    def load(saved, model, opt):
+        set_model_state_dict(model, saved[0], options=full)
+        set_optimizer_state_dict(model, (opt.muon, opt.adamw), saved[1], options=full)
+
+    _resume(ctx, save, load)
+
+
+@h.subtest
+def muon_dcp_resume(ctx):
+    """torch.distributed.checkpoint: dcp.save of get_state_dict(model, (Muon, AdamW)) (sharded:
+    the momentum buffers saved as their DTensor shards), dcp.load + set_state_dict into a fresh
+    model and optimizers at the same world size: the loaded state (full tensors) is the saved
+    one, the next 2 steps bitwise the uninterrupted run's."""
+    with shared_tmpdir(ctx) as root:
+        def save(model, opt):
+            dcp_save(ctx, model, (opt.muon, opt.adamw), root)
+            return root
+
+        _resume(ctx, save, lambda path, model, opt: dcp_load(ctx, model, (opt.muon, opt.adamw), path))
 
 
 def _named_dtensor(mesh, placements) -> nn.Parameter:
@@ -264,10 +305,11 @@ if WORLD == 4:
     def muon_hsdp(ctx):
         """HSDP 2 x 2 ((Replicate(), Shard(d)), gradients all-reduced over replicas): Shard(0)
         and Shard(1) matrices (largest_dim) and stacked experts, bitwise as the oracle, each
-        matrix orthogonalized once per shard group; a TP x FSDP layout (Shard(0), Shard(1))
-        on the 2-D mesh is refused, named."""
+        matrix orthogonalized once per shard group; a layout sharded over both mesh dims whose
+        blocks do not tile the matrix ((Shard(0), Partial())) is refused, named (TP x FSDP's
+        own layouts: worker_tp.py's fs_muon)."""
         for case in ("lm_largest_dim", "experts_shard0"):
             _muon_run(ctx, case, mesh_2d(ctx))
         mm = pc.Mismatches(ctx)
-        _refused(mm, mesh_2d(ctx), {"tp.w": [Shard(0), Shard(1)]})
+        _refused(mm, mesh_2d(ctx), {"tp.w": [Shard(0), Partial()]})
         mm.raise_if_any()

@@ -1,0 +1,158 @@
+"""``cfsdp.optim.Muon`` on a parameter sharded over two mesh dims (TP x FSDP, issue 27 phase 2b).
+
+TP's ``ColwiseParallel`` / ``RowwiseParallel`` shard a weight along dim 0 / 1 over the ``tp``
+mesh dim; ``fully_shard`` on ``dp`` then shards each TP-local piece along dim 0 (torch.chunk):
+placements ``(Shard(0), Shard(1))`` (rowwise), or, when both shard dim 0 (colwise),
+``(_StridedShard(0, split_factor=tp), Shard(0))``: the TP chunk taken first, the dp chunk of
+it second.  Either way each rank holds one rectangular block of the matrix, found by applying
+torch.chunk per mesh dim in the order the shardings were applied (``block``).  ``exchange``
+(the two-dim form of ``_muon_shard.exchange``): every rank computes every rank's block of every
+matrix from the full shape and placements (no padding: the sizes are known exactly), one
+``all_to_all_single`` over the mesh's ranks sends each block to the matrix's owner
+(``assign_owners`` over the flattened ``dp x tp`` ranks), the owner writes the blocks into the
+full matrix, orthogonalizes its matrices, and one ``all_to_all_single`` sends each rank its
+block of the results.  The process group is the world's (the mesh must span every rank: the
+mesh's own groups are one per dim).  Pure torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ._muon_owners import assign_owners
+
+__all__ = ["Blocks", "MeshLayout", "block", "exchange", "mesh_layout"]
+
+
+class Blocks(NamedTuple):
+    """Every rank's block of one matrix, in the group's rank order: ``(starts, sizes)``."""
+    of_rank: tuple
+
+
+class MeshLayout(NamedTuple):
+    """A matrix sharded over two mesh dims: its ``Blocks`` (``dim``) over process ``group``
+    (every rank of the mesh, ``ranks``), this rank ``index`` of ``count``."""
+    group: object
+    mesh_dim: Optional[int]
+    dim: Blocks
+    index: int
+    count: int
+    ranks: tuple
+    sizes: None = None  # (``_muon_shard.Layout``'s element ranges: never, for blocks)
+
+
+def block(shape: Sequence[int], steps: Sequence[tuple[int, int, int]]) -> tuple[tuple, tuple]:
+    """``(starts, sizes)`` of the piece ``torch.chunk`` leaves after each ``(dim, count,
+    index)`` of ``steps`` in turn (empty past the last chunk)."""
+    starts, sizes = [0] * len(shape), list(shape)
+    for d, n, i in steps:
+        c = -(-sizes[d] // n)
+        lo = min(i * c, sizes[d])
+        starts[d] += lo
+        sizes[d] = max(0, min(c, sizes[d] - lo))
+    return tuple(starts), tuple(sizes)
+
+
+def mesh_layout(t, found: list) -> tuple[Optional[MeshLayout], Optional[str]]:
+    """The layout of DTensor ``t`` whose ``found`` ``(mesh dim, placement)`` entries are its
+    sharded mesh dims (two), or ``(None, why)``."""
+    mesh = t.device_mesh
+    desc = (f"a DTensor placed as {tuple(t.placements)} over a mesh of shape "
+            f"{tuple(mesh.shape)}")
+    if len(found) != 2 or mesh.ndim != 2:
+        return None, (f"{desc}: sharded over {len(found)} of {mesh.ndim} mesh dims; only a "
+                      "2-D (dp, tp) mesh with both dims sharded is implemented (issue 27 phase 2b)")
+    (m0, p0), (m1, p1) = found
+    if type(p1) is not Shard:
+        return None, f"{desc}: mesh dim {m1} holds {p1!r}, not a plain Shard(d)"
+    if type(p0) is _StridedShard:
+        if p0.dim != p1.dim or p0.split_factor != mesh.size(m1):
+            return None, (f"{desc}: {p0!r} is not the dp chunk of a tp Shard({p0.dim}) of "
+                          f"{mesh.size(m1)} chunks")
+        order = (m1, m0)  # the tp chunk first, then fully_shard's chunk of it
+    elif type(p0) is Shard:
+        order = (m0, m1)
+    else:
+        return None, f"{desc}: mesh dim {m0} holds {p0!r}, not Shard(d) or _StridedShard"
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        return None, (f"{desc}: the mesh spans {mesh.size()} of {world} ranks; Muon reassembles "
+                      "a matrix sharded over two mesh dims over the world's group only")
+    dims = {m0: p0.dim % t.ndim, m1: p1.dim % t.ndim}
+    where = {}  # global rank -> its mesh coordinate
+    for coord in itertools.product(*(range(s) for s in mesh.shape)):
+        where[int(mesh.mesh[coord])] = coord
+    ranks = tuple(range(world))
+    blocks = Blocks(tuple(block(t.shape, [(dims[m], mesh.size(m), where[r][m]) for m in order])
+                          for r in ranks))
+    group = dist.group.WORLD
+    return MeshLayout(group, None, blocks, dist.get_rank(), world, ranks), None
+
+
+def exchange(
+    layout: MeshLayout,
+    shapes: Sequence[Sequence[int]],
+    blocks: Sequence[Blocks],
+    chunks: Sequence[Tensor],
+    orthogonalize: Callable[[list], list],
+    out_dtype: torch.dtype,
+) -> list[Tensor]:
+    """This rank's block of ``orthogonalize``'s result for every matrix (see the module
+    docstring); ``_muon_shard.exchange``'s contract with ``blocks[k]`` (every rank's block of
+    matrix ``k``) for its ``dims``."""
+    n, me, pg = layout.count, layout.index, layout.group
+    owners = assign_owners(shapes, n)
+    for k, (s, b, t) in enumerate(zip(shapes, blocks, chunks)):
+        if tuple(t.shape) != b.of_rank[me][1]:
+            raise AssertionError(f"matrix {k} of shape {tuple(s)}: local block {tuple(t.shape)} "
+                                 f"on rank {me}, expected {b.of_rank[me][1]}")
+    numel = [[math.prod(sz) for _, sz in b.of_rank] for b in blocks]  # [matrix][rank]
+    dtype = chunks[0].dtype if chunks else torch.float32
+    device = chunks[0].device if chunks else torch.device("cpu")
+    by_owner = [[k for k in range(len(shapes)) if owners[k] == r] for r in range(n)]
+    mine = by_owner[me]
+
+    def a2a(pieces, send_splits, recv_splits, dt):
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dt, device=device)
+        recv = torch.empty(sum(recv_splits), dtype=dt, device=device)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
+        return recv
+
+    def region(k, r):
+        starts, sizes = blocks[k].of_rank[r]
+        return tuple(slice(a, a + b) for a, b in zip(starts, sizes))
+
+    # 1. blocks to their owners
+    recv = a2a([chunks[k].reshape(-1) for r in range(n) for k in by_owner[r]],
+               [sum(numel[k][me] for k in by_owner[r]) for r in range(n)],
+               [sum(numel[k][r] for k in mine) for r in range(n)], dtype)
+    # 2. the owner writes the blocks into its full matrices and orthogonalizes them
+    fulls = [torch.empty(shapes[k], dtype=dtype, device=device) for k in mine]
+    off = 0
+    for r in range(n):
+        for full, k in zip(fulls, mine):
+            full[region(k, r)] = recv.narrow(0, off, numel[k][r]).view(blocks[k].of_rank[r][1])
+            off += numel[k][r]
+    results = [o.reshape(shapes[k]) for k, o in zip(mine, orthogonalize(fulls))] if fulls else []
+    for res in results:
+        if res.dtype != out_dtype:
+            raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
+    # 3. each rank's block of every result back
+    recv = a2a([res[region(k, r)].reshape(-1) for r in range(n) for k, res in zip(mine, results)],
+               [sum(numel[k][r] for k in mine) for r in range(n)],
+               [sum(numel[k][me] for k in by_owner[r]) for r in range(n)], out_dtype)
+    out: list = [None] * len(shapes)
+    off = 0
+    for r in range(n):
+        for k in by_owner[r]:
+            out[k] = recv.narrow(0, off, numel[k][me]).view(blocks[k].of_rank[me][1])
+            off += numel[k][me]
+    return out
