@@ -141,7 +141,7 @@ demo: $(RUN_SETUP)
 
 # Every benchmark of benchmarks/RESULTS.md, in one go (about an hour on 2 cores):
 # step time and memory (fp32, bf16, 4 ranks, a size sweep and its plot), collectives,
-# optimizer step, wrap time, state dicts.
+# optimizer step, wrap time, state dicts, ZeRO, Muon on shards, emulated hosts.
 TORCHRUN2 = $(RUN_VENV)/bin/torchrun --standalone --nproc_per_node 2
 BENCH_GPT2_BF16 = --set n_layer=2 --set d_model=256 --set n_head=4 --set vocab_size=2048
 bench: $(RUN_SETUP)
@@ -163,6 +163,11 @@ bench: $(RUN_SETUP)
 	$(TORCHRUN2) benchmarks/bench_wrap.py --repeats 3 --out benchmarks/out/wrap.json
 	$(TORCHRUN2) benchmarks/bench_state_dict.py --repeats 7 --out benchmarks/out/state_dict.json
 	$(TORCHRUN2) benchmarks/bench_zero.py --out benchmarks/out/zero.json
+	$(TORCHRUN2) benchmarks/bench_muon.py --out benchmarks/out/muon_w2.json
+	$(RUN_VENV)/bin/torchrun --standalone --nproc_per_node 4 benchmarks/bench_muon.py \
+		--out benchmarks/out/muon_w4.json
+	$(RUN_VENV)/bin/python benchmarks/plot.py benchmarks/out/muon_w*.json --muon \
+		--out benchmarks/results_muon.png
 	$(RUN_VENV)/bin/python benchmarks/bench_hosts.py --out benchmarks/out/hosts.json  # root: emulated hosts
 
 sanitize: $(STAMP)

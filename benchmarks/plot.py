@@ -13,6 +13,9 @@ When a model appears in several files, the last file wins.
 ``--vs-size`` instead draws one line per contender: median step time against
 parameter count, one point per (file, model) -- the files of a size sweep
 (``bench_fsdp.py --set d_model=...`` runs), log-log.
+
+``--muon`` reads ``bench_muon.py``'s files (one per world size) and draws, per world size, the
+median optimizer step time and the Newton–Schulz work on the busiest rank of each contender.
 """
 
 from __future__ import annotations
@@ -123,14 +126,52 @@ def plot_vs_size(paths: list[Path], out: Path) -> None:
     plt.close(fig)
 
 
+MUON_COLORS = {"allgather": "#1565c0", "torch_dtensor": "#6a1b9a", "single": "#9e9e9e",
+               "cfsdp": "#2e7d32"}
+
+
+def plot_muon(paths: list[Path], out: Path) -> None:
+    """``bench_muon.py``'s step time and Newton–Schulz GFLOP per rank, one group per world size."""
+    reports = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["world"])
+    names = list(MUON_COLORS)
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    width = 0.8 / len(names)
+    for j, (key, label) in enumerate((("step_ms_median", "median step() time (ms)"),
+                                      ("ns_gflop_per_rank", "Newton-Schulz GFLOP, busiest rank"))):
+        ax = axes[j]
+        for i, name in enumerate(names):
+            xs, ys = [], []
+            for w, rep in enumerate(reports):
+                res = rep["results"].get(name, {})
+                if key in res:
+                    xs.append(w + (i - (len(names) - 1) / 2) * width)
+                    ys.append(res[key])
+            ax.bar(xs, ys, width, color=MUON_COLORS[name], label=name)
+        ax.set_xticks(range(len(reports)), [f"{r['world']} ranks" for r in reports])
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8, frameon=False)
+    m = reports[-1]["machine"]
+    fig.suptitle(f"Muon step on fully_shard shards, 1 thread per rank, torch {m['torch']}, "
+                 f"{m['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", type=Path, help="JSON files from bench_fsdp.py")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results.png"))
     p.add_argument("--vs-size", action="store_true",
                    help="step time against parameter count (a size sweep), one line per contender")
+    p.add_argument("--muon", action="store_true",
+                   help="bench_muon.py's files: step time and Newton-Schulz work per world size")
     args = p.parse_args()
-    if args.vs_size:
+    if args.muon:
+        plot_muon(args.inputs, args.out)
+    elif args.vs_size:
         plot_vs_size(args.inputs, args.out)
     else:
         models, machine = load_models(args.inputs)
