@@ -1,8 +1,9 @@
 """The all-gather-everywhere Muon: the oracle of ``cfsdp.optim.Muon`` on sharded DTensor
 parameters (tests/distributed/fully_shard/muon.py; ``AllGatherMuon``) and on the
 FullyShardedDataParallel wrapper's flat shards (``muon_wrapper`` in worker_optim.py;
-``WrapperAllGatherMuon``), and baseline (a) of the Muon benchmark; ``spy_muon`` counts what a
-``cfsdp.optim.Muon`` orthogonalizes and exchanges.
+``WrapperAllGatherMuon``); ``spy_muon`` counts what a ``cfsdp.optim.Muon`` orthogonalizes and
+exchanges.  (benchmarks/bench_muon.py's contender (a) is the lean form trainers write: momentum on
+the shard, one full matrix at a time; this one keeps full copies, which a test can afford.)
 
 What the usual hand-made fix does on FSDP2: every rank ``full_tensor()``s every gradient and
 parameter, runs torch's own ``torch.optim.Muon`` on the full matrices (so every rank

@@ -79,8 +79,9 @@ def _storages(x: Any, out: list) -> None:
             return
         try:
             out.append(x.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):
-            pass
+        except (RuntimeError, NotImplementedError) as e:  # an access the checker cannot see
+            raise AssertionError(f"stream_check: a {type(x).__name__} argument has no storage "
+                                 f"to key its accesses by ({e})") from e
     elif isinstance(x, (list, tuple)):
         for y in x:
             _storages(y, out)
