@@ -94,6 +94,7 @@ always takes the 2-D ops.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -115,6 +116,33 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+class _UnitIndex:
+    """What Muon reads of one wrapper unit each step, found once: each original parameter's
+    index (by identity, re-found when the unit's parameter was replaced) and, on a sharded
+    unit, each original's element-range ``Layout``."""
+
+    __slots__ = ("index", "layouts")
+
+    def __init__(self, unit):
+        self.index = {id(info.param): j for j, info in enumerate(unit.infos)}
+        self.layouts: Optional[list] = None
+        if unit.sharded:
+            lay, ranks = unit.layout, tuple(dist.get_process_group_ranks(unit.group))
+            self.layouts = [Layout(unit.group, -1, 0, unit.rank, unit.world_size, ranks,
+                                   tuple(lay.slices[r][j].numel for r in range(lay.world_size)))
+                            for j in range(len(unit.infos))]
+
+
+_unit_index: "weakref.WeakKeyDictionary[Any, _UnitIndex]" = weakref.WeakKeyDictionary()
+
+
+def _index_of(unit) -> _UnitIndex:
+    ix = _unit_index.get(unit)
+    if ix is None:
+        ix = _unit_index[unit] = _UnitIndex(unit)
+    return ix
+
+
 def _wrapped(p: Tensor) -> Optional[tuple]:
     """``(unit, index)`` for a FullyShardedDataParallel wrapper's parameter: its flat parameter
     (``index`` None) or, with ``use_orig_params=True``, original parameter ``index`` of
@@ -125,19 +153,19 @@ def _wrapped(p: Tensor) -> Optional[tuple]:
         return None
     if p is unit.flat_param:
         return unit, None
-    for j, info in enumerate(unit.infos):
-        if info.param is p:
-            return unit, j
-    return None
+    j = _index_of(unit).index.get(id(p))
+    if j is None or unit.infos[j].param is not p:  # a parameter replaced since: index again
+        ix = _unit_index[unit] = _UnitIndex(unit)
+        j = ix.index.get(id(p))
+        if j is None or unit.infos[j].param is not p:
+            return None
+    return unit, j
 
 
 def _flat_layout(unit, j: int) -> Layout:
     """Original parameter ``j`` of a sharded wrapper unit as element ranges: rank ``r`` of the
     unit's group holds ``layout.slices[r][j].numel`` consecutive elements of it."""
-    lay = unit.layout
-    return Layout(unit.group, -1, 0, unit.rank, unit.world_size,
-                  tuple(dist.get_process_group_ranks(unit.group)),
-                  tuple(lay.slices[r][j].numel for r in range(lay.world_size)))
+    return _index_of(unit).layouts[j]
 
 
 def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
