@@ -367,8 +367,9 @@ def _muon_state_round_trip(ctx, model, muon, mats, oracle, kw) -> None:
 def muon_wrapper_refuses(ctx):
     """A flat parameter holding a 1-D original parameter (use_orig_params=False): torch's
     ValueError, the original's FQN and what to do; the group is not added.  bf16 matrices
-    without Nesterov (torch normalizes the bf16 momentum buffer in place): NotImplementedError
-    on every rank, those holding no element of the matrix too, before any collective."""
+    without Nesterov (torch normalizes the bf16 momentum buffer in place), and with it (torch's
+    bf16 add_ rounds by position in the whole tensor): NotImplementedError on every rank, those
+    holding no element of the matrix too, before any collective."""
     model = _muon_model(ctx, False)
     _, (root,) = _muon_split(model, False)
     try:
@@ -392,6 +393,14 @@ def muon_wrapper_refuses(ctx):
             assert "bf16 parameter stepped without Nesterov" in str(e), str(e)
         else:
             raise AssertionError(f"use_orig_params={uop}: bf16 Muon without Nesterov stepped")
+        # with Nesterov too: torch's bf16 add_(alpha=) rounds by position in the whole tensor
+        opt = co.Muon(mats, lr=0.02)
+        try:
+            opt.step()
+        except NotImplementedError as e:
+            assert "sharded torch.bfloat16 parameter" in str(e), str(e)
+        else:
+            raise AssertionError(f"use_orig_params={uop}: bf16 Muon on shards stepped")
 
 
 def _clone(x):

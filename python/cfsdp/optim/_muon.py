@@ -48,7 +48,9 @@ parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one 
 FSDP's blocks on a 2-D world mesh (``_muon_mesh``: phase 2b; a lone ``_StridedShard``, a
 ``Partial`` parameter, a 3-D mesh sharded over two dims), a sharded
 parameter whose gradient is placed otherwise, a sharded bf16 one without Nesterov (torch
-normalizes its bf16 momentum buffer in place, which a gathered copy cannot), and a whole
+normalizes its bf16 momentum buffer in place, which a gathered copy cannot), any sharded bf16 or
+fp16 one (torch's 16-bit ``add_(update, alpha=)`` rounds an element by its position in the
+whole tensor: vectorized body or scalar tail; fp32 and fp64 do not), and a whole
 parameter whose gradient is sharded (e.g. an unreduced ``Partial`` one: its local tensor is
 not the whole gradient).
 
@@ -375,7 +377,7 @@ class Muon(torch.optim.Muon):
             if p.grad is None:
                 if w is not None and _empty_piece(*w):  # its unit's matrix: in the exchange
                     self._check_param(group, i, p, gi)
-                    self._check_bf16(group, i, gi, p, w[0].flat_param.grad.dtype)
+                    self._check_dtype(group, i, gi, p, w[0].flat_param.grad.dtype)
                     todo.append((i, p, None, w))
                 continue
             if torch.is_complex(p):
@@ -388,7 +390,7 @@ class Muon(torch.optim.Muon):
             if w is not None:
                 self._check_param(group, i, p, gi)
                 if w[0].sharded:
-                    self._check_bf16(group, i, gi, p, p.grad.dtype)
+                    self._check_dtype(group, i, gi, p, p.grad.dtype)
             elif layout is None:
                 why = _sharded(p.grad)
                 if why is not None:  # a whole parameter whose local gradient is not the whole one
@@ -474,7 +476,7 @@ class Muon(torch.optim.Muon):
     @staticmethod
     def _check_sharded(group: dict, i: int, gi: int, p: Tensor) -> None:
         """A sharded parameter's gradient must be placed as the parameter (what fully_shard's
-        reduce-scatter gives); a bf16 one needs Nesterov (see the module docstring)."""
+        reduce-scatter gives); it must be fp32 or fp64 (``_check_dtype``)."""
         g = p.grad
         if (not isinstance(g, DTensor) or g.device_mesh != p.device_mesh
                 or tuple(g.placements) != tuple(p.placements)):
@@ -486,18 +488,28 @@ class Muon(torch.optim.Muon):
                 "steps a sharded parameter whose gradient is placed as the parameter (as "
                 "fully_shard's reduce-scatter leaves it); reduce it so before step()"
             )
-        Muon._check_bf16(group, i, gi, p, p.grad.dtype)
+        Muon._check_dtype(group, i, gi, p, p.grad.dtype)
 
     @staticmethod
-    def _check_bf16(group: dict, i: int, gi: int, p: Tensor, dtype: torch.dtype) -> None:
-        """A sharded bf16 parameter (``dtype``: its gradient's) needs Nesterov (see the module
-        docstring)."""
+    def _check_dtype(group: dict, i: int, gi: int, p: Tensor, dtype: torch.dtype) -> None:
+        """A sharded parameter must be fp32 or fp64 (``dtype``: its gradient's; see the module
+        docstring): bf16 without Nesterov first (its own reason), then any 16-bit float."""
         if not group["nesterov"] and dtype == torch.bfloat16:
             raise NotImplementedError(
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} is a "
                 "sharded bf16 parameter stepped without Nesterov: torch's Muon then normalizes "
                 "the bf16 momentum buffer in place during Newton–Schulz, which the gathered copy "
                 "cannot reproduce on the shards; use nesterov=True or fp32 parameters"
+            )
+        if dtype in (torch.bfloat16, torch.float16):
+            raise NotImplementedError(
+                f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} is a "
+                f"sharded {dtype} parameter: torch's {dtype} add_(update, alpha=-lr) rounds an "
+                "element differently by where it falls in the whole tensor (vectorized body or "
+                "scalar tail), which an update of the shards cannot reproduce; keep fp32 "
+                "parameters (mixed precision computes in bf16 with fp32 shards: fully_shard's "
+                "MixedPrecisionPolicy, the wrapper's MixedPrecision), or step whole parameters "
+                "(ZeroRedundancyOptimizer, DDP)"
             )
 
     def _cf_finish(self, pending: list, group: dict) -> None:
