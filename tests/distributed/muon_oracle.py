@@ -135,6 +135,7 @@ class WrapperAllGatherMuon:
             self.shadows.append(nn.Parameter(self._full(unit, k, gathered[id(unit)]).clone()))
         self.inner = torch.optim.Muon(self.shadows, **kwargs)
         self.ns_matrices = 0
+        self.skip: set = set()  # (unit, k) whose gradient the caller cleared: not stepped
 
     @staticmethod
     def _gather(unit, shard: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ class WrapperAllGatherMuon:
                 grads[id(unit)] = self._gather(unit, unit.flat_param.grad)
         stepped = []
         for (unit, k), s in zip(self.matrices, self.shadows):
-            if id(unit) not in grads:
+            if id(unit) not in grads or (unit, k) in self.skip:
                 s.grad = None
                 continue
             s.copy_(self._full(unit, k, params[id(unit)]))

@@ -341,6 +341,72 @@ def muon_wrapper(ctx, case):
     assert omuon.ns_matrices == 3 * len(shapes)
 
 
+@h.subtest
+def muon_wrapper_cleared(ctx):
+    """use_orig_params=True, matrices whose gradients were cleared: the ranks agree whether each
+    matrix is stepped, whichever hold it (a rank with no element of a matrix cannot tell).
+    Step 2 clears one matrix's gradient on every rank (at W=2 ``blocks.0.a``, wholly on rank 0:
+    rank 1 joins its exchange only if rank 0 has its gradient): bitwise the oracle skipping it;
+    ``zero_grad`` then ``step()`` without a backward: nothing moves, no rank waits; a gradient
+    cleared on one holder only: ``ValueError`` naming it on every rank, nothing stepped."""
+    uop, kw = MUON_CASES["orig_adamw"]
+    batches = data(ctx, 3)
+    runs = {}
+    for impl in ("cfsdp", "oracle"):
+        model = _muon_model(ctx, uop)
+        mats, rest = _muon_split(model, uop)
+        names = {p: n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
+        cleared = next(p for p in mats if names[p] == "blocks.0.a.weight")
+        adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
+        if impl == "cfsdp":
+            muon = co.Muon(mats, **kw)
+        else:
+            pairs = [_muon._wrapped(p) for p in mats]
+            muon = WrapperAllGatherMuon(pairs, **kw)
+        losses = []
+        for step, (x, y) in enumerate(batches):
+            model.zero_grad(set_to_none=True)
+            if step == 2 and impl == "cfsdp":  # no gradient anywhere: a step moves nothing
+                before = {n: q.detach().clone() for n, q in model.named_parameters()}
+                muon.step()
+                same("params after a step without gradients",
+                     {n: q.detach() for n, q in model.named_parameters()}, before)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            if step == 1:
+                cleared.grad = None  # on every rank (rank 1 has none: an empty piece)
+                muon.skip = {_muon._wrapped(cleared)} if impl == "oracle" else None
+            muon.step()
+            adamw.step()
+            if impl == "oracle":
+                muon.skip = set()
+            losses.append(loss.detach().clone())
+        runs[impl] = (model, muon, mats, names, losses)
+    (cm, cmuon, cmats, cnames, closs), (om, _, _, _, oloss) = runs["cfsdp"], runs["oracle"]
+    same("losses", closs, oloss)
+    same("params", dict(cm.named_parameters()), dict(om.named_parameters()))
+    # a gradient cleared on one of the ranks holding part of a matrix: every rank refuses
+    F.mse_loss(cm(batches[0][0]), batches[0][1]).backward()
+    straddling = next(p for p in cmats if cnames[p] == "blocks.0.b.weight")
+    unit, k = _muon._wrapped(straddling)
+    holders = [r for r, sl in enumerate(unit.layout.slices) if sl[k].numel]
+    assert len(holders) >= 2, holders
+    if ctx.rank == holders[0]:
+        straddling.grad = None
+    before = {n: q.detach().clone() for n, q in cm.named_parameters()}
+    try:
+        cmuon.step()
+    except ValueError as e:
+        for want in ("original parameter 'b.weight' of a FullyShardedDataParallel unit", f"on {len(holders) - 1} of the {len(holders)} ranks",
+                     "zero_grad() on every rank"):
+            assert want in str(e), f"{want!r} not in {e}"
+    else:
+        raise AssertionError(f"rank {ctx.rank}: Muon stepped a matrix whose gradient was cleared "
+                             "on one holder only")
+    same("params after the refused step", {n: q.detach() for n, q in cm.named_parameters()},
+         before)
+
+
 def _muon_state_round_trip(ctx, model, muon, mats, oracle, kw) -> None:
     """use_orig_params=True: ``FSDP.optim_state_dict`` gives each matrix's full momentum
     buffer, the oracle's bit for bit; ``optim_state_dict_to_load`` + ``load_state_dict`` on a

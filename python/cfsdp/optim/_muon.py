@@ -72,7 +72,8 @@ param group).  With ``use_orig_params=True`` each original matrix is stepped the
 its own 1-D piece (so the 1-D ones go to AdamW: the usual pairing), its ``momentum_buffer``
 of the piece's shape (what ``FSDP.optim_state_dict`` consolidates).  A rank holding no element
 of a matrix has no gradient for it (torch FSDP1 leaves it None) and no state, yet takes part in
-its exchange with an empty range while its unit has a flat gradient.  With NO_SHARD (one rank)
+its exchange with an empty range when the ranks holding it have gradients for it, which the
+unit's ranks agree on each step (``_agree_pieces``: one small ``all_reduce`` per process group).  With NO_SHARD (one rank)
 the matrices are whole.  Still ``NotImplementedError``: the wrapper's tensor-parallel
 originals and non-row-major (strided) ones of a sharded unit.  The numbers are the
 all-gather-everywhere ``torch.optim.Muon`` on the same wrapper's full matrices
@@ -183,12 +184,58 @@ def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
     return None
 
 
-def _empty_piece(unit, j: Optional[int]) -> bool:
-    """Whether original parameter ``j`` has no element on this rank while its unit has a
-    gradient (torch FSDP1 leaves such a parameter's ``.grad`` None): its matrix is stepped on
-    the ranks holding it, so this rank takes part in its exchange with nothing."""
-    return (j is not None and unit.sharded and unit.infos[j].param.requires_grad
-            and unit.layout.slices[unit.rank][j].numel == 0 and unit.flat_param.grad is not None)
+def _shared_original(unit, j: Optional[int]) -> bool:
+    """Whether original parameter ``j`` is a trainable one of a sharded unit: whether it is
+    stepped is agreed (``_agree_pieces``), by every rank of the unit's group alike (its matrix
+    goes through the group's exchange, whichever ranks hold it)."""
+    return j is not None and unit.sharded and unit.infos[j].param.requires_grad
+
+
+def _agree_pieces(group: dict, gi: int) -> set:
+    """The wrapper's ``use_orig_params=True`` matrices of sharded units: whether each
+    is stepped is agreed by the ranks of its unit's group, so that every rank makes the same
+    exchanges.  A rank holding no element of a matrix has no gradient for it (torch FSDP1
+    leaves it None) and cannot tell locally whether the holders have one (``zero_grad`` or a
+    gradient set to None clears only theirs); the holders' gradients are counted in one
+    ``all_reduce`` per process group (by its ranks, in parameter order: the same on every rank)
+    and step.  Returns the ids of the parameters this rank joins with an empty piece; none
+    holding a gradient: no rank steps it; some but not all: ``ValueError`` on every rank."""
+    shared: dict = {}  # group's ranks -> (process group, device, [(i, p, unit, j)])
+    for i, p in enumerate(group["params"]):
+        w = _wrapped(p)
+        if w is not None and _shared_original(*w):
+            lay = _flat_layout(*w)
+            shared.setdefault(lay.ranks, (lay.group, w[0].flat_param.device, []))[2].append(
+                (i, p, *w))
+    joined: set = set()
+    for pg, device, entries in shared.values():
+        have = torch.tensor([int(p.grad is not None) for _, p, _, _ in entries],
+                            dtype=torch.int32, device=device)
+        dist.all_reduce(have, group=pg)
+        for (i, p, unit, j), n in zip(entries, have.tolist()):
+            holders = sum(1 for k in _flat_layout(unit, j).sizes if k)
+            if n == holders:
+                if p.grad is None:  # an empty piece here
+                    joined.add(id(p))
+            elif n:
+                info = unit.infos[j]
+                raise ValueError(
+                    f"cfsdp.optim.Muon: original parameter '{info.fqn}' of a "
+                    f"FullyShardedDataParallel unit (parameter {_describe(group, i, gi)} of the "
+                    f"optimizer), of shape {tuple(info.shape)} has a gradient on "
+                    f"{n} of the {holders} ranks holding part of it: its matrix is stepped "
+                    "whole, so every rank's piece needs its gradient or none does; clear "
+                    "gradients on every rank alike (zero_grad() on every rank, or set .grad = "
+                    "None on every rank's copy of the parameter)")
+    return joined
+
+
+def _piece_dtype(unit) -> torch.dtype:
+    """The dtype of the holders' gradients of a unit's original (their flat gradient's; the
+    parameters' where this rank's flat gradient is gone): an empty piece joins the exchange
+    batched with them, by dtype."""
+    g = unit.flat_param.grad
+    return g.dtype if g is not None else unit.flat_param.dtype
 
 
 def _layout(p: Tensor) -> tuple[Optional[Layout], Optional[str]]:
@@ -372,12 +419,13 @@ class Muon(torch.optim.Muon):
     def _cf_step_group(self, gi: int, group: dict) -> None:
         # torch's _init_group: every check and new buffer before any arithmetic
         todo = []
+        joined = _agree_pieces(group, gi)
         for i, p in enumerate(group["params"]):
             w = _wrapped(p)
             if p.grad is None:
-                if w is not None and _empty_piece(*w):  # its unit's matrix: in the exchange
+                if id(p) in joined:  # its matrix is stepped by the holders: in the exchange
                     self._check_param(group, i, p, gi)
-                    self._check_dtype(group, i, gi, p, w[0].flat_param.grad.dtype)
+                    self._check_dtype(group, i, gi, p, _piece_dtype(w[0]))
                     todo.append((i, p, None, w))
                 continue
             if torch.is_complex(p):
@@ -455,8 +503,8 @@ class Muon(torch.optim.Muon):
         entry per original matrix, its range of the shard over the unit's group (whole with
         NO_SHARD).  An original parameter with no element here (no gradient) sends nothing."""
         pd = p.detach()
-        if p.grad is None:  # _empty_piece
-            empty = unit.flat_param.grad.new_empty(0)  # the gradients' dtype, as the holders'
+        if p.grad is None:  # an empty piece (_agree_pieces)
+            empty = unit.flat_param.new_empty(0, dtype=_piece_dtype(unit))  # as the holders'
             return [(pd, empty, _flat_layout(unit, j), tuple(unit.infos[j].shape))]
         upd = self._cf_momentum(p.grad, self.state[p][_KIND], group["momentum"], group["nesterov"])
         if j is not None:
