@@ -282,6 +282,14 @@ class Scenario:
     # (impl, model) -> the optimizer of that contender's model; None: pc.make_optim(optim)
     make_optim: Callable[[Impl, nn.Module], Any] | None = None
     ref_grad_scale: float = 1.0
+    # (kind, seed) -> the reference's model where ``build`` is not the plain one (a model of
+    # the test's own); None: ``build``
+    ref_build: Callable[[str, int], nn.Module] | None = None
+    # (reference model) -> its optimizer; None: pc.make_optim(optim)
+    ref_optim: Callable[[nn.Module], Any] | None = None
+    # (rtol, atol as a fraction of the reference's largest |value|) against the reference;
+    # None: pc.REF_RTOL, pc.REF_ATOL (MP_TOL with mixed precision)
+    ref_tol: tuple[float, float] | None = None
 
 
 @dataclass
@@ -378,8 +386,9 @@ def low_precision_copy(ref: nn.Module, sc: Scenario) -> nn.Module:
 def train_ref(sc: Scenario, data, world: int) -> tuple[list[list[torch.Tensor]], dict, dict]:
     """(per (step, micro) the loss of every rank's chunk, full grads after the last backward,
     full params at the end) of the unwrapped model on all chunks."""
-    ref = build(sc.kind, 0)  # never sc.build: the reference is the plain model on the CPU
-    opt = pc.make_optim(sc.optim, ref.parameters())
+    # never sc.build (it may wrap or place the model): the reference is the plain model on the CPU
+    ref = (sc.ref_build or build)(sc.kind, 0)
+    opt = sc.ref_optim(ref) if sc.ref_optim else pc.make_optim(sc.optim, ref.parameters())
     losses: list[list[torch.Tensor]] = []
     grads: dict = {}
     trainable = [p for p in ref.parameters() if p.requires_grad]
@@ -454,15 +463,18 @@ def compare_reg(mm: pc.Mismatches, when: str, c: dict, t: dict) -> None:
 
 
 def compare_ref(mm: pc.Mismatches, t: Trace, ref: tuple, ctx: h.Context, mesh: DeviceMesh,
-                mp: bool = False) -> None:
-    """torch against the single-process reference (see the module docstring for tolerances)."""
+                mp: bool = False, tol: tuple[float, float] | None = None) -> None:
+    """torch against the single-process reference (see the module docstring for tolerances;
+    ``tol``: the scenario's ``ref_tol``)."""
     r_losses, r_grads, r_params = ref
     idx, n = shard_index(mesh)
+    if tol is None and mp:
+        tol = (MP_TOL, MP_TOL)
 
     def close(what, a, b):
-        if mp and b is not None and b.numel():
-            mm.tensors(what, a, b, exact=False, a_name="torch", b_name="ref", rtol=MP_TOL,
-                       atol=MP_TOL * b.detach().abs().max().item())
+        if tol is not None and b is not None and b.numel():
+            mm.tensors(what, a, b, exact=False, a_name="torch", b_name="ref", rtol=tol[0],
+                       atol=tol[1] * b.detach().abs().max().item())
         else:
             mm.tensors(what, a, b, exact=False, a_name="torch", b_name="ref")
 
@@ -496,5 +508,6 @@ def run_scenario(ctx: h.Context, sc: Scenario, mesh: DeviceMesh | None = None,
     c = train(CFSDP, ctx, mesh, sc, data)
     compare_traces(mm, c, t)
     if sc.ref:
-        compare_ref(mm, t, train_ref(sc, data, ctx.world_size), ctx, mesh, mp=sc.mp is not None)
+        compare_ref(mm, t, train_ref(sc, data, ctx.world_size), ctx, mesh, mp=sc.mp is not None,
+                    tol=sc.ref_tol)
     mm.raise_if_any()

@@ -67,6 +67,10 @@ class Pair:
             self.adamw.step()
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class AllGatherMuon:
     """``torch.optim.Muon(**kwargs)`` on the full matrices of DTensor ``params`` (see the module
     docstring); ``step()`` and ``zero_grad()`` as an optimizer's."""
@@ -75,7 +79,7 @@ class AllGatherMuon:
         self.params = list(params)
         self.shadows: list[list[nn.Parameter]] = []
         for p in self.params:
-            full = p.full_tensor().detach()
+            full = _full(p).detach()
             self.shadows.append([nn.Parameter(m.clone()) for m in full.reshape(-1, *full.shape[-2:])])
         self.inner = torch.optim.Muon([s for ss in self.shadows for s in ss], **kwargs)
         self.ns_matrices = 0  # matrices this rank orthogonalized (all of them, every step)
@@ -92,7 +96,7 @@ class AllGatherMuon:
                 for s in ss:
                     s.grad = None
                 continue
-            full_p, full_g = p.full_tensor(), p.grad.full_tensor()
+            full_p, full_g = _full(p), _full(p.grad)
             for s, fp, fg in zip(ss, full_p.reshape(-1, *full_p.shape[-2:]),
                                  full_g.reshape(-1, *full_g.shape[-2:])):
                 s.copy_(fp)
@@ -102,7 +106,10 @@ class AllGatherMuon:
         for p, ss in stepped:
             self.ns_matrices += len(ss)
             full = torch.stack([s.detach() for s in ss]).reshape(p.shape)
-            p.to_local().copy_(local_part(full, p))
+            if isinstance(p, DTensor):
+                p.to_local().copy_(local_part(full, p))
+            else:  # a single process's parameter (the reference on the global batch)
+                p.copy_(full)
 
     def full_momentum(self, p: DTensor) -> torch.Tensor:
         """The full momentum buffer of ``p`` (its matrices' buffers stacked)."""

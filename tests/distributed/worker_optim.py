@@ -23,6 +23,7 @@ path, in at most one bucket (one C call) per unit.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -330,6 +331,7 @@ def muon_wrapper(ctx, case):
     (cm, cmuon, closs, cmats), (om, omuon, oloss, _) = runs["cfsdp"], runs["oracle"]
     same("losses", closs, oloss)
     same("params", dict(cm.named_parameters()), dict(om.named_parameters()))
+    _single_process_muon(ctx, cm, uop, case == "orig_state_dict", kw)
     if case == "orig_state_dict":  # FSDP.optim_state_dict consolidates the 1-D momentum pieces, and loads back
         _muon_state_round_trip(ctx, cm, cmuon, cmats, omuon, kw)
     shapes = [tuple(u.infos[k].shape) for u, k in omuon.matrices]
@@ -339,6 +341,40 @@ def muon_wrapper(ctx, case):
         f"rank {ctx.rank}: (matrices orthogonalized, exchanges) per step {counts}, expected "
         f"{[mine, 1]} ({len(shapes)} matrices, owners {owners})")
     assert omuon.ns_matrices == 3 * len(shapes)
+
+
+# against one process on the global batch: the gradients differ from it by the reduction
+# order's ulps, which Newton–Schulz (in bf16) can turn into bf16 ulps of an update
+MUON_REF_RTOL, MUON_REF_ATOL = 1e-5, 1e-6  # atol: times the reference's largest |value|
+
+
+def _single_process_muon(ctx, model, uop: bool, by_unit: bool, kw: dict) -> None:
+    """The wrapper's full parameters after ``muon_wrapper``'s 3 steps against torch's Muon (+
+    AdamW, the same split as ``_muon_split``) on the plain model in one process, on the global
+    batch (every rank's rows: the mean of the ranks' mean losses is the mean over all rows)."""
+    full = model.state_dict()  # FULL_STATE_DICT on every rank
+    torch.manual_seed(0)
+    ref = MuonNet()
+    to_muon = {n for n, p in ref.named_parameters()
+               if (n.startswith("blocks.") if (not uop or by_unit) else p.ndim >= 2)}
+    muon = torch.optim.Muon([p for n, p in ref.named_parameters() if n in to_muon], **kw)
+    adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in to_muon],
+                              lr=1e-2, weight_decay=0.01)
+    every = [data(dataclasses.replace(ctx, rank=r), 3)
+             for r in range(ctx.world_size)]
+    for step in range(3):
+        x = torch.cat([b[step][0] for b in every])
+        y = torch.cat([b[step][1] for b in every])
+        ref.zero_grad(set_to_none=True)
+        F.mse_loss(ref(x), y).backward()
+        muon.step()
+        adamw.step()
+    for n, p in ref.named_parameters():
+        got, want = full[n], p.detach()
+        tol = MUON_REF_ATOL * want.abs().max().item()
+        assert torch.allclose(got, want, rtol=MUON_REF_RTOL, atol=tol), (
+            f"rank {ctx.rank}: {n} after 3 steps differs from one process on the global batch "
+            f"by {(got - want).abs().max().item():.3e} (rtol {MUON_REF_RTOL}, atol {tol:.3e})")
 
 
 @h.subtest

@@ -225,8 +225,38 @@ def fs_muon(ctx, layout, sp: bool):
     weights (Shard(0), Shard(1)), reassembled on one owner of the 4 ranks; at 2 ranks one
     dim (Shard on tp or on dp)."""
     mesh = tc.mesh_2d(*layout)
-    check_pair(ctx, run_pair(ctx, mesh, sp, make_opt=_muon_pair))
+    out = run_pair(ctx, mesh, sp, make_opt=_muon_pair)
+    check_pair(ctx, out)
+    _single_process_muon(ctx, {n: v[2] for n, v in out["cfsdp"][1].items()})
     _check_blocks(ctx, fs_model("cfsdp", mesh, sp))
+
+
+# against one process on the global batch: the gradients differ from it by the reduction
+# order's ulps, which Newton–Schulz (in bf16) can turn into bf16 ulps of an update
+MUON_REF_RTOL, MUON_REF_ATOL = 1e-5, 1e-6  # atol: times the reference's largest |value|
+
+
+def _single_process_muon(ctx, full: dict) -> None:
+    """cfsdp's full parameters after ``run_pair``'s steps against torch's Muon (+ AdamW, as
+    ``_muon_pair``) on the plain model in one process, on the global batch."""
+    ref = tc.build(0)
+    opt = Pair(torch.optim.Muon([p for p in ref.parameters() if p.ndim >= 2], lr=0.02),
+               torch.optim.AdamW([p for p in ref.parameters() if p.ndim < 2], lr=1e-2,
+                                 weight_decay=0.01))
+    for step in tc.batches(STEPS, 1):
+        x, y = step[0]
+        tc.loss_fn(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    mm = pc.Mismatches(ctx)
+    for n, p in ref.named_parameters():
+        want = p.detach()
+        mm.tensors(f"{n} against one process on the global batch", full[n], want, exact=False,
+                   a_name="cfsdp", b_name="one process", rtol=MUON_REF_RTOL,
+                   atol=MUON_REF_ATOL * want.abs().max().item())
+    if ctx.rank == 0:
+        ctx.log(f"against one process: worst |diff|/(atol+rtol*|ref|) = {mm.worst_ref:.3f}")
+    mm.raise_if_any()
 
 
 def _check_blocks(ctx, model) -> None:

@@ -6,8 +6,10 @@ written back); the contender is cfsdp's fully_shard with ``cfsdp.optim.Muon`` (m
 local shard, each matrix gathered to one owner, orthogonalized there, its chunks scattered back).
 Both get the same gradient bits (fully_shard's parity, sections 1 and 9), the momentum is
 elementwise and Newton–Schulz deterministic on the same full matrix, so losses, local gradients
-and local parameters are compared **bitwise** (``run_scenario``'s comparisons; no single-process
-reference: Newton–Schulz in bf16 turns the reduction order's ulps into bf16 ulps). Matrices
+and local parameters are compared **bitwise** (``run_scenario``'s comparisons). torch's side is
+also compared with one process on the global batch (``single_process_muon``: torch's Muon +
+AdamW) within ``MUON_REF_TOL`` (Newton–Schulz in bf16 can turn the reduction order's ulps into
+bf16 ulps of an update; measured: bitwise on these cases at 2 and 4 ranks). Matrices
 (ndim >= 2) go to Muon, the rest (biases, norms, the 1-element scale) to a torch AdamW on the
 same model (the usual pairing). A spy counts the matrices each rank orthogonalizes: per step,
 each matrix exactly once in its shard group, on the owner ``assign_owners`` names, all of
@@ -138,10 +140,29 @@ CASES: dict[str, tuple[dict, dict]] = {  # name -> (Scenario kwargs, Muon kwargs
 }
 
 
+def single_process_muon(kw: dict):
+    """(reference model) -> torch's Muon on its matrices (each trailing matrix of a 3-D one:
+    ``AllGatherMuon`` on plain tensors) + AdamW on the rest, one process on the global batch."""
+
+    def make(model):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        rest = [p for n, p in named if p.ndim < 2]
+        return Pair(AllGatherMuon([p for _, p in named if p.ndim >= 2], **kw),
+                    torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01) if rest else None)
+
+    return make
+
+
+# against one process on the global batch: the gradients differ from it by the reduction
+# order's ulps, which Newton–Schulz (in bf16) turns into bf16 ulps of the update
+MUON_REF_TOL = (1e-5, 1e-6)
+
+
 def _muon_run(ctx, case: str, mesh) -> None:
     sc_kw, kw = CASES[case]
     counts: list = []
-    sc = Scenario(**sc_kw, ref=False, make_optim=muon_factory(kw, counts))
+    sc = Scenario(**sc_kw, make_optim=muon_factory(kw, counts), ref_optim=single_process_muon(kw),
+                  ref_tol=MUON_REF_TOL, ref_build=sc_kw.get("build"))
     mm = pc.Mismatches(ctx)
     run_scenario(ctx, sc, mesh, mm)
     _check_owners(ctx, mm, sc.build(sc.kind, 0), mesh, counts)
