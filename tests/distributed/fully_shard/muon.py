@@ -9,7 +9,7 @@ elementwise and Newton–Schulz deterministic on the same full matrix, so losses
 and local parameters are compared **bitwise** (``run_scenario``'s comparisons). torch's side is
 also compared with one process on the global batch (``single_process_muon``: torch's Muon +
 AdamW) within ``MUON_REF_TOL`` (Newton–Schulz in bf16 can turn the reduction order's ulps into
-bf16 ulps of an update; measured: bitwise on these cases at 2 and 4 ranks). Matrices
+bf16 ulps of an update; measured at 2 ranks: the parameters bitwise on these cases). Matrices
 (ndim >= 2) go to Muon, the rest (biases, norms, the 1-element scale) to a torch AdamW on the
 same model (the usual pairing). A spy counts the matrices each rank orthogonalizes: per step,
 each matrix exactly once in its shard group, on the owner ``assign_owners`` names, all of
