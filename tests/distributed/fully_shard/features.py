@@ -298,7 +298,11 @@ def recorded_streams(ctx, reshard_after_forward: bool):
     on_current = [op for op in rec.ops_on(sc.CURRENT) if op.startswith("c10d.")]
     if on_current:
         raise AssertionError(f"collectives on the current stream: {on_current}")
+    # the copy-out one split_with_sizes_copy on the current stream, the reduce-scatter's
+    # copy-in one _chunk_cat on its stream (chunk/launch.py)
     for stream, op in (("all_gather", "c10d._allgather_base_.default"),
-                       ("reduce_scatter", "c10d._reduce_scatter_base_.default")):
+                       ("reduce_scatter", "c10d._reduce_scatter_base_.default"),
+                       (sc.CURRENT, "aten.split_with_sizes_copy.out"),
+                       ("reduce_scatter", "aten._chunk_cat.out")):
         if op not in rec.ops_on(stream):
-            raise AssertionError(f"no {op} on the {stream} stream")
+            raise AssertionError(f"no {op} on the {stream} stream: {sorted(set(rec.ops_on(stream)))}")

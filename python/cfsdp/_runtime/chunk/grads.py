@@ -243,7 +243,7 @@ class ChunkGrads:
         layer.record_stream(grad, rs)  # made on the current stream, read on this one
         with layer.on(rs):
             inp = torch.empty(W * S, dtype=self.reduce_dtype, device=self.device)
-            _core.chunk_pack(inp, grad, self._plan, W, S, divisor=self.pre_divide)
+            self.launches().pack(inp, grad, divisor=self.pre_divide)  # one _chunk_cat
             out = self._reduce_out()
             comm.reduce_scatter(out, inp, self.group, False, op=self.reduce_op)
             rs_event = rs.record_event()

@@ -104,8 +104,7 @@ class ChunkLifecycle(UnshardStates):
         ctx = self._comm
         ctx.wait_unshard_event(event)
         alloc_storage(self.natural)
-        _core.chunk_unpack(self.natural.data, temps[0], self._plan, self.world_size,
-                           self.shard_numel)
+        self.launches().unpack(self.natural.data, temps[0])  # one split_with_sizes_copy
         if in_step:  # held until the next unshard's streams waited (torch's all_gather_state)
             ctx.hold_all_gather(temps, ctx.layer.current_stream().record_event())
         else:

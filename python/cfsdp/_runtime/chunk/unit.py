@@ -48,6 +48,7 @@ from .. import comm
 from ..replaced import orig_uid
 from .ext import ExtState, has_extension
 from .grads import ChunkGrads, _Published, _weak_note_grads
+from .launch import Launches
 from .lifecycle import ChunkLifecycle
 from .param import ChunkParam, DPMesh, ShardedParams, _contiguous_stride, local_data
 
@@ -124,6 +125,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off, max(q.outer, 1))
                       for q in self.params]
         self._plan_bytes = comm.pack_plan(self._plan)
+        self._launches: Optional[Launches] = None  # made by launches(): the streams' path
         self._split_sizes = [q.numel for q in self.params]
 
         # This rank's shard, straight from the original parameters (on the meta
@@ -173,6 +175,15 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self.pre_divide = self.post_divide = 1.0
         self.reduce_op = self.replicate_op = dist.ReduceOp.SUM
         self.update_divide_factors()
+
+    def launches(self) -> Launches:
+        """The copy-out and reduce-scatter copy-in in a fixed number of launches (launch.py),
+        for the accelerator's path (the streams' path: ``_copy_out_on_streams``,
+        ``_reduce_on_streams``)."""
+        if self._launches is None:
+            self._launches = Launches(self._plan, [max(q.rows, 1) for q in self.params],
+                                      self.world_size, self.shard_numel)
+        return self._launches
 
     def _ext_state(self, q: ChunkParam, p: nn.Parameter) -> ExtState:
         """An extension parameter's pieces ([Note: all-gather extensions] in ext.py), or
