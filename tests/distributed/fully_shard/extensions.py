@@ -20,6 +20,7 @@ parameters and the state dict are compared bitwise every step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -198,7 +199,9 @@ def plain(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.detach()
 
 
-def _train(impl: Impl, ctx: h.Context, kind: str, raf: bool, mp: Optional[torch.dtype]) -> dict:
+def _train(impl: Impl, ctx: h.Context, kind: str, raf: bool, mp: Optional[torch.dtype],
+           around: Any = contextlib.nullcontext) -> dict:
+    """``around()``: a context the training steps run in (the recording device layer)."""
     model = build(kind)
     kw = {"mesh": mesh_1d(ctx), "reshard_after_forward": raf}
     if mp is not None:
@@ -213,11 +216,12 @@ def _train(impl: Impl, ctx: h.Context, kind: str, raf: bool, mp: Optional[torch.
            "steps": []}
     for step in range(3):
         x = torch.randn(4, model.d_in, generator=g)
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        grads = {n: plain(p.grad) for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        with around():
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            grads = {n: plain(p.grad) for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
         rec["steps"].append((loss.detach(), grads, {n: plain(p) for n, p in model.named_parameters()}))
     rec["state_dict"] = {k: (type(v).__name__, plain(v)) for k, v in model.state_dict().items()}
     rec["log"] = list(_LOG)
@@ -275,4 +279,34 @@ def extension_bad_input(ctx: h.Context):
                  and "plain strided tensors" in str(err),
                  f"a subclass without the hooks: {type(err).__name__}: {err}")
     dist.barrier()
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"kind": ["bf16", "rowscale"], "reshard_after_forward": [True, False]})
+def extension_recorded_streams(ctx: h.Context, kind: str, reshard_after_forward: bool):
+    """Extension parameters (fsdp_pre_all_gather's inputs all-gathered beside the packed
+    buffer, fsdp_post_all_gather's outputs) under torch FSDP2's stream protocol, recorded
+    (stream_check.py): the happens-before checker passes, the numbers and the hooks' calls
+    are bitwise those of the plain run, every collective on a side stream.  The ordering
+    logic only: nothing here runs on a GPU."""
+    import stream_check as sc
+    from cfsdp._runtime import device
+
+    want = _train(CFSDP, ctx, kind, reshard_after_forward, None)
+    rec = sc.RecordingDevice()
+    got = _train(CFSDP, ctx, kind, reshard_after_forward, None, lambda: device.use(rec))
+    sc.check(rec.log)
+    mm = pc.Mismatches(ctx)
+    mm.check(got["log"] == want["log"], f"hook calls differ:\n  recorded {got['log']}\n  plain "
+             f"{want['log']}")
+    for step, ((gl, gg, gp), (wl, wg, wp)) in enumerate(zip(got["steps"], want["steps"])):
+        mm.tensors(f"step {step}: loss", gl, wl, a_name="recorded", b_name="plain")
+        for n in wp:
+            mm.tensors(f"step {step}: {n}.grad", gg.get(n), wg[n], a_name="recorded", b_name="plain")
+            mm.tensors(f"step {step}: {n}", gp.get(n), wp[n], a_name="recorded", b_name="plain")
+    on_current = [op for op in rec.ops_on(sc.CURRENT) if op.startswith("c10d.")]
+    mm.check(not on_current, f"collectives on the current stream: {on_current}")
+    gathers = rec.ops_on("all_gather")
+    mm.check(any(op.startswith("c10d.") for op in gathers),
+             f"no collective on the all-gather stream: {sorted(set(gathers))}")
     mm.raise_if_any()

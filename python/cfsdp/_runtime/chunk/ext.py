@@ -130,8 +130,19 @@ def gather(qs: tuple, group: Any, mesh: Any, mp_policy: Any, param_dtype: torch.
     """Unshard the extension parameters ``qs`` of a unit (see [Note: all-gather
     extensions]), in torch's order: every one's all-gather inputs, the all-gathers, then
     every one's post-all-gather into its unsharded parameter."""
-    pres = [_inputs(q, q.ext, mesh, mp_policy) for q in qs]
-    world = group.size()
+    pres = pre_all_gather(qs, mesh, mp_policy)
+    all_gather(qs, pres, group)
+    post_all_gather(qs, pres, param_dtype)
+
+
+def pre_all_gather(qs: tuple, mesh: Any, mp_policy: Any) -> list:
+    """Every one's ``(all-gather inputs, metadata)`` (on the streams' path: on the copy-in
+    stream, as torch's ``foreach_all_gather``)."""
+    return [_inputs(q, q.ext, mesh, mp_policy) for q in qs]
+
+
+def _outputs(qs: tuple, pres: list, world: int):
+    """Every one's all-gather outputs (made once, their storage back), with its input."""
     for q, (inputs, _) in zip(qs, pres):
         ext = q.ext
         if not ext.outputs:
@@ -139,10 +150,42 @@ def gather(qs: tuple, group: Any, mesh: Any, mp_policy: Any, param_dtype: torch.
                            for t in inputs]
         for out, t in zip(ext.outputs, inputs):
             alloc_storage(out)
-            # through ``.data``: an output the unsharded parameter aliases (no cast in
-            # fsdp_post_all_gather) must not bump the version counter autograd saved, as
-            # torch's copy-out (a custom op) does not
-            comm.all_gather(out.data, t.reshape(-1), group, async_op=False).wait()
+            yield out, t
+
+
+def all_gather(qs: tuple, pres: list, group: Any) -> None:
+    """Every one's inputs all-gathered into its outputs."""
+    for out, t in _outputs(qs, pres, group.size()):
+        # through ``.data``: an output the unsharded parameter aliases (no cast in
+        # fsdp_post_all_gather) must not bump the version counter autograd saved, as
+        # torch's copy-out (a custom op) does not
+        comm.all_gather(out.data, t.reshape(-1), group, async_op=False).wait()
+
+
+def all_gather_staged(pres: list, group: Any) -> list:
+    """The streams' path (inside the all-gather stream): every input all-gathered into a
+    temporary of that stream (the outputs live on the current stream, as torch's
+    ``all_gather_outputs``: ``copy_out`` fills them there)."""
+    world, staged = group.size(), []
+    for inputs, _ in pres:
+        for t in inputs:
+            tmp = torch.empty(t.numel() * world, dtype=t.dtype, device=t.device)
+            comm.all_gather(tmp, t.reshape(-1), group, async_op=False).wait()
+            staged.append(tmp)
+    return staged
+
+
+def copy_out(qs: tuple, pres: list, staged: list, world: int) -> None:
+    """The streams' path (on the current stream, after it waited for the all-gather): the
+    staged all-gathers into the outputs (through ``.data``, as ``all_gather``)."""
+    for (out, _), tmp in zip(_outputs(qs, pres, world), staged):
+        out.data.copy_(tmp)
+
+
+def post_all_gather(qs: tuple, pres: list, param_dtype: torch.dtype) -> None:
+    """Every one's ``fsdp_post_all_gather`` into its unsharded parameter (on the streams'
+    path: on the current stream, after it waited for the all-gather, as torch's
+    ``init_unsharded_param``)."""
     for q, (inputs, metadata) in zip(qs, pres):
         ext = q.ext
         post = getattr(q.sharded._local_tensor, POST)

@@ -18,6 +18,7 @@ from ... import _core
 from .. import comm
 from ..base import UnshardStates, alloc_storage, free_storage
 from ..views import changed_mask, hook_flat_grad, split_views, tp_views
+from . import ext
 from .ext import forward_view, gather
 
 
@@ -93,18 +94,34 @@ class ChunkLifecycle(UnshardStates):
                 _core.scale_cast_add(src, self.shard, 1.0, False)
             gathered = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype,
                                    device=self.device)
+            # extension parameters' inputs too ([Note: all-gather extensions] in ext.py)
+            pres = (ext.pre_all_gather(self._ext_params, self.mesh, self.mp_policy)
+                    if self._ext_params else None)
         ag.wait_stream(copy_in)
+        staged: tuple = ()
         with layer.on(ag):
             comm.all_gather(gathered, src, group, async_op=False)
+            if pres is not None:
+                staged = tuple(ext.all_gather_staged(pres, group))
             event = ag.record_event()
-        temps = (gathered,) if src is self.shard else (gathered, src)
-        return comm.Pending(None), (temps, event, in_step)
+        temps = ((gathered,) if src is self.shard else (gathered, src)) + staged
+        if pres is not None:  # their inputs (made on copy-in, possibly the shard itself) are
+            for inputs, _ in pres:  # read on the all-gather stream: the allocator is told
+                for t in inputs:
+                    layer.record_stream(t, ag)
+            pres = (pres, staged)
+        return comm.Pending(None), (temps, event, in_step, pres)
 
-    def _copy_out_on_streams(self, temps: tuple, event, in_step: bool) -> None:
+    def _copy_out_on_streams(self, temps: tuple, event, in_step: bool,
+                             pres: Optional[list]) -> None:
         ctx = self._comm
         ctx.wait_unshard_event(event)
         alloc_storage(self.natural)
         self.launches().unpack(self.natural.data, temps[0])  # one split_with_sizes_copy
+        if pres is not None:  # ([Note: all-gather extensions] in ext.py)
+            pres, staged = pres
+            ext.copy_out(self._ext_params, pres, staged, self.world_size)
+            ext.post_all_gather(self._ext_params, pres, self.param_dtype)
         if in_step:  # held until the next unshard's streams waited (torch's all_gather_state)
             ctx.hold_all_gather(temps, ctx.layer.current_stream().record_event())
         else:
@@ -154,7 +171,7 @@ class ChunkLifecycle(UnshardStates):
             _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size,
                                self.shard_numel)
         self._buf = self.natural
-        if self._ext_params:  # [Note: all-gather extensions] in ext.py
+        if self._ext_params and type(gathered) is not tuple:  # [Note: all-gather extensions]
             gather(self._ext_params, self.group, self.mesh, self.mp_policy, self.param_dtype)
         self._register_unsharded()
 
