@@ -347,11 +347,12 @@ def train(rec: Optional[RecordingDevice], mesh: Any = None, reshard_after_forwar
 
 
 def train_wrapper(rec: Optional[RecordingDevice], steps: int = 2, seed: int = 0,
-                  **fsdp_kw: Any) -> tuple:
+                  no_sync: int = 0, comm_hook: Any = None, **fsdp_kw: Any) -> tuple:
     """The same model as :func:`train` under ``cfsdp.FullyShardedDataParallel`` (three units:
-    two children and the root, each with ``fsdp_kw``), ``steps`` steps of SGD with momentum;
-    under ``rec`` if given.  Returns (losses, this rank's parameters as the optimizer sees
-    them)."""
+    two children and the root, each with ``fsdp_kw``), ``steps`` steps of SGD with momentum,
+    each with ``no_sync`` backwards under ``no_sync()`` first, ``comm_hook`` (``(state,
+    hook)``) registered on the root if given; under ``rec`` if given.  Returns (losses, this
+    rank's parameters as the optimizer sees them)."""
     import cfsdp
     from cfsdp._runtime import device
 
@@ -360,11 +361,18 @@ def train_wrapper(rec: Optional[RecordingDevice], steps: int = 2, seed: int = 0,
     for i in (0, 2):
         model[i] = cfsdp.FullyShardedDataParallel(model[i], **fsdp_kw)
     model = cfsdp.FullyShardedDataParallel(model, **fsdp_kw)
+    if comm_hook is not None:
+        model.register_comm_hook(*comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(seed)
     losses = []
     with device.use(rec) if rec is not None else contextlib.nullcontext():
         for _ in range(steps):
+            for _ in range(no_sync):
+                with model.no_sync():
+                    loss = model(torch.randn(4, 8, generator=gen)).float().square().sum()
+                    loss.backward()
+                    losses.append(loss.detach())
             loss = model(torch.randn(4, 8, generator=gen)).float().square().sum()
             loss.backward()
             opt.step()

@@ -105,6 +105,26 @@ def test_recorded_training_is_ordered_and_bitwise_equal(transport, strategy, mp,
         assert not ops["all_reduce"]
 
 
+@pytest.mark.parametrize("strategy", [FULL, GRAD_OP, NO], ids=["full", "grad_op", "no_shard"])
+def test_no_sync_then_a_synced_backward(transport, strategy):
+    """A ``no_sync()`` backward keeps its gradient on the current stream (nothing on the
+    post-backward stream until the synced one), ordered and bitwise as the plain run."""
+    rec = _run(_kw(strategy, mp=True, use_orig_params=True) | {"no_sync": 1})
+    assert ("wait_stream", "post_backward", CURRENT) in rec.log
+
+
+@pytest.mark.parametrize("hook", ["reduce_scatter_hook", "allreduce_hook"])
+def test_comm_hook_on_the_post_backward_stream(transport, hook):
+    """``register_comm_hook``: the hook runs on the post-backward stream, as torch's."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    strategy = FULL if hook == "reduce_scatter_hook" else NO
+    state = default_hooks.DefaultState(torch.distributed.distributed_c10d._get_default_group())
+    rec = _run(_kw(strategy) | {"comm_hook": (state, getattr(default_hooks, hook))})
+    # the hook calls torch.distributed itself: its collective is logged under either transport
+    assert (RS if strategy is FULL else AR) in rec.ops_on("post_backward")
+
+
 @pytest.mark.parametrize("limit", [True, False], ids=["limited", "unlimited"])
 @pytest.mark.parametrize("prefetch", ["none", "forward", "backward_pre", "backward_post"])
 def test_prefetch_and_rate_limiter(transport, prefetch, limit):
