@@ -39,10 +39,11 @@ class FlatGrads:
     """The flat gradient: its reduction, its accumulation, and what the optimizer and the
     original parameters see of it.  A part of ``unit.Unit``."""
 
-    def reduce_grad(self, grad: torch.Tensor):
+    def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pre-divide and issue the reduction of the unsharded flat gradient:
         a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
-        post-divides and folds the result into the unit's gradient."""
+        post-divides and folds the result into the unit's gradient (with streams it is
+        folded in already: a ``FinishedReduce``)."""
         ctx = self._comm
         if ctx is not None and ctx.streams:
             return self._reduce_on_streams(ctx, grad)

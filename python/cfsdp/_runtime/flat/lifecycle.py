@@ -149,11 +149,11 @@ class FlatLifecycle(UnshardStates):
                     alloc_storage(src)
                 scale_cast_add(src, self.shard, 1.0, False)
             unshard.wait_stream(pre)
+        ctx.rate_limit()
         if not self.sharded:
             with layer.on(unshard):
                 self._use_buf(src)
             return None
-        ctx.rate_limit()
         with layer.on(unshard):
             alloc_storage(self.unsharded)
             comm.all_gather(self.unsharded, src, self.group, async_op=False)
