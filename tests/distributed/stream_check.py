@@ -347,11 +347,13 @@ def train(rec: Optional[RecordingDevice], mesh: Any = None, reshard_after_forwar
 
 
 def train_wrapper(rec: Optional[RecordingDevice], steps: int = 2, seed: int = 0,
-                  no_sync: int = 0, comm_hook: Any = None, **fsdp_kw: Any) -> tuple:
+                  no_sync: int = 0, comm_hook: Any = None, between: Any = None,
+                  **fsdp_kw: Any) -> tuple:
     """The same model as :func:`train` under ``cfsdp.FullyShardedDataParallel`` (three units:
     two children and the root, each with ``fsdp_kw``), ``steps`` steps of SGD with momentum,
     each with ``no_sync`` backwards under ``no_sync()`` first, ``comm_hook`` (``(state,
-    hook)``) registered on the root if given; under ``rec`` if given.  Returns (losses, this
+    hook)``) registered on the root if given, ``between(model)`` called after each step if
+    given; under ``rec`` if given.  Returns (losses, this
     rank's parameters as the optimizer sees them)."""
     import cfsdp
     from cfsdp._runtime import device
@@ -378,6 +380,8 @@ def train_wrapper(rec: Optional[RecordingDevice], steps: int = 2, seed: int = 0,
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
+            if between is not None:
+                between(model)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 

@@ -113,6 +113,23 @@ def test_no_sync_then_a_synced_backward(transport, strategy):
     assert ("wait_stream", "post_backward", CURRENT) in rec.log
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_summon_and_state_dict_between_steps(transport, use_orig_params):
+    """``summon_full_params`` (a write carried back) and a full state dict between steps
+    unshard on the current stream, outside the protocol's side streams; the run stays
+    ordered and bitwise the plain one."""
+    import cfsdp
+
+    def between(model):
+        with cfsdp.FullyShardedDataParallel.summon_full_params(model, writeback=True):
+            with torch.no_grad():
+                next(model.parameters()).mul_(0.5)
+        model.state_dict()
+
+    rec = _run(_kw(FULL, mp=True, use_orig_params=use_orig_params) | {"between": between})
+    assert ("wait_stream", CURRENT, "unshard") in rec.log
+
+
 @pytest.mark.parametrize("hook", ["reduce_scatter_hook", "allreduce_hook"])
 def test_comm_hook_on_the_post_backward_stream(transport, hook):
     """``register_comm_hook``: the hook runs on the post-backward stream, as torch's."""
