@@ -36,6 +36,7 @@ from ._runtime.hooks import (
 from ._runtime.replaced import check_plain_param, replaced_fqn
 from ._runtime.base import TrainingState, wrappers_in
 from ._runtime.flat.layout import flatten_error, scalar_param_message
+from ._runtime.flat.streams import FlatStreams
 from ._runtime.flat.unit import Unit
 from ._compile import dynamo_disable, dynamo_skip_frame
 from ._docs import adopt_class_docs
@@ -234,6 +235,18 @@ def _resolve_groups(
     if process_group is not None:
         return process_group, None
     return _default_group(), None
+
+
+def _one_rank_no_shard(strategy: ShardingStrategy, group: dist.ProcessGroup,
+                       replicate_group: Optional[dist.ProcessGroup]) -> tuple:
+    """``(strategy, group, replicate_group)``: as torch, a strategy that shards over one rank
+    is NO_SHARD (sharding is a no-op), over the replicate group if that has more ranks.  (The
+    stream tests replace it to run the sharded path at world 1.)"""
+    if group.size() == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        strategy = ShardingStrategy.NO_SHARD
+        if replicate_group is not None and replicate_group.size() > 1:
+            group, replicate_group = replicate_group, None
+    return strategy, group, replicate_group
 
 
 def _check_args(module, sharding_strategy, mixed_precision, param_init_fn,
@@ -773,11 +786,7 @@ class FullyShardedDataParallel(nn.Module):
                 "(the GPU path cannot be tested here)",
                 3,
             )
-        if group.size() == 1 and strategy is not ShardingStrategy.NO_SHARD:
-            # As torch: with one rank to shard over, sharding is a no-op.
-            strategy = ShardingStrategy.NO_SHARD
-            if replicate_group is not None and replicate_group.size() > 1:
-                group, replicate_group = replicate_group, None
+        strategy, group, replicate_group = _one_rank_no_shard(strategy, group, replicate_group)
         return strategy, group, replicate_group, process_group
 
     def _init_ignored_states(self, module: nn.Module, ignored_modules, ignored_states,
@@ -1088,6 +1097,13 @@ class FullyShardedDataParallel(nn.Module):
             None: None,
         }[self._backward_prefetch]
         lazy_init_root(st, tree, prefetch, self._forward_prefetch)
+        # torch FSDP1's streams, shared by the root's units: [Note: FSDP1 streams]
+        units = [s.unit for s in tree if s.unit is not None]
+        ctx = FlatStreams(st, self.compute_device, self._limit_all_gathers,
+                          any(u.replicate_group is not None and u.sharded for u in units))
+        st.root.streams = ctx
+        for u in units:
+            u._comm = ctx
         self._cast_buffers_for_compute()
 
     def _cast_buffers_for_compute(self) -> None:
@@ -1126,6 +1142,8 @@ class FullyShardedDataParallel(nn.Module):
             mp.cast_forward_inputs or (st.is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = cast_floating(mp.param_dtype, (args, kwargs))
+        if st.is_root and st.training_state is TrainingState.IDLE:
+            st.root.streams.begin_forward()
         st.pre_forward()
         return args, kwargs
 

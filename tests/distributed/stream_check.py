@@ -5,21 +5,25 @@ installed with ``cfsdp._runtime.device.use``: its streams are names with one seq
 each, and it logs, in program order, every stream op (``wait_stream``, ``record_event``,
 ``wait_event``), ``record_stream``, the runtime's ``free``/``alloc`` notifications, and every
 tensor op the run executes (a ``TorchDispatchMode``), with the stream that was current when it
-ran, the storages it read and wrote, and those it made.  While it is installed the runtime
+ran, the storages it read and wrote (an ``empty_like`` reads only its argument's metadata:
+no access), and those it made.  While it is installed the runtime
 takes the accelerator path (twins' torch ops, the process group), so every op is seen.
 
 ``check(log)`` replays the log with one vector clock per stream (``wait_event`` and
-``wait_stream`` join clocks) and raises :class:`RaceError` on:
+``wait_stream`` join clocks; an event's ``synchronize``, the CPU waiting for it, joins every
+stream's clock, since all work issued after it starts after it) and raises :class:`RaceError` on:
 
 * a read of a storage not ordered after the last write to it on another stream;
 * a write not ordered after the prior reads and writes on other streams;
-* a free not ordered (on the stream the storage was allocated on) after every access on
-  other streams, unless ``record_stream`` covered that stream.
+* a free not ordered (on the stream the storage was allocated on, or on a stream
+  ``record_stream`` named, as that stream stands at the free) after every access on other
+  streams.
 
 This checks the ordering logic of the runtime, as the log shows it; it proves nothing about
-CUDA itself (kernels, the caching allocator, NCCL).  :func:`train` is the run both tests make
-(``tests/unit/test_streams.py`` at world 1, ``fully_shard/features.py``'s
-``recorded_streams`` at world 2).  A helper: it registers no subtest.
+CUDA itself (kernels, the caching allocator, NCCL).  :func:`train` is the ``fully_shard`` run
+both its tests make (``tests/unit/test_streams.py`` at world 1, ``fully_shard/features.py``'s
+``recorded_streams`` at world 2), :func:`train_wrapper` the wrapper's
+(``tests/unit/test_streams_flat.py``).  A helper: it registers no subtest.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 CURRENT = "current"
+HOST = "host"  # the CPU, in a ``synchronize`` entry
 
 
 class RaceError(AssertionError):
@@ -46,6 +51,10 @@ class RecEvent:
     def __init__(self, stream: "RecStream"):
         self.id = next(self._ids)
         self.stream = stream
+
+    def synchronize(self) -> None:
+        """The CPU waits for the event (work issued after it is ordered after it)."""
+        self.stream.rec.log.append(("synchronize", HOST, self.id))
 
 
 class RecStream:
@@ -92,6 +101,9 @@ def key(t: torch.Tensor) -> int:
     _storages(t, out)
     return out[0]
 
+
+# ops that read only their tensor argument's metadata (shape, dtype, device), never its memory
+_METADATA_ONLY = {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"}
 
 # c10d's schemas mark no writes: the tensors each collective writes, by argument name
 _C10D_WRITES = {"output_tensor", "output_tensors", "output"}
@@ -146,7 +158,7 @@ class RecordingDevice(TorchDispatchMode):
         c10d = schema.name.startswith("c10d::")
         named = dict(zip((a.name for a in schema.arguments), args))
         named.update(kwargs)
-        for a in schema.arguments:
+        for a in () if schema.name in _METADATA_ONLY else schema.arguments:
             if a.name not in named:
                 continue
             got: list = []
@@ -208,11 +220,12 @@ def check(log: list[tuple]) -> None:
     vc: dict[str, dict[str, int]] = {}
     events: dict[int, dict[str, int]] = {}
     st: dict[int, _Storage] = {}
+    host: dict[str, int] = {}  # what the CPU has waited for (``synchronize``)
 
     def clock(s: str) -> dict[str, int]:
         c = vc.get(s)
         if c is None:
-            c = vc[s] = {}
+            c = vc[s] = dict(host)
         return c
 
     def join(a: dict, b: dict) -> None:
@@ -231,6 +244,10 @@ def check(log: list[tuple]) -> None:
             events[e[2]] = dict(clock(s))
         elif kind == "wait_event":
             join(clock(s), events[e[2]])
+        elif kind == "synchronize":
+            join(host, events[e[2]])
+            for c in vc.values():
+                join(c, host)
         elif kind == "record_stream":
             st.setdefault(e[2], _Storage(None)).rec.add(s)
         elif kind == "alloc":
@@ -241,7 +258,10 @@ def check(log: list[tuple]) -> None:
                 continue
             owner = x.owner or s
             for t, (n, op) in x.acc.items():
-                if t != owner and t not in x.rec and not ordered(owner, t, n):
+                # reuse waits for the owner stream and for each record_stream'd stream as
+                # they are now (the allocator records an event on each at the free)
+                if t != owner and t not in x.rec and not ordered(owner, t, n) and not any(
+                        ordered(r, t, n) for r in x.rec):
                     raise RaceError(
                         f"log[{i}]: free of storage {e[2]:#x} (notified on stream '{s}', "
                         f"allocated on '{owner}') is not ordered after {op} on stream '{t}'")
@@ -326,6 +346,45 @@ def train(rec: Optional[RecordingDevice], mesh: Any = None, reshard_after_forwar
     return losses, [p.detach().full_tensor() for p in model.parameters()]
 
 
+def train_wrapper(rec: Optional[RecordingDevice], steps: int = 2, seed: int = 0,
+                  no_sync: int = 0, comm_hook: Any = None, between: Any = None,
+                  **fsdp_kw: Any) -> tuple:
+    """The same model as :func:`train` under ``cfsdp.FullyShardedDataParallel`` (three units:
+    two children and the root, each with ``fsdp_kw``), ``steps`` steps of SGD with momentum,
+    each with ``no_sync`` backwards under ``no_sync()`` first, ``comm_hook`` (``(state,
+    hook)``) registered on the root if given, ``between(model)`` called after each step if
+    given; under ``rec`` if given.  Returns (losses, this
+    rank's parameters as the optimizer sees them)."""
+    import cfsdp
+    from cfsdp._runtime import device
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    for i in (0, 2):
+        model[i] = cfsdp.FullyShardedDataParallel(model[i], **fsdp_kw)
+    model = cfsdp.FullyShardedDataParallel(model, **fsdp_kw)
+    if comm_hook is not None:
+        model.register_comm_hook(*comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    with device.use(rec) if rec is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            for _ in range(no_sync):
+                with model.no_sync():
+                    loss = model(torch.randn(4, 8, generator=gen)).float().square().sum()
+                    loss.backward()
+                    losses.append(loss.detach())
+            loss = model(torch.randn(4, 8, generator=gen)).float().square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if between is not None:
+                between(model)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
 def assert_same(want: tuple, got: tuple) -> None:
     """Losses and parameters of two :func:`train` runs bitwise equal."""
     for i, (a, b) in enumerate(zip(want[0] + want[1], got[0] + got[1])):
@@ -333,5 +392,5 @@ def assert_same(want: tuple, got: tuple) -> None:
             raise AssertionError(f"recorded run differs at item {i}: {a} != {b}")
 
 
-__all__ = ["CURRENT", "RaceError", "RecordingDevice", "RecStream", "assert_same", "check", "key",
-           "train"]
+__all__ = ["CURRENT", "HOST", "RaceError", "RecordingDevice", "RecStream", "assert_same", "check", "key",
+           "train", "train_wrapper"]

@@ -5,11 +5,13 @@ The runtime never calls ``torch.cuda`` for streams itself: it asks :func:`layer_
 seam) for the layer of a tensor's device and uses what that gives:
 
 * ``current_stream()``; ``stream(name)``: a side stream, made lazily, one per name per
-  device (the names are FSDP2's: :data:`ALL_GATHER_COPY_IN`, :data:`ALL_GATHER`,
-  :data:`REDUCE_SCATTER`, :data:`ALL_REDUCE`);
+  device (FSDP2's names for ``fully_shard``: :data:`ALL_GATHER_COPY_IN`, :data:`ALL_GATHER`,
+  :data:`REDUCE_SCATTER`, :data:`ALL_REDUCE`; FSDP1's for the wrapper: :data:`PRE_UNSHARD`,
+  :data:`UNSHARD`, :data:`POST_BACKWARD`, and :data:`ALL_REDUCE` for HSDP);
 * ``on(s)``: a context making ``s`` the current stream;
 * on a stream ``s``: ``s.wait_stream(t)``, ``s.record_event()`` -> event, ``s.wait_event(ev)``
-  (torch's ``Stream`` methods);
+  (torch's ``Stream`` methods); on an event ``ev.synchronize()``: the CPU waits for it (the
+  wrapper's rate limiter, FSDP1's ``limit_all_gathers``);
 * ``record_stream(t, s)``: ``t``'s memory is not reused before the work queued on ``s`` so
   far is done (the caching allocator's ``Tensor.record_stream``);
 * ``free(t)`` / ``alloc(t)``: notifications that ``base.free_storage`` / ``base.alloc_storage``
@@ -23,7 +25,7 @@ Layers:
   (the C core, the shared-memory transports, ``async_op`` collectives).
 * :class:`CudaStreams` (any accelerator with torch's stream API, ``torch.get_device_module``):
   a thin mapping onto torch's streams.  Never run here (no GPU).
-* A test's recording layer (``tests/unit/stream_check.py``), installed with :func:`use`: it
+* A test's recording layer (``tests/distributed/stream_check.py``), installed with :func:`use`: it
   logs every stream op and tensor op, and a happens-before checker reads the log.
 
 ``host_paths`` says whether the C core and the shared-memory transports may take the layer's
@@ -46,6 +48,10 @@ ALL_GATHER_COPY_IN = "all_gather_copy_in"
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
+# torch FSDP1's (the wrapper's, [Note: FSDP1 streams] in flat/streams.py)
+PRE_UNSHARD = "pre_unshard"
+UNSHARD = "unshard"
+POST_BACKWARD = "post_backward"
 
 
 class _NoStream:
@@ -96,7 +102,9 @@ class NoStreams:
 
 NO_STREAMS = NoStreams()
 
-# FSDP2 makes its all-gather and reduce-scatter streams high priority (they gate compute)
+# FSDP2 makes its all-gather and reduce-scatter streams high priority (they gate compute).
+# FSDP1's streams take priority 0 here; torch 2.13 gives them -1 only with limit_all_gathers
+# and HSDP together (its _init_streams)
 _HIGH_PRIORITY = {ALL_GATHER_COPY_IN: -1, ALL_GATHER: -1, REDUCE_SCATTER: -1}
 
 
@@ -183,5 +191,6 @@ def use(layer: Any) -> Iterator[Any]:
         _core.set_twins_only(False)
 
 
-__all__ = ["ALL_GATHER_COPY_IN", "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "NO_STREAM",
+__all__ = ["ALL_GATHER_COPY_IN", "ALL_GATHER", "REDUCE_SCATTER", "ALL_REDUCE", "PRE_UNSHARD",
+           "UNSHARD", "POST_BACKWARD", "NO_STREAM",
            "NoStreams", "NO_STREAMS", "CudaStreams", "layer_for", "notified", "use"]

@@ -115,8 +115,9 @@ class RootState:
         self.callback_queued = False
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
-        # the face's stream protocol, if it has one (fully_shard: chunk.streams.CommContext):
-        # ``end_backward()`` runs in the final callback once every reduction is finished
+        # the face's stream protocol (fully_shard: chunk.streams.CommContext; the wrapper:
+        # flat.streams.FlatStreams): ``end_backward()`` runs in the final callback once
+        # every reduction is finished
         self.streams: Optional[Any] = None
 
 

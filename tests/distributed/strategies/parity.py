@@ -126,3 +126,31 @@ def hybrid_manual_wrap_needs_groups(ctx):
     t, c = errs
     if t is None or c is None or t not in c:
         raise AssertionError(f"torch: {t!r}; cfsdp: {c!r} (must contain torch's message)")
+
+
+@h.subtest(grid={"strategy": ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]})
+def recorded_streams(ctx, strategy: str):
+    """torch FSDP1's streams in the wrapper under the recording device layer (stream_check.py;
+    tests/unit/test_streams_flat.py runs it at world 1, sharded over one rank): two steps with
+    gloo's collectives, the happens-before checker passes, losses and parameters bitwise those
+    of the same run without the recorder, the all-gathers on the unshard stream and the
+    reductions on the post-backward stream.  The ordering logic only: nothing here runs on a
+    GPU."""
+    import stream_check as sc
+
+    kw = dict(sharding_strategy=SS[strategy], limit_all_gathers=True, forward_prefetch=True)
+    want = sc.train_wrapper(None, seed=ctx.rank, **kw)
+    rec = sc.RecordingDevice()
+    got = sc.train_wrapper(rec, seed=ctx.rank, **kw)
+    sc.check(rec.log)
+    sc.assert_same(want, got)
+    on_current = [op for op in rec.ops_on(sc.CURRENT) if op.startswith("c10d.")]
+    if on_current:
+        raise AssertionError(f"collectives on the current stream: {on_current}")
+    expect = [("post_backward", "c10d.allreduce_.default" if strategy == "NO_SHARD"
+               else "c10d._reduce_scatter_base_.default")]
+    if strategy != "NO_SHARD":
+        expect.append(("unshard", "c10d._allgather_base_.default"))
+    for stream, op in expect:
+        if op not in rec.ops_on(stream):
+            raise AssertionError(f"no {op} on the {stream} stream")

@@ -16,6 +16,8 @@ the parameters' lifecycle, the gradients):
   gradient the optimizer and the original parameters see;
 * ``writeback.py`` — ``FlatWriteback``: writes to the original parameters carried into the
   flat parameter ([Note: writeback of original parameters]).
+* ``streams.py`` — ``FlatStreams``: torch FSDP1's streams, one per wrapper root, shared by
+  its units through the device layer ([Note: FSDP1 streams]).
 
 What the modules show of the parameters (binding table, forward views, TP views) is shared
 with the ``fully_shard`` unit in ``_runtime/views.py``.  Import from the modules; this package

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ... import _core
-from .. import comm
-from ..base import PendingReduce, accumulate_sharded, all_none, set_grad, views_or_none
+from .. import comm, device
+from ..base import FinishedReduce, PendingReduce, accumulate_sharded, all_none, set_grad, views_or_none
 from ..reduce import scale_cast_add
 from ..views import as_tp
 
@@ -42,7 +42,34 @@ class FlatGrads:
     def reduce_grad(self, grad: torch.Tensor) -> PendingReduce:
         """Pre-divide and issue the reduction of the unsharded flat gradient:
         a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
-        post-divides and folds the result into the unit's gradient."""
+        post-divides and folds the result into the unit's gradient (with streams it is
+        folded in already: a ``FinishedReduce``)."""
+        ctx = self._comm
+        if ctx is not None and ctx.streams:
+            return self._reduce_on_streams(ctx, grad)
+        return self._issue_reduce(grad, True)
+
+    def _reduce_on_streams(self, ctx, grad: torch.Tensor) -> FinishedReduce:
+        """[Note: FSDP1 streams] in streams.py: the post-backward stream waits for the
+        current one; the cast, the collective (``async_op=False``) and the fold run on it
+        (HSDP's all-reduce and the fold after it on the all-reduce stream, which waits for
+        it); finished when it returns, as far as the CPU is concerned."""
+        layer = ctx.layer
+        pb = layer.stream(device.POST_BACKWARD)
+        ctx.post_backward_waits_current(pb, layer.current_stream())
+        with layer.on(pb):
+            reduction = self._issue_reduce(grad, False)
+        post = pb
+        if self.replicate_group is not None and self.sharded:
+            post = layer.stream(device.ALL_REDUCE)
+            post.wait_stream(pb)
+            layer.record_stream(reduction.out, post)
+        with layer.on(post):
+            reduction.finish()
+        layer.record_stream(grad, pb)  # made on the current stream, read on this one
+        return FinishedReduce()
+
+    def _issue_reduce(self, grad: torch.Tensor, async_op: bool) -> PendingReduce:
         lay = self.layout
         if grad.numel() != lay.flat_numel:
             raise AssertionError(
@@ -55,7 +82,7 @@ class FlatGrads:
         if not self.sharded:
             if self.pre_divide > 1:
                 scale_cast_add(grad, grad, self.pre_divide, False)
-            return PendingReduce(self, comm.all_reduce(grad, self.group, True), grad)
+            return PendingReduce(self, comm.all_reduce(grad, self.group, async_op), grad)
         if lay.flat_numel == lay.padded_numel and grad.is_contiguous():
             inp = grad
             if self.pre_divide > 1:
@@ -65,7 +92,7 @@ class FlatGrads:
             scale_cast_add(inp[: lay.flat_numel], grad.contiguous(), self.pre_divide, False)
             inp[lay.flat_numel :].zero_()
         out = torch.empty(lay.shard_numel, dtype=grad.dtype, device=grad.device)
-        return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, True), out)
+        return PendingReduce(self, comm.reduce_scatter(out, inp, self.group, async_op), out)
 
     def _reduce_with_hook(self, grad: torch.Tensor) -> PendingReduce:
         """The user's communication hook does the reduction (synchronously), as

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..._fqn import FLAT_PARAM
-from .. import comm
+from .. import comm, device
 from ..base import UnshardStates, alloc_storage, free_storage
 from ..reduce import scale_cast_add
 from ..replaced import WRAPPER, mark_replaced
@@ -106,8 +106,14 @@ class FlatLifecycle(UnshardStates):
         parameters]), as torch's ``pre_unshard``."""
         self.writeback_orig_params()
         super().unshard(async_op, full_precision=full_precision)
+        ctx = self._comm
+        if not async_op and ctx is not None and ctx.in_step():
+            ctx.wait_unshard()  # [Note: FSDP1 streams] in streams.py: the consumer waits
 
     def _start_unshard(self, full_precision: bool = False):
+        ctx = self._comm
+        if ctx is not None and not full_precision and ctx.in_step():
+            return self._start_unshard_on_streams(ctx)
         low = self.uses_mp and not full_precision
         if not self.sharded:
             if low:
@@ -124,6 +130,38 @@ class FlatLifecycle(UnshardStates):
             src = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
             scale_cast_add(src, self.shard, 1.0, False)
         return comm.all_gather(target, src, self.group, async_op=True), target
+
+    def _start_unshard_on_streams(self, ctx) -> None:
+        """[Note: FSDP1 streams] in streams.py: the low-precision shard on the pre-unshard
+        stream, the all-gather (``async_op=False``) inside the unshard stream; done when it
+        returns, as far as the CPU is concerned."""
+        layer = ctx.layer
+        unshard = layer.stream(device.UNSHARD)
+        src = self.shard
+        if self.uses_mp:  # torch's pre_unshard: the low-precision shard
+            pre = layer.stream(device.PRE_UNSHARD)
+            with layer.on(pre):
+                if self.sharded:
+                    src = torch.empty(self.layout.shard_numel, dtype=self.param_dtype,
+                                      device=self.device)
+                else:  # NO_SHARD: the low-precision copy is what the modules use
+                    src = self.unsharded
+                    alloc_storage(src)
+                scale_cast_add(src, self.shard, 1.0, False)
+            unshard.wait_stream(pre)
+        ctx.rate_limit()
+        if not self.sharded:
+            with layer.on(unshard):
+                self._use_buf(src)
+            return None
+        with layer.on(unshard):
+            alloc_storage(self.unsharded)
+            comm.all_gather(self.unsharded, src, self.group, async_op=False)
+            if src is not self.shard:  # torch's _free_low_precision_sharded_param
+                layer.record_stream(src, unshard)
+                layer.free(src)
+            self._use_buf(self.unsharded)
+        return None
 
     def _finish_unshard(self, buf: torch.Tensor) -> None:
         self._use_buf(buf)
@@ -144,7 +182,14 @@ class FlatLifecycle(UnshardStates):
             return
         self.flat_param.data = self.shard
         if self._buf is not self.shard:
-            free_storage(self._buf)
+            ctx = self._comm
+            if ctx is not None and ctx.streams:  # [Note: FSDP1 streams] in streams.py
+                ctx.before_free(self._buf)
+                free_storage(self._buf)
+                if self.sharded:
+                    ctx.after_free()
+            else:
+                free_storage(self._buf)
         self._buf = None
         self._unbind_views()
 

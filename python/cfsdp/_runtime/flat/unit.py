@@ -156,6 +156,8 @@ class Unit(FlatLifecycle, FlatGrads, FlatWriteback, FlatLayout):
         # Set by the owning face: called with (unit, unsharded_grad) when the
         # flat gradient is ready in backward.
         self.post_backward_fn = None
+        # the root's stream protocol (streams.FlatStreams), set by the face at lazy init
+        self._comm = None
         # register_comm_hook: hook(state, grad[, output]) replaces the reduction
         # (and FSDP's own divides); a low-precision hook also does the casts.
         self.comm_hook = None
