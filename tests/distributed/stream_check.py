@@ -17,7 +17,13 @@ stream's clock, since all work issued after it starts after it) and raises :clas
 * a write not ordered after the prior reads and writes on other streams;
 * a free not ordered (on the stream the storage was allocated on, or on a stream
   ``record_stream`` named, as that stream stands at the free) after every access on other
-  streams.
+  streams;
+* an allocation on a stream (an op's fresh output, an ``alloc``) not ordered after an access
+  on another stream to a storage of that stream that ended (its last reference dropped,
+  seen by a finalizer on each storage the log names: ``gone``) unordered with it: the caching
+  allocator may hand its memory to that allocation (a storage whose allocation the log does
+  not show, e.g. one a gloo collective makes inside, is not checked at its end: its stream
+  is not known).  A later storage at the same address starts a history of its own.
 
 This checks the ordering logic of the runtime, as the log shows it; it proves nothing about
 CUDA itself (kernels, the caching allocator, NCCL).  :func:`train` is the ``fully_shard`` run
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -79,21 +86,25 @@ class RecStream:
         return f"<stream {self.name}>"
 
 
-def _storages(x: Any, out: list) -> None:
+def _storages(x: Any, out: list, objs: Optional[list] = None) -> None:
+    """The keys of the storages ``x`` holds into ``out`` (their storage objects into ``objs``)."""
     if isinstance(x, torch.Tensor):
         if type(x) not in (torch.Tensor, torch.nn.Parameter) and hasattr(x, "__tensor_flatten__"):
             attrs, _ = x.__tensor_flatten__()
             for a in attrs:
-                _storages(getattr(x, a), out)
+                _storages(getattr(x, a), out, objs)
             return
         try:
-            out.append(x.untyped_storage()._cdata)
+            st = x.untyped_storage()
         except (RuntimeError, NotImplementedError) as e:  # an access the checker cannot see
             raise AssertionError(f"stream_check: a {type(x).__name__} argument has no storage "
                                  f"to key its accesses by ({e})") from e
+        out.append(st._cdata)
+        if objs is not None:
+            objs.append(st)
     elif isinstance(x, (list, tuple)):
         for y in x:
-            _storages(y, out)
+            _storages(y, out, objs)
 
 
 def key(t: torch.Tensor) -> int:
@@ -121,6 +132,7 @@ class RecordingDevice(TorchDispatchMode):
         self.log: list[tuple] = []
         self._streams: dict[str, RecStream] = {}
         self._current = self._cur = RecStream(self, CURRENT)
+        self._watched: set = set()  # storage keys with a finalizer (see _watch)
 
     # -- the device layer --------------------------------------------------------------------
     def current_stream(self) -> RecStream:
@@ -141,13 +153,35 @@ class RecordingDevice(TorchDispatchMode):
             self._cur = prev
 
     def record_stream(self, t: torch.Tensor, s: RecStream) -> None:
-        self.log.append(("record_stream", s.name, key(t)))
+        self.log.append(("record_stream", s.name, self._key(t)))
 
     def free(self, t: torch.Tensor) -> None:
-        self.log.append(("free", self._cur.name, key(t)))
+        self.log.append(("free", self._cur.name, self._key(t)))
 
     def alloc(self, t: torch.Tensor) -> None:
-        self.log.append(("alloc", self._cur.name, key(t)))
+        self.log.append(("alloc", self._cur.name, self._key(t)))
+
+    # -- storage lifetimes ---------------------------------------------------------------------
+    # A key is a storage's address, which a later storage may reuse once it is gone (a
+    # temporary the last reference to drops, one a collective makes and reads inside):
+    # each storage seen is watched, and its end logged ("gone", checked as a free), so
+    # the next one at that address starts a history of its own.
+    def _key(self, t: torch.Tensor) -> int:
+        keys: list = []
+        objs: list = []
+        _storages(t, keys, objs)
+        self._watch(keys, objs)
+        return keys[0]
+
+    def _watch(self, keys: list, objs: list) -> None:
+        for k, st in zip(keys, objs):
+            if k not in self._watched:
+                self._watched.add(k)
+                weakref.finalize(st, self._gone, k)
+
+    def _gone(self, k: int) -> None:
+        self._watched.discard(k)
+        self.log.append(("gone", self._cur.name, k))
 
     # -- every tensor op -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -162,9 +196,11 @@ class RecordingDevice(TorchDispatchMode):
             if a.name not in named:
                 continue
             got: list = []
-            _storages(named[a.name], got)
+            objs: list = []
+            _storages(named[a.name], got, objs)
             if not got:
                 continue
+            self._watch(got, objs)
             if c10d:
                 if a.name in _C10D_WRITES:
                     writes += got
@@ -186,8 +222,9 @@ class RecordingDevice(TorchDispatchMode):
                 r = rets[i] if i < len(rets) else None
                 if r is not None and r.alias_info is not None:
                     continue
-                got = []
-                _storages(o, got)
+                got, objs = [], []
+                _storages(o, got, objs)
+                self._watch(got, objs)
                 for k in got:
                     (writes if k in reads or k in writes else fresh).append(k)
         self.log.append(("op", self._cur.name, str(func), tuple(reads), tuple(writes), tuple(fresh)))
@@ -236,6 +273,21 @@ def check(log: list[tuple]) -> None:
     def ordered(at: str, s: str, n: int) -> bool:
         return s == at or clock(at).get(s, 0) >= n
 
+    # storages that ended (``gone``: no runtime free) while an access on another stream was
+    # not yet ordered before their stream: the caching allocator may hand their memory to
+    # that stream's next allocation, which must then be ordered after the access (as torch's
+    # FSDP2 relies on for its reduce-scatter outputs: the next reduce-scatter stream waits
+    # for the current stream first)
+    later: dict[str, list] = {}
+
+    def reuse(i: int, s: str, what: str) -> None:
+        for t, n, op, k, j in later.pop(s, ()):
+            if not ordered(s, t, n):
+                raise RaceError(
+                    f"log[{i}]: {what} on stream '{s}' may reuse the memory of storage {k:#x} "
+                    f"(ended at log[{j}], allocated on '{s}') before {op} on stream '{t}' is "
+                    "ordered before it")
+
     for i, e in enumerate(log):
         kind, s = e[0], e[1]
         if kind == "wait_stream":
@@ -251,17 +303,22 @@ def check(log: list[tuple]) -> None:
         elif kind == "record_stream":
             st.setdefault(e[2], _Storage(None)).rec.add(s)
         elif kind == "alloc":
+            reuse(i, s, "an allocation")
             st[e[2]] = _Storage(s)
-        elif kind == "free":
+        elif kind in ("free", "gone"):
             x = st.pop(e[2], None)
-            if x is None:
-                continue
+            if x is None or (kind == "gone" and x.owner is None):
+                continue  # (an end of a storage whose allocation the log does not show, e.g.
+                # one a collective made inside: which stream's memory it is, is not known)
             owner = x.owner or s
             for t, (n, op) in x.acc.items():
                 # reuse waits for the owner stream and for each record_stream'd stream as
                 # they are now (the allocator records an event on each at the free)
                 if t != owner and t not in x.rec and not ordered(owner, t, n) and not any(
                         ordered(r, t, n) for r in x.rec):
+                    if kind == "gone":  # checked at the owner's next allocation (reuse)
+                        later.setdefault(owner, []).append((t, n, op, e[2], i))
+                        continue
                     raise RaceError(
                         f"log[{i}]: free of storage {e[2]:#x} (notified on stream '{s}', "
                         f"allocated on '{owner}') is not ordered after {op} on stream '{t}'")
@@ -301,6 +358,8 @@ def check(log: list[tuple]) -> None:
                 x.write = (s, n, op)
                 x.reads = {}
                 x.acc[s] = (n, op)
+            if fresh:
+                reuse(i, s, op)
             for k in fresh:
                 x = st[k] = _Storage(s)
                 x.write = (s, n, op)

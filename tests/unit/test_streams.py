@@ -286,3 +286,44 @@ def test_checker_free_without_record_stream():
         check(log)
     check(log[:3] + [("record_stream", "b", 1), ("free", "a", 1)])
     check(log[:3] + [("wait_stream", "a", "b"), ("free", "a", 1)])
+
+
+def test_checker_end_of_a_storage_checked_at_its_streams_next_allocation():
+    """A storage whose last reference dropped (``gone``: no runtime free) while another
+    stream's access was not ordered before its stream: the caching allocator may give its
+    memory to that stream's next allocation, which must be ordered after the access (how
+    torch's FSDP2 keeps its reduce-scatter outputs safe: the next reduce-scatter stream waits
+    for the current stream first)."""
+    head = [_op("a", "w", fresh=[1]), ("wait_stream", "b", "a"), _op("b", "r", reads=[1]),
+            ("gone", "b", 1)]
+    with pytest.raises(RaceError, match="'a' may reuse the memory of storage .* before r on "
+                                        "stream 'b'"):
+        check(head + [_op("a", "new", fresh=[2])])
+    with pytest.raises(RaceError, match="an allocation on stream 'a' may reuse"):
+        check(head + [("alloc", "a", 2)])
+    check(head + [("wait_stream", "a", "b"), _op("a", "new", fresh=[2])])
+    check(head + [_op("c", "new", fresh=[2])])  # another stream's pool
+
+
+def test_checker_a_new_storage_at_an_ended_ones_address():
+    """A storage made where no op shows it (inside a collective) at the address of one that
+    ended starts its own history: no race with the old one's writes."""
+    check([_op("a", "w", fresh=[1]), ("gone", "a", 1), _op("b", "read", reads=[1])])
+    with pytest.raises(RaceError, match="read on stream 'b' reads storage"):
+        check([_op("a", "w", fresh=[1]), _op("b", "read", reads=[1])])
+
+
+def test_recorder_logs_the_end_of_a_storage():
+    rec = RecordingDevice()
+    with rec:
+        t = torch.ones(3) * 2
+    k = sc.key(t)
+    del t
+    assert ("gone", CURRENT, k) in rec.log
+
+
+def test_checker_end_of_a_storage_not_seen_allocated():
+    """The end of a storage whose allocation the log does not show (made inside a collective,
+    or before the recorder): its stream is unknown, so it is not checked."""
+    check([("wait_stream", "b", "a"), _op("b", "r", reads=[1]), ("gone", "a", 1),
+           _op("a", "new", fresh=[2])])
