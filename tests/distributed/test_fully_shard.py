@@ -27,14 +27,16 @@ LAUNCH_TIMEOUT_S = 600
 # ranks holding only padding (structure, training parity, Shard(d) parity and its DCP), the
 # checkpoints at 4 ranks, and one representative of the rest (gradient accumulation, bf16
 # mixed precision, the bad-input table, visible collectives, two extension kinds, Muon on HSDP),
-# Muon's parity cases (experts_shard2: torch's fully_shard refuses Shard(2) of 6 over 4 ranks).
+# Muon's parity cases (experts_shard2: torch's fully_shard refuses Shard(2) of 6 over 4 ranks),
+# the stream protocol with reshard_after_forward=2 (a post-forward group of 2).
 # ``parity[kind=...`` is spelled per kind: ``extension_parity[kind=...`` contains ``parity[kind=``.
 AT_4 = ("structure|parity[kind=mlp|parity[kind=lm|parity[kind=frozen|hsdp|shard_dims_parity"
         "|shard_dims_checkpoint[how=dcp]|dcp_roundtrip|state_dict_load|grad_accum"
         "|mixed_precision_lm|bad_input|one_rank_no_collectives|collectives_visible"
         "|extension_parity[kind=bf16,reshard_after_forward=True,mp=None]"
         "|extension_parity[kind=rowscale,reshard_after_forward=False,mp=torch.bfloat16]"
-        "|muon_hsdp|muon_parity[case=lm|muon_parity[case=mlp|muon_parity[case=experts_shard0")
+        "|muon_hsdp|muon_parity[case=lm|muon_parity[case=mlp|muon_parity[case=experts_shard0"
+        "|recorded_streams_post_forward_group")
 WORKER = SplitWorker("worker_fully_shard.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
                      timeout=LAUNCH_TIMEOUT_S, tmp_env="CFSDP_CKPT_DIR")
 

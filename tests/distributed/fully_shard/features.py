@@ -287,6 +287,19 @@ def recorded_streams(ctx, reshard_after_forward: bool):
     happens-before checker passes, losses and parameters bitwise those of the same run
     without the recorder, every collective issued on a side stream.  The ordering logic
     only: nothing here runs on a GPU."""
+    _recorded_streams(ctx, reshard_after_forward)
+
+
+if WORLD == 4:
+    @h.subtest
+    def recorded_streams_post_forward_group(ctx):
+        """The same with ``reshard_after_forward=2``: after forward each unit keeps its
+        shard of a post-forward group of 2 ranks, and backward's all-gather runs over it
+        (inside the all-gather stream, from the kept shard)."""
+        _recorded_streams(ctx, 2)
+
+
+def _recorded_streams(ctx, reshard_after_forward) -> None:
     import stream_check as sc
 
     mesh = mesh_1d(ctx)

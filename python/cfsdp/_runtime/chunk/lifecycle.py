@@ -85,6 +85,10 @@ class ChunkLifecycle(UnshardStates):
         if in_step:
             ctx.release_all_gather()
         kept, self._post_forward_shard = self._post_forward_shard, None
+        event, self._post_forward_event = self._post_forward_event, None
+        if event is not None:  # the kept shard was written on the current stream
+            copy_in.wait_event(event)
+            ag.wait_event(event)
         with layer.on(copy_in):
             src, group = self.shard, self.group
             if kept is not None:  # reshard_after_forward=k: over the post-forward group
@@ -150,6 +154,10 @@ class ChunkLifecycle(UnshardStates):
                          ranks=(j * per, (j + 1) * per))
         self.reshard()
         self._post_forward_shard = kept
+        ctx = self._comm
+        if ctx is not None and ctx.streams:  # written on the current stream, read by the
+            # all-gather streams at the next unshard (torch's _reshard_after_forward_event)
+            self._post_forward_event = ctx.layer.current_stream().record_event()
 
     def _post_forward_shard_gather(self):
         """With a post-forward shard kept, the all-gather over the post-forward group
@@ -176,7 +184,7 @@ class ChunkLifecycle(UnshardStates):
         self._register_unsharded()
 
     def reshard(self) -> None:
-        self._post_forward_shard = None
+        self._post_forward_shard = self._post_forward_event = None
         self.wait_unshard()
         if self._buf is None:
             return

@@ -170,6 +170,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         # reshard_after_forward=k (1 < k < W): the group of k ranks backward gathers over
         self.post_forward_group: Optional[dist.ProcessGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
+        self._post_forward_event: Any = None  # streams: when the kept shard was written
         self._install_sharded_params()
         self.refresh_requires_grad()
         self.pre_divide = self.post_divide = 1.0
