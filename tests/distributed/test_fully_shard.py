@@ -26,14 +26,15 @@ LAUNCH_TIMEOUT_S = 600
 # meshes (hsdp*, shard_dims_hsdp, one_rank_no_collectives' hsdp_shard1), uneven shards and
 # ranks holding only padding (structure, training parity, Shard(d) parity and its DCP), the
 # checkpoints at 4 ranks, and one representative of the rest (gradient accumulation, bf16
-# mixed precision, the bad-input table, visible collectives, two extension kinds, Muon on HSDP).
+# mixed precision, the bad-input table, visible collectives, two extension kinds, Muon on HSDP
+# and in small buckets).
 # ``parity[kind=...`` is spelled per kind: ``extension_parity[kind=...`` contains ``parity[kind=``.
 AT_4 = ("structure|parity[kind=mlp|parity[kind=lm|parity[kind=frozen|hsdp|shard_dims_parity"
         "|shard_dims_checkpoint[how=dcp]|dcp_roundtrip|state_dict_load|grad_accum"
         "|mixed_precision_lm|bad_input|one_rank_no_collectives|collectives_visible"
         "|extension_parity[kind=bf16,reshard_after_forward=True,mp=None]"
         "|extension_parity[kind=rowscale,reshard_after_forward=False,mp=torch.bfloat16]"
-        "|muon_hsdp")
+        "|muon_hsdp|muon_buckets")
 WORKER = SplitWorker("worker_fully_shard.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
                      timeout=LAUNCH_TIMEOUT_S, tmp_env="CFSDP_CKPT_DIR")
 

@@ -12,8 +12,8 @@ from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 120
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py): every
-# optimizer parity subtest, and one Muon-on-the-wrapper case
-AT_4 = "parity_and_resume|muon_wrapper[case=orig_adamw]"
+# optimizer parity subtest, and one Muon-on-the-wrapper case (and it in small buckets)
+AT_4 = "parity_and_resume|muon_wrapper[case=orig_adamw]|muon_wrapper_buckets[case=orig_adamw]"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

@@ -37,7 +37,7 @@ from ckpt_common import ckpt_dir
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
-from muon_oracle import AllGatherMuon, Pair
+from muon_oracle import AllGatherMuon, Pair, small_buckets
 
 import cfsdp
 from cfsdp.optim._muon_mesh import MeshLayout
@@ -227,6 +227,15 @@ def fs_muon(ctx, layout, sp: bool):
     mesh = tc.mesh_2d(*layout)
     check_pair(ctx, run_pair(ctx, mesh, sp, make_opt=_muon_pair))
     _check_blocks(ctx, fs_model("cfsdp", mesh, sp))
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def fs_muon_buckets(ctx, layout):
+    """``fs_muon`` (no sequence parallelism) with the exchange cut into one bucket per matrix
+    (bound 1 byte): the blocks of every layout still reassembled and returned bitwise."""
+    with small_buckets(1) as plans:
+        check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), False, make_opt=_muon_pair))
+    assert plans and max(plans) > 1, f"bucket counts per exchange {plans}"
 
 
 def _check_blocks(ctx, model) -> None:

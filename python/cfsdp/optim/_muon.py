@@ -533,10 +533,12 @@ class Muon(torch.optim.Muon):
                 batches.setdefault((type(lay), lay.ranks, lay.index, upd.dtype), []).append(k)
         for ks in batches.values():
             lay = pending[ks[0]][2]
+            # bf16 on the wire: Newton–Schulz's first op rounds to bf16 (exact either way); the
+            # gathered matrices are the exchange's own, so bf16 ones stack too
             res = exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks],
                            [pending[k][1] for k in ks],
-                           lambda fulls: self._cf_orthogonalize(fulls, group), torch.bfloat16,
-                           [pending[k][2].sizes for k in ks])
+                           lambda fulls: self._cf_orthogonalize(fulls, group, gathered=True),
+                           torch.bfloat16, [pending[k][2].sizes for k in ks], torch.bfloat16)
             for k, o in zip(ks, res):
                 ortho[k] = o
         for (pl, _, _, shape), o in zip(pending, ortho):
@@ -557,14 +559,16 @@ class Muon(torch.optim.Muon):
         return _core.muon_momentum_tensor(g, buf, momentum=momentum, nesterov=nesterov)
 
     @staticmethod
-    def _cf_orthogonalize(updates: list, group: dict) -> list:
+    def _cf_orthogonalize(updates: list, group: dict, gathered: bool = False) -> list:
         """Newton–Schulz of every update ([Note: stacked Newton-Schulz]): one list entry per
-        update, a bf16 tensor of the update's matrices (``[-1, m, n]`` or ``[m, n]``)."""
+        update, a bf16 tensor of the update's matrices (``[-1, m, n]`` or ``[m, n]``).
+        ``gathered``: the updates are the exchange's own bf16 copies (nothing normalized in
+        place is anyone's), so bf16 ones stack as the others."""
         hp = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         out: list = [None] * len(updates)
         stacks: dict = {}
         for k, u in enumerate(updates):
-            if u.device.type == "cpu" and u.dtype != torch.bfloat16:
+            if u.device.type == "cpu" and (gathered or u.dtype != torch.bfloat16):
                 stacks.setdefault((tuple(u.shape[-2:]), u.dtype), []).append(k)
             else:  # alone, matrix by matrix (a bf16 one, as torch's, normalized in place)
                 out[k] = (_newton_schulz(u, *hp) if u.ndim == 2 else
