@@ -515,15 +515,18 @@ class Muon(torch.optim.Muon):
     def _cf_finish(self, pending: list, group: dict) -> None:
         """Newton–Schulz of the pending (local parameter, update, layout, full shape) entries
         (whole ones here, sharded ones through their owners: ``_muon_shard.exchange``), then
-        torch's parameter update."""
+        torch's parameter update (a sharded entry's as soon as its bucket's result lands; each
+        update is dropped from ``pending`` once sent, so the caller's list frees it too)."""
         if not pending:
             return
         lr = _to_scalar(group["lr"])
-        ortho: list = [None] * len(pending)
-        whole = [k for k, e in enumerate(pending) if e[2] is None]
-        if whole:
-            for k, o in zip(whole, self._cf_orthogonalize([pending[k][1] for k in whole], group)):
-                ortho[k] = o
+
+        def update(k: int, o: Tensor) -> None:
+            pl, shape = pending[k][0], pending[k][3]
+            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], shape[-2:])
+            pl.mul_(1 - lr * group["weight_decay"])
+            pl.add_(o if o.shape == pl.shape else o.reshape(pl.shape), alpha=-adjusted_lr)
+
         # (group's ranks, chunk index, dtype) -> pending indices, in order: by ranks, not by
         # group object (a unit's Shard(d > 0) parameters may hold another ProcessGroup object of
         # the same ranks), so that each group's matrices share one owner assignment and exchange
@@ -533,18 +536,20 @@ class Muon(torch.optim.Muon):
                 batches.setdefault((type(lay), lay.ranks, lay.index, upd.dtype), []).append(k)
         for ks in batches.values():
             lay = pending[ks[0]][2]
+            ups = [pending[k][1] for k in ks]
+            for k in ks:  # the exchange drops each update once it is sent
+                pending[k] = pending[k][:1] + (None,) + pending[k][2:]
             # bf16 on the wire: Newton–Schulz's first op rounds to bf16 (exact either way); the
             # gathered matrices are the exchange's own, so bf16 ones stack too
-            res = exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks],
-                           [pending[k][1] for k in ks],
-                           lambda fulls: self._cf_orthogonalize(fulls, group, gathered=True),
-                           torch.bfloat16, [pending[k][2].sizes for k in ks], torch.bfloat16)
-            for k, o in zip(ks, res):
-                ortho[k] = o
-        for (pl, _, _, shape), o in zip(pending, ortho):
-            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], shape[-2:])
-            pl.mul_(1 - lr * group["weight_decay"])
-            pl.add_(o if o.shape == pl.shape else o.reshape(pl.shape), alpha=-adjusted_lr)
+            exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks], ups,
+                     lambda fulls: self._cf_orthogonalize(fulls, group, gathered=True),
+                     torch.bfloat16, [pending[k][2].sizes for k in ks], torch.bfloat16,
+                     lambda i, o, ks=ks: update(ks[i], o))
+            del ups
+        whole = [k for k, e in enumerate(pending) if e[2] is None]
+        if whole:
+            for k, o in zip(whole, self._cf_orthogonalize([pending[k][1] for k in whole], group)):
+                update(k, o)
 
     @staticmethod
     def _cf_momentum(g: Tensor, buf: Tensor, momentum, nesterov: bool) -> Tensor:
@@ -563,7 +568,8 @@ class Muon(torch.optim.Muon):
         """Newton–Schulz of every update ([Note: stacked Newton-Schulz]): one list entry per
         update, a bf16 tensor of the update's matrices (``[-1, m, n]`` or ``[m, n]``).
         ``gathered``: the updates are the exchange's own bf16 copies (nothing normalized in
-        place is anyone's), so bf16 ones stack as the others."""
+        place is anyone's), so bf16 ones stack as the others, and the list's entries are
+        dropped once stacked (the exchange holds no other reference: one copy at a time)."""
         hp = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         out: list = [None] * len(updates)
         stacks: dict = {}
@@ -573,13 +579,20 @@ class Muon(torch.optim.Muon):
             else:  # alone, matrix by matrix (a bf16 one, as torch's, normalized in place)
                 out[k] = (_newton_schulz(u, *hp) if u.ndim == 2 else
                           torch.stack([_newton_schulz(t, *hp) for t in _matrices(u)]))
+        u = None  # noqa: F841 - no reference past the list's (``gathered`` drops them)
         for ks in stacks.values():
             mats = [_matrices(updates[k]) for k in ks]
             counts = [t.shape[0] for t in mats]
             if sum(counts) == 1:
                 out[ks[0]] = _newton_schulz(mats[0][0], *hp)
                 continue
-            res = _newton_schulz(torch.cat(mats) if len(mats) > 1 else mats[0], *hp)
+            stacked = torch.cat(mats) if len(mats) > 1 else mats[0]
+            del mats
+            if gathered:
+                for k in ks:
+                    updates[k] = None
+            res = _newton_schulz(stacked, *hp)
+            del stacked
             for k, part in zip(ks, res.split(counts)):
                 out[k] = part
         return out

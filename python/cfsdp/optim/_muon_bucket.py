@@ -46,7 +46,7 @@ __all__ = ["BUCKET_BYTES", "BUCKET_ENV", "bucket_bytes", "exchange_blocks"]
 
 # a bucket's bound in bytes on the wire (the sum of its full matrices'); a matrix larger than the
 # bound goes alone
-BUCKET_BYTES = 4 << 20
+BUCKET_BYTES = 1 << 20
 BUCKET_ENV = "CFSDP_MUON_BUCKET_BYTES"
 
 
@@ -77,19 +77,25 @@ def exchange_blocks(
     shapes: Sequence[Sequence[int]],
     views: Sequence[Sequence[int]],
     blocks: Sequence[Sequence[tuple]],
-    chunks: Sequence[Tensor],
+    chunks: list,
     orthogonalize: Callable[[list], list],
     out_dtype: torch.dtype,
     wire_dtype: Optional[torch.dtype] = None,
-) -> list[Tensor]:
+    on_result: Optional[Callable[[int, Tensor], None]] = None,
+) -> list[Optional[Tensor]]:
     """This rank's block of ``orthogonalize``'s result for every matrix (see the module
     docstring).  Over process group ``pg`` (``count`` ranks, this one ``index``): matrix ``k``
     of shape ``shapes[k]`` is split in view shape ``views[k]`` (same numel), rank ``r`` holding
     block ``blocks[k][r] = (starts, sizes)`` of it; ``chunks[k]`` is this rank's block (any
-    dtype: it travels as ``wire_dtype``, default the chunks' own).  ``orthogonalize`` takes a list of full tensors of
+    dtype: it travels as ``wire_dtype``, default the chunks' own); each entry of the list
+    ``chunks`` is set to None once it is in a send buffer, so that a caller holding no other
+    reference frees it bucket by bucket.  ``orthogonalize`` takes a list of full tensors of
     ``wire_dtype`` (its own to overwrite) and returns one ``out_dtype`` tensor per input,
-    reshapeable to the input's shape.  Every rank of ``pg`` calls this with the same shapes,
-    views and blocks.  Returns tensors of ``out_dtype`` shaped as this rank's blocks."""
+    reshapeable to the input's shape (it may drop the list's entries as it consumes them).
+    Every rank of ``pg`` calls this with the same shapes,
+    views and blocks.  Returns this rank's block of every result (``out_dtype``, shaped as its
+    block); with ``on_result``, ``on_result(k, block)`` gets each as soon as its bucket's return
+    has landed (bucket by bucket, its receive buffer then freed) and the list holds None."""
     n, me = count, index
     for k, (s, b, t) in enumerate(zip(shapes, blocks, chunks)):
         if tuple(t.shape) != tuple(b[me][1]):
@@ -118,13 +124,14 @@ def exchange_blocks(
         for d in dest:
             for k in d:
                 send.narrow(0, off, numel[k][me]).view(blocks[k][me][1]).copy_(chunks[k])
+                chunks[k] = None
                 off += numel[k][me]
         mine = dest[me]
         return a2a(send, splits, [sum(numel[k][r] for k in mine) for r in range(n)], wire_dtype)
 
-    def orthogonalized(ks: list, recv: Tensor) -> tuple:
+    def assembled(ks: list, recv: Tensor) -> tuple:
         """The owner's full matrices of the bucket (rank r's blocks in ``recv`` after rank
-        r - 1's, each rank's in matrix order), orthogonalized: (matrix indices, results)."""
+        r - 1's, each rank's in matrix order): (matrix indices, full matrices)."""
         mine = [k for k in ks if owners[k] == me]
         fulls = [torch.empty(views[k], dtype=wire_dtype, device=device) for k in mine]
         off = 0
@@ -133,16 +140,19 @@ def exchange_blocks(
                 full[_region(blocks[k][r])] = recv.narrow(0, off, numel[k][r]).view(
                     blocks[k][r][1])
                 off += numel[k][r]
+        return mine, [f.view(shapes[k]) for f, k in zip(fulls, mine)]
+
+    def orthogonalized(mine: list, fulls: list) -> list:
+        """``orthogonalize``'s results, checked, in view shape (``fulls`` handed over)."""
         if not fulls:
-            return mine, []
-        results = orthogonalize([f.view(shapes[k]) for f, k in zip(fulls, mine)])
-        del fulls
+            return []
+        results = orthogonalize(fulls)
         out = []
         for k, res in zip(mine, results):
             if res.dtype != out_dtype:
                 raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
             out.append(res.reshape(views[k]))
-        return mine, out
+        return out
 
     def back(ks: list, mine: list, results: list):
         """Post each rank its block of the owner's results: (work, send, recv)."""
@@ -158,27 +168,36 @@ def exchange_blocks(
         return a2a(send, splits, recv_splits, out_dtype)
 
     out: list = [None] * len(shapes)
-    returns: list = []  # (bucket, work, send, recv) of the returns in flight
-    ahead = forward(buckets[0]) if buckets else None
-    for b, ks in enumerate(buckets):
-        work, send, recv = ahead
-        ahead = forward(buckets[b + 1]) if b + 1 < len(buckets) else None
+
+    def landed(ks: list, work, recv: Tensor) -> None:
+        """Wait for a bucket's return; its blocks to ``out`` or ``on_result``."""
         work.wait()
-        del send
-        mine, results = orthogonalized(ks, recv)
-        del recv
-        returns.append((ks,) + back(ks, mine, results))
-        del results
-        if len(returns) > 1:  # the previous return's send buffer is done with once it lands
-            returns[-2][1].wait()
-            returns[-2] = returns[-2][:1] + (None, None) + returns[-2][3:]
-    for ks, work, _, recv in returns:
-        if work is not None:
-            work.wait()
         off = 0
         for r in range(n):
             for k in ks:
                 if owners[k] == r:
-                    out[k] = recv.narrow(0, off, numel[k][me]).view(blocks[k][me][1])
+                    piece = recv.narrow(0, off, numel[k][me]).view(blocks[k][me][1])
+                    if on_result is None:
+                        out[k] = piece
+                    else:
+                        on_result(k, piece)
                     off += numel[k][me]
+
+    ahead = forward(buckets[0]) if buckets else None
+    returning = None  # the previous bucket's return in flight: (bucket, work, send, recv)
+    for b, ks in enumerate(buckets):
+        work, send, recv = ahead
+        ahead = forward(buckets[b + 1]) if b + 1 < len(buckets) else None
+        work.wait()
+        mine, fulls = assembled(ks, recv)
+        del work, send, recv  # before Newton–Schulz: the owner holds the bucket once
+        results = orthogonalized(mine, fulls)
+        del fulls
+        now = (ks,) + back(ks, mine, results)
+        del results
+        if returning is not None:  # in flight while this bucket was orthogonalized
+            landed(returning[0], returning[1], returning[3])
+        returning = now
+    if returning is not None:
+        landed(returning[0], returning[1], returning[3])
     return out

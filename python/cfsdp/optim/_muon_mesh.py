@@ -101,14 +101,15 @@ def exchange(
     layout: MeshLayout,
     shapes: Sequence[Sequence[int]],
     blocks: Sequence[Blocks],
-    chunks: Sequence[Tensor],
+    chunks: list,
     orthogonalize: Callable[[list], list],
     out_dtype: torch.dtype,
     wire_dtype: Optional[torch.dtype] = None,
-) -> list[Tensor]:
+    on_result: Optional[Callable[[int, Tensor], None]] = None,
+) -> list[Optional[Tensor]]:
     """This rank's block of ``orthogonalize``'s result for every matrix (see the module
     docstring); ``_muon_shard.exchange``'s contract with ``blocks[k]`` (every rank's block of
     matrix ``k``) for its ``dims``."""
     return exchange_blocks(layout.group, layout.count, layout.index, shapes, shapes,
                            [b.of_rank for b in blocks], chunks, orthogonalize, out_dtype,
-                           wire_dtype)
+                           wire_dtype, on_result)

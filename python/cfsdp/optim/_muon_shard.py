@@ -119,12 +119,13 @@ def exchange(
     layout: Layout,
     shapes: Sequence[Sequence[int]],
     dims: Sequence[int],
-    chunks: Sequence[Tensor],
+    chunks: list,
     orthogonalize: Callable[[list], list],
     out_dtype: torch.dtype,
     sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
     wire_dtype: Optional[torch.dtype] = None,
-) -> list[Tensor]:
+    on_result: Optional[Callable[[int, Tensor], None]] = None,
+) -> list[Optional[Tensor]]:
     """This rank's chunk of ``orthogonalize``'s result for every matrix (see the module
     docstring).  ``chunks[k]`` is this rank's chunk along ``dims[k]`` of matrix ``k`` (full
     shape ``shapes[k]``; all over ``layout``'s group, chunk ``layout.index`` of
@@ -132,7 +133,8 @@ def exchange(
     so ``orthogonalize`` must start by rounding to it (Muon's Newton–Schulz: bf16); it takes a
     list of full tensors of ``wire_dtype`` (its own to overwrite) and returns one tensor per
     input, each reshapeable to the input's shape, of ``out_dtype`` (given: a rank that owns no
-    matrix sends and receives it too).
+    matrix sends and receives it too).  ``chunks`` (a list) is emptied as it is sent and
+    ``on_result`` takes each result as it lands (``_muon_bucket.exchange_blocks``).
     ``sizes[k]``, when given and not None, makes matrix ``k``'s chunks element ranges (the
     wrapper's flat shards): rank ``r`` holds ``sizes[k][r]`` consecutive elements of the
     row-major flattened matrix, the ranges in rank order (``chunks[k]`` 1-D, ``dims[k]`` 0).
@@ -141,7 +143,7 @@ def exchange(
     ``_muon_mesh``'s."""
     if isinstance(layout, _muon_mesh.MeshLayout):
         return _muon_mesh.exchange(layout, shapes, dims, chunks, orthogonalize, out_dtype,
-                                   wire_dtype)
+                                   wire_dtype, on_result)
     n, me = layout.count, layout.index
     sizes = list(sizes) if sizes is not None else [None] * len(shapes)
     vshapes = [_view_shape(s, z) for s, z in zip(shapes, sizes)]
@@ -153,4 +155,4 @@ def exchange(
                                  f"{d} of {tuple(v)} over {n} ranks")
         blocks.append(chunk_blocks(v, d, split))
     return exchange_blocks(layout.group, n, me, shapes, vshapes, blocks, chunks, orthogonalize,
-                           out_dtype, wire_dtype)
+                           out_dtype, wire_dtype, on_result)
