@@ -40,8 +40,10 @@ one rank, the others ``Replicate`` (``fully_shard``'s parameters: ``Shard(0)``, 
 way.  The momentum (and Nesterov) update runs on the local shard (elementwise: the shard's bits
 are the whole one's); every such matrix of a param group then goes to its owner rank in the
 shard group, is orthogonalized there once and comes back chunk by chunk
-(``_muon_shard.exchange``: two ``all_to_all_single`` per process group and step, owners from
-``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr.  The
+(``_muon_shard.exchange`` through ``_muon_bucket``: bounded buckets, bf16 on the wire, two
+``all_to_all_single`` per bucket, the next bucket in flight while the owners work; owners from
+``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr as its
+bucket lands.  The
 numbers are those of torch's Muon on the full matrices (the all-gather-everywhere Muon
 of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`` naming the
 parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim, nor TP x
@@ -64,8 +66,7 @@ C pass over the whole local shard (elementwise: padding included, whose gradient
 then each original matrix's range of the update goes to the matrix's owner over the unit's
 process group, which concatenates the ranges in rank order (the row-major matrix), and gets
 its range of the orthogonalized update back (``_muon_shard.exchange`` with element ranges:
-the same two ``all_to_all_single`` per process group and step, every matrix of the group's
-units batched); each range of the shard is updated with torch's weight decay and the full
+the same buckets, every matrix of the group's units in one exchange); each range of the shard is updated with torch's weight decay and the full
 shape's adjusted lr.  Every original parameter of a flat parameter given to Muon must be a
 matrix (torch's ``ValueError`` plus the original's FQN otherwise: a flat parameter is one
 param group).  With ``use_orig_params=True`` each original matrix is stepped the same way on
