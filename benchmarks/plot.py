@@ -15,7 +15,8 @@ parameter count, one point per (file, model) -- the files of a size sweep
 (``bench_fsdp.py --set d_model=...`` runs), log-log.
 
 ``--muon`` reads ``bench_muon.py``'s files (one per world size) and draws, per world size, the
-median optimizer step time and the Newton–Schulz work on the busiest rank of each contender.
+median optimizer step time, the Newton–Schulz work on the busiest rank and the peak memory
+per rank (RSS growth over a step, the largest rank's) of each contender.
 """
 
 from __future__ import annotations
@@ -131,13 +132,15 @@ MUON_COLORS = {"allgather": "#1565c0", "torch_dtensor": "#6a1b9a", "single": "#9
 
 
 def plot_muon(paths: list[Path], out: Path) -> None:
-    """``bench_muon.py``'s step time and Newton–Schulz GFLOP per rank, one group per world size."""
+    """``bench_muon.py``'s step time, Newton–Schulz GFLOP and peak memory per rank, one group per
+    world size."""
     reports = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["world"])
     names = list(MUON_COLORS)
-    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(13.2, 3.8))
     width = 0.8 / len(names)
     for j, (key, label) in enumerate((("step_ms_median", "median step() time (ms)"),
-                                      ("ns_gflop_per_rank", "Newton-Schulz GFLOP, busiest rank"))):
+                                      ("ns_gflop_per_rank", "Newton-Schulz GFLOP, busiest rank"),
+                                      ("peak_mib_per_rank", "peak RSS growth MiB, largest rank"))):
         ax = axes[j]
         for i, name in enumerate(names):
             xs, ys = [], []
@@ -167,7 +170,8 @@ def main() -> None:
     p.add_argument("--vs-size", action="store_true",
                    help="step time against parameter count (a size sweep), one line per contender")
     p.add_argument("--muon", action="store_true",
-                   help="bench_muon.py's files: step time and Newton-Schulz work per world size")
+                   help="bench_muon.py's files: step time, Newton-Schulz work and peak memory "
+                   "per world size")
     args = p.parse_args()
     if args.muon:
         plot_muon(args.inputs, args.out)

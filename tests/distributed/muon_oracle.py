@@ -2,7 +2,8 @@
 parameters (tests/distributed/fully_shard/muon.py; ``AllGatherMuon``) and on the
 FullyShardedDataParallel wrapper's flat shards (``muon_wrapper`` in worker_optim.py;
 ``WrapperAllGatherMuon``); ``spy_muon`` counts what a ``cfsdp.optim.Muon`` orthogonalizes and
-exchanges.  (benchmarks/bench_muon.py's contender (a) is the lean form trainers write: momentum on
+exchanges; ``small_buckets`` bounds the exchange's buckets small and records how many each
+exchange made.  (benchmarks/bench_muon.py's contender (a) is the lean form trainers write: momentum on
 the shard, one full matrix at a time; this one keeps full copies, which a test can afford.)
 
 What the usual hand-made fix does on FSDP2: every rank ``full_tensor()``s every gradient and
@@ -19,13 +20,14 @@ weight decay and the update elementwise, so a correct sharded Muon is bitwise th
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from cfsdp.optim import _muon
+from cfsdp.optim import _muon, _muon_bucket
 from cfsdp.optim._muon_shard import exchange
 
 
@@ -184,9 +186,9 @@ def spy_muon(opt, counts: list) -> None:
     orthogonalizes, exchanges it joins]``."""
     inner, step = opt._cf_orthogonalize, opt.step
 
-    def ortho(updates, group):
+    def ortho(updates, group, **kw):
         counts[-1][0] += sum(math.prod(u.shape[:-2]) for u in updates)
-        return inner(updates, group)
+        return inner(updates, group, **kw)
 
     def counted_exchange(*a, **k):
         counts[-1][1] += 1
@@ -201,3 +203,23 @@ def spy_muon(opt, counts: list) -> None:
             _muon.exchange = exchange
 
     opt._cf_orthogonalize, opt.step = ortho, counted_step
+
+
+@contextlib.contextmanager
+def small_buckets(bound: int):
+    """Within: ``cfsdp.optim.Muon``'s exchange cuts its matrices into buckets of at most
+    ``bound`` bytes on the wire (a larger matrix alone); yields a list that gets each exchange's
+    bucket count (its plan, from ``_muon_owners.plan_buckets``)."""
+    plans: list = []
+    old_bound, plan = _muon_bucket.BUCKET_BYTES, _muon_bucket.plan_buckets
+
+    def counted(nbytes, b):
+        out = plan(nbytes, b)
+        plans.append(len(out))
+        return out
+
+    _muon_bucket.BUCKET_BYTES, _muon_bucket.plan_buckets = bound, counted
+    try:
+        yield plans
+    finally:
+        _muon_bucket.BUCKET_BYTES, _muon_bucket.plan_buckets = old_bound, plan

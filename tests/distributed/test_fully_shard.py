@@ -26,7 +26,8 @@ LAUNCH_TIMEOUT_S = 600
 # meshes (hsdp*, shard_dims_hsdp, one_rank_no_collectives' hsdp_shard1), uneven shards and
 # ranks holding only padding (structure, training parity, Shard(d) parity and its DCP), the
 # checkpoints at 4 ranks, and one representative of the rest (gradient accumulation, bf16
-# mixed precision, the bad-input table, visible collectives, two extension kinds, Muon on HSDP),
+# mixed precision, the bad-input table, visible collectives, two extension kinds, Muon on HSDP
+# and in small buckets),
 # Muon's parity cases (experts_shard2: torch's fully_shard refuses Shard(2) of 6 over 4 ranks),
 # the stream protocol with reshard_after_forward=2 (a post-forward group of 2).
 # ``parity[kind=...`` is spelled per kind: ``extension_parity[kind=...`` contains ``parity[kind=``.
@@ -36,7 +37,7 @@ AT_4 = ("structure|parity[kind=mlp|parity[kind=lm|parity[kind=frozen|hsdp|shard_
         "|extension_parity[kind=bf16,reshard_after_forward=True,mp=None]"
         "|extension_parity[kind=rowscale,reshard_after_forward=False,mp=torch.bfloat16]"
         "|muon_hsdp|muon_parity[case=lm|muon_parity[case=mlp|muon_parity[case=experts_shard0"
-        "|recorded_streams_post_forward_group")
+        "|recorded_streams_post_forward_group|muon_buckets")
 WORKER = SplitWorker("worker_fully_shard.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
                      timeout=LAUNCH_TIMEOUT_S, tmp_env="CFSDP_CKPT_DIR")
 

@@ -12,8 +12,10 @@ from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 120
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py): every
-# optimizer parity subtest, one Muon-on-the-wrapper case and the agreement on cleared gradients
-AT_4 = "parity_and_resume|muon_wrapper[case=orig_adamw]|muon_wrapper_cleared"
+# optimizer parity subtest, one Muon-on-the-wrapper case (and it in small buckets) and the
+# agreement on cleared gradients
+AT_4 = ("parity_and_resume|muon_wrapper[case=orig_adamw]|muon_wrapper_buckets[case=orig_adamw]"
+        "|muon_wrapper_cleared")
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

@@ -41,7 +41,7 @@ from cfsdp import optim as co
 from cfsdp.checkpoint import state_dict as dsd
 from cfsdp.optim import _muon
 from cfsdp.optim._muon_owners import assign_owners
-from muon_oracle import WrapperAllGatherMuon, spy_muon
+from muon_oracle import WrapperAllGatherMuon, small_buckets, spy_muon
 
 CPU = torch.device("cpu")
 STEPS, SAVE_AT = 8, 4
@@ -303,6 +303,19 @@ def muon_wrapper(ctx, case):
     """cfsdp.optim.Muon on the wrapper's flat shards against the all-gather-everywhere Muon
     (muon_oracle.WrapperAllGatherMuon) on the same wrapper: bitwise losses and parameters
     after 3 steps, each matrix orthogonalized once per step, by its owner, in one exchange."""
+    _muon_wrapper_run(ctx, case)
+
+
+@h.subtest(grid={"case": ["flat", "orig_adamw"]})
+def muon_wrapper_buckets(ctx, case):
+    """``muon_wrapper`` with the exchange cut into buckets of at most 200 bytes on the wire
+    (the (9, 7) matrix alone, the (5, 9) and (7, 5) ones together): still bitwise."""
+    with small_buckets(200) as plans:
+        _muon_wrapper_run(ctx, case)
+    assert plans and max(plans) > 1, f"bucket counts per exchange {plans}"
+
+
+def _muon_wrapper_run(ctx, case):
     uop, kw = MUON_CASES[case]
     batches = data(ctx, 3)
     runs = {}

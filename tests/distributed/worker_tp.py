@@ -37,7 +37,7 @@ from ckpt_common import ckpt_dir
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
-from muon_oracle import AllGatherMuon, Pair
+from muon_oracle import AllGatherMuon, Pair, small_buckets
 
 import cfsdp
 from cfsdp.optim._muon_mesh import MeshLayout
@@ -257,6 +257,15 @@ def _single_process_muon(ctx, full: dict) -> None:
     if ctx.rank == 0:
         ctx.log(f"against one process: worst |diff|/(atol+rtol*|ref|) = {mm.worst_ref:.3f}")
     mm.raise_if_any()
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def fs_muon_buckets(ctx, layout):
+    """``fs_muon`` (no sequence parallelism) with the exchange cut into one bucket per matrix
+    (bound 1 byte): the blocks of every layout still reassembled and returned bitwise."""
+    with small_buckets(1) as plans:
+        check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), False, make_opt=_muon_pair))
+    assert plans and max(plans) > 1, f"bucket counts per exchange {plans}"
 
 
 def _check_blocks(ctx, model) -> None:

@@ -1,7 +1,9 @@
 """cfsdp.optim.Muon (issue 27 phase 1: whole parameters) against torch.optim.Muon: bit for
 bit over several steps and options, state dicts both ways, the C momentum pass against its
 twin and torch, stacked Newton–Schulz against torch's per-matrix function, 3-D parameters,
-errors (1-D, complex, sparse, sharded), and the owner assignment (``_muon_owners``)."""
+errors (1-D, complex, sparse, sharded), the owner assignment and the exchange's buckets
+(``_muon_owners``), the blocks and bf16 wire of the exchange (``_muon_shard``,
+``_muon_bucket``)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import cfsdp._C as C
 from cfsdp import _core
 from cfsdp._ref import optim as ref
 from cfsdp.optim import _muon
-from cfsdp.optim._muon_owners import assign_owners, ns_cost
+from cfsdp.optim import _muon_bucket
+from cfsdp.optim._muon_owners import assign_owners, ns_cost, plan_buckets
 from cfsdp.optim._muon_mesh import block
-from cfsdp.optim._muon_shard import chunk_sizes, pad_chunk, unpad_cat
+from cfsdp.optim._muon_shard import chunk_blocks, chunk_sizes
 
 _CORE_MOMENTUM = _core.muon_momentum
 NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
@@ -457,21 +460,117 @@ def test_chunk_sizes_are_torch_chunk_padded(size, count):
 
 @pytest.mark.no_core
 @pytest.mark.parametrize("shape, dim", [((9, 7), 0), ((9, 7), 1), ((3, 5, 4), 0), ((3, 5, 4), 2),
-                                        ((2, 3), 0), ((0, 4), 0)])
+                                        ((2, 3), 0), ((0, 4), 0), ((63,), 0)])
 @pytest.mark.parametrize("count", [2, 3, 4])
-def test_pad_then_unpad_reassembles_in_chunk_order(shape, dim, count):
-    """Every rank's torch.chunk piece padded to the largest chunk (zeros past the data: the
-    padding), then cut back and concatenated: the full tensor, bitwise."""
-    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
-    sizes = chunk_sizes(shape[dim], count)
-    c = max(sizes) if sizes else 0
-    pieces = [full.narrow(dim, min(i * c, shape[dim]), k) for i, k in enumerate(sizes)]
-    slots = [pad_chunk(t, dim, c) for t in pieces]
-    for t, s, k in zip(pieces, slots, sizes):
-        assert s.shape[dim] == c and s.is_contiguous()
-        assert torch.equal(s.narrow(dim, 0, k), t)
-        assert not s.narrow(dim, k, c - k).any()
-    assert torch.equal(unpad_cat(slots, sizes, dim), full)
+def test_chunk_blocks_are_torch_chunks_in_rank_order(shape, dim, count):
+    """``chunk_blocks`` of torch.chunk's sizes: each rank's block is its torch.chunk piece
+    (empty past the last), the blocks tile the tensor once; of uneven element ranges (the
+    wrapper's flat shards, a 1-D view) each block is that rank's consecutive range."""
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    splits = [chunk_sizes(shape[dim], count)]
+    if len(shape) == 1:
+        splits.append([shape[0] - 10 * (count - 1)] + [10] * (count - 1))
+    for split in splits:
+        cover = torch.zeros(shape, dtype=torch.int32)
+        blocks = chunk_blocks(shape, dim, split)
+        assert len(blocks) == count
+        start = 0
+        for (starts, sizes), k in zip(blocks, split):
+            region = tuple(slice(a, a + b) for a, b in zip(starts, sizes))
+            assert torch.equal(full[region], full.narrow(dim, start, k))
+            cover[region] += 1
+            start += k
+        assert bool((cover == 1).all())
+    chunks = full.chunk(count, dim)
+    for i, (starts, sizes) in enumerate(chunk_blocks(shape, dim, splits[0])):
+        want = chunks[i] if i < len(chunks) else full.narrow(dim, 0, 0)
+        assert tuple(sizes) == tuple(want.shape)
+
+
+@pytest.mark.no_core
+def test_bucket_plan_bounded_each_matrix_once_deterministic():
+    """``plan_buckets``: every matrix once, in index order, consecutive; each bucket within
+    the bound unless it is one matrix larger than the bound (alone); no empty bucket; the same
+    plan from the same sizes (every rank computes it from the shapes)."""
+    rng = random.Random(3)
+    for _ in range(200):
+        sizes = [rng.choice([0, 1, 7, 64, 100, 1000, 5000]) for _ in range(rng.randint(0, 25))]
+        bound = rng.choice([1, 50, 100, 1000, 4096])
+        plan = plan_buckets(sizes, bound)
+        assert plan == plan_buckets(list(sizes), bound)
+        assert [k for b in plan for k in b] == list(range(len(sizes)))
+        for b in plan:
+            assert b, plan
+            total = sum(sizes[k] for k in b)
+            assert total <= bound or len(b) == 1, (sizes, bound, plan)
+        for b, nxt in zip(plan, plan[1:]):  # a bucket closes only when the next would not fit
+            assert sum(sizes[k] for k in b) + sizes[nxt[0]] > bound
+    assert plan_buckets([3, 10, 2, 2, 1], 4) == [[0], [1], [2, 3], [4]]
+    assert plan_buckets([], 4) == []
+    with pytest.raises(ValueError):
+        plan_buckets([1], 0)
+    with pytest.raises(ValueError):
+        plan_buckets([-1], 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bf16_wire_is_newton_schulz_first_rounding(dtype):
+    """The exchange writes each piece into a bf16 send buffer (``copy_``); torch's
+    Newton–Schulz begins with ``.bfloat16()`` of the whole matrix: the same elementwise
+    rounding, so the owner's reassembled bf16 matrix is torch's operand bit for bit (fp64
+    included: a value between two bf16 whose fp32 rounding is a tie rounds as torch does)."""
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(37, 23, generator=g, dtype=dtype) * torch.rand(37, 23, generator=g,
+                                                                      dtype=dtype) ** 8
+    full[0, :2] = torch.tensor([1 + 2 ** -8 + 2 ** -40, -(1 + 2 ** -8)], dtype=dtype)
+    pieces = full.chunk(3, 1)
+    wire = torch.empty(full.numel(), dtype=torch.bfloat16)
+    off, parts = 0, []
+    for t in pieces:
+        parts.append(wire.narrow(0, off, t.numel()).view(t.shape))
+        parts[-1].copy_(t)
+        off += t.numel()
+    got = torch.cat(parts, 1)
+    assert torch.equal(got.view(torch.int16), full.bfloat16().view(torch.int16))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("bound", [1, 3000, 1 << 30])
+def test_exchange_buckets_one_rank_is_newton_schulz(bound, monkeypatch):
+    """``_muon_bucket.exchange_blocks`` on a one-rank group, its buckets bounded to ``bound``
+    bytes (one matrix each, a few, all in one): every matrix comes back orthogonalized as
+    cfsdp's Muon orthogonalizes it (bf16 wire, stacked), in its own place, bit for bit with
+    torch's per-matrix Newton–Schulz; fp32 and fp64 pieces, 2-D and 3-D."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(_muon_bucket, "BUCKET_BYTES", bound)
+    monkeypatch.delenv(_muon_bucket.BUCKET_ENV, raising=False)
+    shapes = [(8, 8), (24, 6), (8, 8), (3, 6, 5), (6, 24), (40, 30), (8, 8)]
+    g = torch.Generator().manual_seed(11)
+    ups = [torch.randn(s, generator=g, dtype=torch.float64 if k % 3 == 1 else torch.float32)
+           for k, s in enumerate(shapes)]
+    group = {"ns_coefficients": NS[0], "ns_steps": NS[1], "eps": NS[2]}
+    calls = []
+
+    def ortho(fulls):
+        calls.append(len(fulls))
+        assert all(f.dtype == torch.bfloat16 for f in fulls)
+        return _muon.Muon._cf_orthogonalize(fulls, group, gathered=True)
+
+    for dt in (torch.float32, torch.float64):
+        ks = [k for k, u in enumerate(ups) if u.dtype == dt]
+        got = _muon_bucket.exchange_blocks(
+            dist.group.WORLD, 1, 0, [shapes[k] for k in ks], [shapes[k] for k in ks],
+            [[((0,) * len(shapes[k]), shapes[k])] for k in ks], [ups[k] for k in ks], ortho,
+            torch.bfloat16, torch.bfloat16)
+        for k, o in zip(ks, got):
+            want = torch.stack([torch_ns(m, *NS) for m in ups[k].reshape(-1, *shapes[k][-2:])])
+            assert o.shape == ups[k].shape and o.dtype == torch.bfloat16
+            assert torch.equal(o.reshape(want.shape), want)
+    if bound == 1:
+        assert calls == [1] * len(shapes)
+    if bound == 1 << 30:
+        assert len(calls) == 2
 
 
 @pytest.mark.parametrize("bad", [{"ns_steps": 100}, {"ns_coefficients": (3.4, -4.7)}])

@@ -40,8 +40,10 @@ one rank, the others ``Replicate`` (``fully_shard``'s parameters: ``Shard(0)``, 
 way.  The momentum (and Nesterov) update runs on the local shard (elementwise: the shard's bits
 are the whole one's); every such matrix of a param group then goes to its owner rank in the
 shard group, is orthogonalized there once and comes back chunk by chunk
-(``_muon_shard.exchange``: two ``all_to_all_single`` per process group and step, owners from
-``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr.  The
+(``_muon_shard.exchange`` through ``_muon_bucket``: bounded buckets, bf16 on the wire, two
+``all_to_all_single`` per bucket, the next bucket in flight while the owners work; owners from
+``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr as its
+bucket lands.  The
 numbers are those of torch's Muon on the full matrices (the all-gather-everywhere Muon
 of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`` naming the
 parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim, nor TP x
@@ -64,8 +66,7 @@ C pass over the whole local shard (elementwise: padding included, whose gradient
 then each original matrix's range of the update goes to the matrix's owner over the unit's
 process group, which concatenates the ranges in rank order (the row-major matrix), and gets
 its range of the orthogonalized update back (``_muon_shard.exchange`` with element ranges:
-the same two ``all_to_all_single`` per process group and step, every matrix of the group's
-units batched); each range of the shard is updated with torch's weight decay and the full
+the same buckets, every matrix of the group's units in one exchange); each range of the shard is updated with torch's weight decay and the full
 shape's adjusted lr.  Every original parameter of a flat parameter given to Muon must be a
 matrix (torch's ``ValueError`` plus the original's FQN otherwise: a flat parameter is one
 param group).  With ``use_orig_params=True`` each original matrix is stepped the same way on
@@ -563,15 +564,18 @@ class Muon(torch.optim.Muon):
     def _cf_finish(self, pending: list, group: dict) -> None:
         """Newton–Schulz of the pending (local parameter, update, layout, full shape) entries
         (whole ones here, sharded ones through their owners: ``_muon_shard.exchange``), then
-        torch's parameter update."""
+        torch's parameter update (a sharded entry's as soon as its bucket's result lands; each
+        update is dropped from ``pending`` once sent, so the caller's list frees it too)."""
         if not pending:
             return
         lr = _to_scalar(group["lr"])
-        ortho: list = [None] * len(pending)
-        whole = [k for k, e in enumerate(pending) if e[2] is None]
-        if whole:
-            for k, o in zip(whole, self._cf_orthogonalize([pending[k][1] for k in whole], group)):
-                ortho[k] = o
+
+        def update(k: int, o: Tensor) -> None:
+            pl, shape = pending[k][0], pending[k][3]
+            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], shape[-2:])
+            pl.mul_(1 - lr * group["weight_decay"])
+            pl.add_(o if o.shape == pl.shape else o.reshape(pl.shape), alpha=-adjusted_lr)
+
         # (group's ranks, chunk index, dtype) -> pending indices, in order: by ranks, not by
         # group object (a unit's Shard(d > 0) parameters may hold another ProcessGroup object of
         # the same ranks), so that each group's matrices share one owner assignment and exchange
@@ -581,16 +585,20 @@ class Muon(torch.optim.Muon):
                 batches.setdefault((type(lay), lay.ranks, lay.index, upd.dtype), []).append(k)
         for ks in batches.values():
             lay = pending[ks[0]][2]
-            res = exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks],
-                           [pending[k][1] for k in ks],
-                           lambda fulls: self._cf_orthogonalize(fulls, group), torch.bfloat16,
-                           [pending[k][2].sizes for k in ks])
-            for k, o in zip(ks, res):
-                ortho[k] = o
-        for (pl, _, _, shape), o in zip(pending, ortho):
-            adjusted_lr = muon_adjust_lr(lr, group["adjust_lr_fn"], shape[-2:])
-            pl.mul_(1 - lr * group["weight_decay"])
-            pl.add_(o if o.shape == pl.shape else o.reshape(pl.shape), alpha=-adjusted_lr)
+            ups = [pending[k][1] for k in ks]
+            for k in ks:  # the exchange drops each update once it is sent
+                pending[k] = pending[k][:1] + (None,) + pending[k][2:]
+            # bf16 on the wire: Newton–Schulz's first op rounds to bf16 (exact either way); the
+            # gathered matrices are the exchange's own, so bf16 ones stack too
+            exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks], ups,
+                     lambda fulls: self._cf_orthogonalize(fulls, group, gathered=True),
+                     torch.bfloat16, [pending[k][2].sizes for k in ks], torch.bfloat16,
+                     lambda i, o, ks=ks: update(ks[i], o))
+            del ups
+        whole = [k for k, e in enumerate(pending) if e[2] is None]
+        if whole:
+            for k, o in zip(whole, self._cf_orthogonalize([pending[k][1] for k in whole], group)):
+                update(k, o)
 
     @staticmethod
     def _cf_momentum(g: Tensor, buf: Tensor, momentum, nesterov: bool) -> Tensor:
@@ -605,25 +613,35 @@ class Muon(torch.optim.Muon):
         return _core.muon_momentum_tensor(g, buf, momentum=momentum, nesterov=nesterov)
 
     @staticmethod
-    def _cf_orthogonalize(updates: list, group: dict) -> list:
+    def _cf_orthogonalize(updates: list, group: dict, gathered: bool = False) -> list:
         """Newton–Schulz of every update ([Note: stacked Newton-Schulz]): one list entry per
-        update, a bf16 tensor of the update's matrices (``[-1, m, n]`` or ``[m, n]``)."""
+        update, a bf16 tensor of the update's matrices (``[-1, m, n]`` or ``[m, n]``).
+        ``gathered``: the updates are the exchange's own bf16 copies (nothing normalized in
+        place is anyone's), so bf16 ones stack as the others, and the list's entries are
+        dropped once stacked (the exchange holds no other reference: one copy at a time)."""
         hp = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         out: list = [None] * len(updates)
         stacks: dict = {}
         for k, u in enumerate(updates):
-            if u.device.type == "cpu" and u.dtype != torch.bfloat16:
+            if u.device.type == "cpu" and (gathered or u.dtype != torch.bfloat16):
                 stacks.setdefault((tuple(u.shape[-2:]), u.dtype), []).append(k)
             else:  # alone, matrix by matrix (a bf16 one, as torch's, normalized in place)
                 out[k] = (_newton_schulz(u, *hp) if u.ndim == 2 else
                           torch.stack([_newton_schulz(t, *hp) for t in _matrices(u)]))
+        u = None  # noqa: F841 - no reference past the list's (``gathered`` drops them)
         for ks in stacks.values():
             mats = [_matrices(updates[k]) for k in ks]
             counts = [t.shape[0] for t in mats]
             if sum(counts) == 1:
                 out[ks[0]] = _newton_schulz(mats[0][0], *hp)
                 continue
-            res = _newton_schulz(torch.cat(mats) if len(mats) > 1 else mats[0], *hp)
+            stacked = torch.cat(mats) if len(mats) > 1 else mats[0]
+            del mats
+            if gathered:
+                for k in ks:
+                    updates[k] = None
+            res = _newton_schulz(stacked, *hp)
+            del stacked
             for k, part in zip(ks, res.split(counts)):
                 out[k] = part
         return out

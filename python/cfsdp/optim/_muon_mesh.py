@@ -7,18 +7,18 @@ placements ``(Shard(0), Shard(1))`` (rowwise), or, when both shard dim 0 (colwis
 it second.  Either way each rank holds one rectangular block of the matrix, found by applying
 torch.chunk per mesh dim in the order the shardings were applied (``block``).  ``exchange``
 (the two-dim form of ``_muon_shard.exchange``): every rank computes every rank's block of every
-matrix from the full shape and placements (no padding: the sizes are known exactly), one
-``all_to_all_single`` over the mesh's ranks sends each block to the matrix's owner
-(``assign_owners`` over the flattened ``dp x tp`` ranks), the owner writes the blocks into the
-full matrix, orthogonalizes its matrices, and one ``all_to_all_single`` sends each rank its
-block of the results.  The process group is the world's (the mesh must span every rank: the
-mesh's own groups are one per dim).  Pure torch.
+matrix from the full shape and placements, and ``_muon_bucket.exchange_blocks`` (shared with
+``_muon_shard``) sends each block to the matrix's owner (``assign_owners`` over the flattened
+``dp x tp`` ranks) in bounded buckets, bf16 on the wire, one ``all_to_all_single`` over the
+mesh's ranks each way per bucket; the owner writes the blocks into the full matrix,
+orthogonalizes its matrices, and sends each rank its block of the results.  The process group
+is the world's (the mesh must span every rank: the mesh's own groups are one per dim).  Pure
+torch.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._muon_owners import assign_owners
+from ._muon_bucket import exchange_blocks
 
 __all__ = ["Blocks", "MeshLayout", "block", "exchange", "mesh_layout"]
 
@@ -101,58 +101,15 @@ def exchange(
     layout: MeshLayout,
     shapes: Sequence[Sequence[int]],
     blocks: Sequence[Blocks],
-    chunks: Sequence[Tensor],
+    chunks: list,
     orthogonalize: Callable[[list], list],
     out_dtype: torch.dtype,
-) -> list[Tensor]:
+    wire_dtype: Optional[torch.dtype] = None,
+    on_result: Optional[Callable[[int, Tensor], None]] = None,
+) -> list[Optional[Tensor]]:
     """This rank's block of ``orthogonalize``'s result for every matrix (see the module
     docstring); ``_muon_shard.exchange``'s contract with ``blocks[k]`` (every rank's block of
     matrix ``k``) for its ``dims``."""
-    n, me, pg = layout.count, layout.index, layout.group
-    owners = assign_owners(shapes, n)
-    for k, (s, b, t) in enumerate(zip(shapes, blocks, chunks)):
-        if tuple(t.shape) != b.of_rank[me][1]:
-            raise AssertionError(f"matrix {k} of shape {tuple(s)}: local block {tuple(t.shape)} "
-                                 f"on rank {me}, expected {b.of_rank[me][1]}")
-    numel = [[math.prod(sz) for _, sz in b.of_rank] for b in blocks]  # [matrix][rank]
-    dtype = chunks[0].dtype if chunks else torch.float32
-    device = chunks[0].device if chunks else torch.device("cpu")
-    by_owner = [[k for k in range(len(shapes)) if owners[k] == r] for r in range(n)]
-    mine = by_owner[me]
-
-    def a2a(pieces, send_splits, recv_splits, dt):
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dt, device=device)
-        recv = torch.empty(sum(recv_splits), dtype=dt, device=device)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
-        return recv
-
-    def region(k, r):
-        starts, sizes = blocks[k].of_rank[r]
-        return tuple(slice(a, a + b) for a, b in zip(starts, sizes))
-
-    # 1. blocks to their owners
-    recv = a2a([chunks[k].reshape(-1) for r in range(n) for k in by_owner[r]],
-               [sum(numel[k][me] for k in by_owner[r]) for r in range(n)],
-               [sum(numel[k][r] for k in mine) for r in range(n)], dtype)
-    # 2. the owner writes the blocks into its full matrices and orthogonalizes them
-    fulls = [torch.empty(shapes[k], dtype=dtype, device=device) for k in mine]
-    off = 0
-    for r in range(n):
-        for full, k in zip(fulls, mine):
-            full[region(k, r)] = recv.narrow(0, off, numel[k][r]).view(blocks[k].of_rank[r][1])
-            off += numel[k][r]
-    results = [o.reshape(shapes[k]) for k, o in zip(mine, orthogonalize(fulls))] if fulls else []
-    for res in results:
-        if res.dtype != out_dtype:
-            raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
-    # 3. each rank's block of every result back
-    recv = a2a([res[region(k, r)].reshape(-1) for r in range(n) for k, res in zip(mine, results)],
-               [sum(numel[k][r] for k in mine) for r in range(n)],
-               [sum(numel[k][me] for k in by_owner[r]) for r in range(n)], out_dtype)
-    out: list = [None] * len(shapes)
-    off = 0
-    for r in range(n):
-        for k in by_owner[r]:
-            out[k] = recv.narrow(0, off, numel[k][me]).view(blocks[k].of_rank[me][1])
-            off += numel[k][me]
-    return out
+    return exchange_blocks(layout.group, layout.count, layout.index, shapes, shapes,
+                           [b.of_rank for b in blocks], chunks, orthogonalize, out_dtype,
+                           wire_dtype, on_result)

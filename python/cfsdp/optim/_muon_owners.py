@@ -12,8 +12,13 @@ The rule is greedy "longest processing time first": matrices by cost, largest fi
 lower index first), each to the rank with the least load so far (ties: lower rank).  It is
 deterministic (every rank computes the same owners from the same shapes, no communication)
 and its maximum load is at most ``total / world_size + largest`` (the rank a matrix goes to
-had the least load, at most the mean of what was placed before it).  Pure Python: no torch,
-no C.
+had the least load, at most the mean of what was placed before it).
+
+``plan_buckets`` cuts the matrices, in index order, into the buckets the exchange moves one at
+a time (``_muon_bucket``): consecutive matrices while their bytes sum to at most the bound, a
+matrix larger than the bound alone.  Like the owners, it is computed from what every rank of a
+group knows identically (the shapes), so every rank makes the same collectives.  Pure Python:
+no torch, no C.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import heapq
 from math import prod
 from typing import Sequence
 
-__all__ = ["assign_owners", "ns_cost"]
+__all__ = ["assign_owners", "ns_cost", "plan_buckets"]
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -48,3 +53,23 @@ def assign_owners(shapes: Sequence[Sequence[int]], world_size: int) -> list[int]
         owners[i] = r
         heapq.heappush(heap, (load + costs[i], r))
     return owners
+
+
+def plan_buckets(nbytes: Sequence[int], bound: int) -> list[list[int]]:
+    """The matrices' indices cut into buckets, in order: each bucket consecutive matrices whose
+    ``nbytes`` sum to at most ``bound`` (``>= 1``), a matrix of more than ``bound`` bytes alone;
+    every index exactly once, no empty bucket."""
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+        raise ValueError(f"bound must be an int >= 1, got {bound!r}")
+    buckets: list[list[int]] = []
+    size = 0
+    for k, b in enumerate(nbytes):
+        b = int(b)
+        if b < 0:
+            raise ValueError(f"matrix {k}: bytes must be >= 0, got {b}")
+        if not buckets or size + b > bound:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(k)
+        size += b
+    return buckets

@@ -8,25 +8,22 @@ the shard group holds ``torch.chunk(full, n, d)[i]`` (empty past the last chunk)
 momentum is elementwise (done on the local shard by the caller); its Newton–Schulz needs the
 whole matrix.  ``exchange`` does, per process group and dtype, for every matrix of a step:
 
-1. ``assign_owners`` (``_muon_owners``) over the shard group's size: every rank computes the same
-   owners from the full shapes, no communication;
-2. one ``all_to_all_single``: each rank sends its chunk of every matrix to the matrix's owner,
-   the chunk padded along ``d`` to the largest chunk (``ceil(size / n)``: torch.chunk's chunk
-   size) so that every slot of a matrix has one size every rank knows; the owner drops the
-   padding and concatenates the chunks in torch.chunk order along ``d``: the full matrix;
-3. the owner orthogonalizes its matrices in one call (the caller's function: same-shape ones
-   stacked, [Note: stacked Newton-Schulz] in ``_muon``), so each matrix's Newton–Schulz runs on
-   exactly one rank of its shard group (HSDP: once per replica group);
-4. one ``all_to_all_single`` back: the owner sends rank ``i`` chunk ``i`` of each result
-   (padded the same way); each rank gets its chunk of every matrix's update.
+each rank's chunk is a block of the matrix (``torch.chunk``'s offset and size along ``d``,
+the whole extent along the others), every rank knows every rank's block from the full shape,
+and ``_muon_bucket.exchange_blocks`` moves the blocks: owners from ``assign_owners``
+(``_muon_owners``), bounded buckets, per bucket one ``all_to_all_single`` sending each rank's
+block of every matrix to the matrix's owner in bf16 (Newton–Schulz's first op is
+``.bfloat16()``), the owner writing the blocks into the full matrix and orthogonalizing its
+matrices in one call (the caller's function: same-shape ones stacked, [Note: stacked
+Newton-Schulz] in ``_muon``), so each matrix's Newton–Schulz runs on exactly one rank of its
+shard group (HSDP: once per replica group), and one ``all_to_all_single`` back with each rank's
+block of the results; the next bucket in flight while the owners work on this one.
 
 The FullyShardedDataParallel wrapper's matrices take the same path with element ranges
 (``Layout.sizes``, ``exchange``'s ``sizes``): rank ``i`` holds ``sizes[i]`` consecutive elements
-of the row-major flattened matrix (its range of the flat shard), the ranges in rank order, so
-the same padding to the largest range and concatenation (of the 1-D ranges) reassemble it.
-
-Slots are ordered by matrix index within a destination, destinations by rank (what
-``all_to_all_single``'s splits want).  Both collectives move about one all-gather's bytes.
+of the row-major flattened matrix (its range of the flat shard), the ranges in rank order: a
+block of the flattened ``[numel]`` matrix.  Both collectives of a bucket move about one
+all-gather's bytes of its matrices (in bf16 forward: half of fp32's).
 Pure torch (``torch.distributed``; no C), layouts checked by ``shard_layout``.
 """
 
@@ -41,9 +38,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _muon_mesh
-from ._muon_owners import assign_owners
+from ._muon_bucket import exchange_blocks
 
-__all__ = ["Layout", "chunk_sizes", "exchange", "pad_chunk", "shard_layout", "unpad_cat"]
+__all__ = ["Layout", "chunk_blocks", "chunk_sizes", "exchange", "shard_layout"]
 
 
 class Layout(NamedTuple):
@@ -100,18 +97,16 @@ def chunk_sizes(size: int, count: int) -> list[int]:
     return [max(0, min(c, size - i * c)) for i in range(count)]
 
 
-def pad_chunk(t: Tensor, dim: int, padded: int) -> Tensor:
-    """``t`` (a chunk) zero-padded along ``dim`` to ``padded``, contiguous (a new tensor)."""
-    shape = list(t.shape)
-    shape[dim] = padded
-    out = t.new_zeros(shape)
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+def chunk_blocks(shape: Sequence[int], dim: int, split: Sequence[int]) -> list[tuple]:
+    """Every rank's ``(starts, sizes)`` block of a tensor of ``shape`` cut along ``dim`` into
+    consecutive pieces of ``split`` (rank order): the whole extent along the other dims."""
+    out, start = [], 0
+    for c in split:
+        starts, sizes = [0] * len(shape), list(shape)
+        starts[dim], sizes[dim] = start, c
+        out.append((tuple(starts), tuple(sizes)))
+        start += c
     return out
-
-
-def unpad_cat(slots: Sequence[Tensor], sizes: Sequence[int], dim: int) -> Tensor:
-    """The full tensor from its padded chunks (``slots[i]`` holds ``sizes[i]`` of ``dim``)."""
-    return torch.cat([s.narrow(dim, 0, k) for s, k in zip(slots, sizes)], dim=dim)
 
 
 def _view_shape(shape: Sequence[int], sizes: Optional[Sequence[int]]) -> list[int]:
@@ -124,17 +119,22 @@ def exchange(
     layout: Layout,
     shapes: Sequence[Sequence[int]],
     dims: Sequence[int],
-    chunks: Sequence[Tensor],
+    chunks: list,
     orthogonalize: Callable[[list], list],
     out_dtype: torch.dtype,
     sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
-) -> list[Tensor]:
+    wire_dtype: Optional[torch.dtype] = None,
+    on_result: Optional[Callable[[int, Tensor], None]] = None,
+) -> list[Optional[Tensor]]:
     """This rank's chunk of ``orthogonalize``'s result for every matrix (see the module
     docstring).  ``chunks[k]`` is this rank's chunk along ``dims[k]`` of matrix ``k`` (full
     shape ``shapes[k]``; all over ``layout``'s group, chunk ``layout.index`` of
-    ``layout.count``, one dtype); ``orthogonalize`` takes a list of full tensors and
-    returns one tensor per input, each reshapeable to the input's shape, of ``out_dtype``
-    (given: a rank that owns no matrix sends and receives it too).
+    ``layout.count``, one dtype); they travel as ``wire_dtype`` (default: the chunks' dtype),
+    so ``orthogonalize`` must start by rounding to it (Muon's Newton–Schulz: bf16); it takes a
+    list of full tensors of ``wire_dtype`` (its own to overwrite) and returns one tensor per
+    input, each reshapeable to the input's shape, of ``out_dtype`` (given: a rank that owns no
+    matrix sends and receives it too).  ``chunks`` (a list) is emptied as it is sent and
+    ``on_result`` takes each result as it lands (``_muon_bucket.exchange_blocks``).
     ``sizes[k]``, when given and not None, makes matrix ``k``'s chunks element ranges (the
     wrapper's flat shards): rank ``r`` holds ``sizes[k][r]`` consecutive elements of the
     row-major flattened matrix, the ranges in rank order (``chunks[k]`` 1-D, ``dims[k]`` 0).
@@ -142,62 +142,17 @@ def exchange(
     sharded over two mesh dims (``_muon_mesh.MeshLayout``, ``dims`` its ``Blocks``):
     ``_muon_mesh``'s."""
     if isinstance(layout, _muon_mesh.MeshLayout):
-        return _muon_mesh.exchange(layout, shapes, dims, chunks, orthogonalize, out_dtype)
-    n, me, pg = layout.count, layout.index, layout.group
-    owners = assign_owners(shapes, n)
+        return _muon_mesh.exchange(layout, shapes, dims, chunks, orthogonalize, out_dtype,
+                                   wire_dtype, on_result)
+    n, me = layout.count, layout.index
     sizes = list(sizes) if sizes is not None else [None] * len(shapes)
     vshapes = [_view_shape(s, z) for s, z in zip(shapes, sizes)]
-    split = [chunk_sizes(v[d], n) if z is None else [int(x) for x in z]
-             for v, d, z in zip(vshapes, dims, sizes)]
-    for k, (v, d, t) in enumerate(zip(vshapes, dims, chunks)):
-        want = list(v)
-        want[d] = split[k][me]
-        if len(split[k]) != n or sum(split[k]) != v[d] or list(t.shape) != want:
-            raise AssertionError(f"matrix {k} of shape {tuple(shapes[k])}: local chunk "
-                                 f"{tuple(t.shape)} on chunk {me} of {n} along dim {d} of "
-                                 f"{tuple(v)} split {split[k]}, expected {tuple(want)}")
-    slots = []
-    for v, d, ss in zip(vshapes, dims, split):
-        slot = list(v)
-        slot[d] = max(ss) if ss else 0
-        slots.append(slot)
-    starts = [[sum(ss[:r]) for r in range(n)] for ss in split]
-    numel = [math.prod(s) for s in slots]
-    dtype = chunks[0].dtype if chunks else torch.float32
-    device = chunks[0].device if chunks else torch.device("cpu")
-    by_owner = [[k for k in range(len(shapes)) if owners[k] == r] for r in range(n)]
-    per_owner = [sum(numel[k] for k in ks) for ks in by_owner]  # slots' numel per owner
-    mine, mine_numel = by_owner[me], per_owner[me]
-    # 1. chunks to their owners
-    send = [pad_chunk(chunks[k], dims[k], slots[k][dims[k]]).view(-1)
-            for r in range(n) for k in by_owner[r]]
-    send_t = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
-    recv_t = torch.empty(mine_numel * n, dtype=dtype, device=device)
-    dist.all_to_all_single(recv_t, send_t, [mine_numel] * n, per_owner, group=pg)
-    # 2. the owner reassembles and orthogonalizes its matrices (rank r's slots at r * mine_numel)
-    fulls, off = [], 0
-    for k in mine:
-        fulls.append(unpad_cat([recv_t.narrow(0, r * mine_numel + off, numel[k]).view(slots[k])
-                                for r in range(n)], split[k], dims[k]).view(shapes[k]))
-        off += numel[k]
-    results = [o.reshape(vshapes[k]) for k, o in zip(mine, orthogonalize(fulls))] if fulls else []
-    # 3. each rank's chunk of every result back
-    send = []
-    for r in range(n):
-        for k, res in zip(mine, results):
-            if res.dtype != out_dtype:
-                raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
-            d = dims[k]
-            part = res.narrow(d, starts[k][r], split[k][r])
-            send.append(pad_chunk(part, d, slots[k][d]).view(-1))
-    send_t = torch.cat(send) if send else torch.empty(0, dtype=out_dtype, device=device)
-    recv_t = torch.empty(sum(per_owner), dtype=out_dtype, device=device)
-    dist.all_to_all_single(recv_t, send_t, per_owner, [mine_numel] * n, group=pg)
-    # 4. this rank's chunk of each matrix, padding dropped
-    out: list = [None] * len(shapes)
-    off = 0
-    for r in range(n):
-        for k in by_owner[r]:
-            out[k] = recv_t.narrow(0, off, numel[k]).view(slots[k]).narrow(dims[k], 0, split[k][me])
-            off += numel[k]
-    return out
+    blocks = []
+    for k, (v, d, z) in enumerate(zip(vshapes, dims, sizes)):
+        split = chunk_sizes(v[d], n) if z is None else [int(x) for x in z]
+        if len(split) != n or sum(split) != v[d]:
+            raise AssertionError(f"matrix {k} of shape {tuple(shapes[k])}: split {split} of dim "
+                                 f"{d} of {tuple(v)} over {n} ranks")
+        blocks.append(chunk_blocks(v, d, split))
+    return exchange_blocks(layout.group, n, me, shapes, vshapes, blocks, chunks, orthogonalize,
+                           out_dtype, wire_dtype, on_result)

@@ -13,7 +13,8 @@ bf16 ulps of an update; measured at 2 ranks: the parameters bitwise on these cas
 (ndim >= 2) go to Muon, the rest (biases, norms, the 1-element scale) to a torch AdamW on the
 same model (the usual pairing). A spy counts the matrices each rank orthogonalizes: per step,
 each matrix exactly once in its shard group, on the owner ``assign_owners`` names, all of
-them in one exchange (one pair of all_to_all_single) per step.
+them in one exchange per step (``muon_buckets``: that exchange cut into several buckets, one
+pair of all_to_all_single each, still bitwise).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import parity_common as pc
 from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
 from fully_shard.checkpoint import clone_tree, dcp_load, dcp_save, shared_tmpdir
 from fully_shard.common import WORLD, largest_dim, raised
-from muon_oracle import AllGatherMuon, Pair, spy_muon
+from muon_oracle import AllGatherMuon, Pair, small_buckets, spy_muon
 
 import cfsdp
 from cfsdp.optim._muon_owners import assign_owners
@@ -174,6 +175,18 @@ def muon_parity(ctx, case: str):
     """3 steps of cfsdp.optim.Muon (+ AdamW) on cfsdp.fully_shard against the all-gather Muon
     on torch's fully_shard: bitwise; each matrix orthogonalized once, by its owner."""
     _muon_run(ctx, case, mesh_1d(ctx))
+
+
+@h.subtest(grid={"bound": [1, 1000]})
+def muon_buckets(ctx, bound: int):
+    """The exchange in buckets of at most ``bound`` bytes (1: every matrix alone; 1000: a few
+    small matrices together, the larger alone), bf16 on the wire, the next bucket in flight
+    while the owners work: still bitwise the oracle, each matrix once, by its owner (Shard(0)
+    and Shard(1) matrices, stacked experts)."""
+    with small_buckets(bound) as plans:
+        for case in ("lm_largest_dim", "experts_shard0"):
+            _muon_run(ctx, case, mesh_1d(ctx))
+    assert plans and max(plans) > 1, f"bucket counts per exchange {plans}"
 
 
 MUON_SD = dict(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False)

@@ -1,0 +1,203 @@
+"""``cfsdp.optim.Muon``'s exchange of sharded matrices with their owners, in bounded buckets.
+
+Both sharded layouts (``_muon_shard``: ``torch.chunk`` along one dim, or the wrapper's element
+ranges; ``_muon_mesh``: TP x FSDP's blocks) come here as blocks: rank ``r`` of the group holds
+the rectangular block ``blocks[k].of_rank[r] = (starts, sizes)`` of matrix ``k``'s view shape
+(its shape, or ``[numel]`` for element ranges), and every rank knows every rank's block from the
+shapes and placements.  ``exchange_blocks``:
+
+1. owners from ``assign_owners`` over the full shapes, buckets from ``plan_buckets`` over the
+   matrices' bytes on the wire (``bucket_bytes()``: ``BUCKET_BYTES``, or the
+   ``CFSDP_MUON_BUCKET_BYTES`` environment variable; the same on every rank), both computed
+   from what every rank of the group knows identically, so every rank makes the same sequence
+   of collectives;
+2. per bucket, one ``all_to_all_single`` to the owners: each rank writes its block of every
+   matrix of the bucket straight into its slot of one send buffer of the wire dtype (bf16:
+   Newton–Schulz's first op is ``.bfloat16()``, an elementwise rounding, and ``copy_`` into a
+   bf16 buffer is the same conversion, fp64 included; no padding: every rank knows every
+   block's size), ordered by destination rank, then by matrix index; the owner receives into
+   one buffer and writes the blocks into its full matrices;
+3. the owner orthogonalizes the bucket's matrices in one call (same-shape ones stacked:
+   [Note: stacked Newton-Schulz] in ``_muon``), writes each rank's block of each result into
+   one send buffer, and one ``all_to_all_single`` brings every rank its block of the results;
+4. pipelined: bucket ``b + 1``'s forward exchange is issued (``async_op=True``) before the
+   owners orthogonalize bucket ``b``, and bucket ``b``'s return is in flight while bucket
+   ``b + 1`` is orthogonalized; every return is waited for before this returns (before the
+   caller updates the parameters).
+
+A rank holds at a time about two buckets' send and receive buffers, one bucket's full matrices
+and Newton–Schulz operands, and its own blocks of the results (what the parameter update needs),
+instead of every matrix of the group.  Pure torch (``torch.distributed``; no C).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._muon_owners import assign_owners, plan_buckets
+
+__all__ = ["BUCKET_BYTES", "BUCKET_ENV", "bucket_bytes", "exchange_blocks"]
+
+# a bucket's bound in bytes on the wire (the sum of its full matrices'); a matrix larger than the
+# bound goes alone
+BUCKET_BYTES = 1 << 20
+BUCKET_ENV = "CFSDP_MUON_BUCKET_BYTES"
+
+
+def bucket_bytes() -> int:
+    """The bucket bound: ``CFSDP_MUON_BUCKET_BYTES`` when set, else ``BUCKET_BYTES``; it must be
+    the same on every rank of a group (the buckets decide the collectives)."""
+    raw = os.environ.get(BUCKET_ENV, "").strip()
+    if not raw:
+        return int(BUCKET_BYTES)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ValueError(f"{BUCKET_ENV}={raw!r}: expected a positive integer (bytes)")
+    return value
+
+
+def _region(block: tuple) -> tuple:
+    starts, sizes = block
+    return tuple(slice(a, a + b) for a, b in zip(starts, sizes))
+
+
+def exchange_blocks(
+    pg,
+    count: int,
+    index: int,
+    shapes: Sequence[Sequence[int]],
+    views: Sequence[Sequence[int]],
+    blocks: Sequence[Sequence[tuple]],
+    chunks: list,
+    orthogonalize: Callable[[list], list],
+    out_dtype: torch.dtype,
+    wire_dtype: Optional[torch.dtype] = None,
+    on_result: Optional[Callable[[int, Tensor], None]] = None,
+) -> list[Optional[Tensor]]:
+    """This rank's block of ``orthogonalize``'s result for every matrix (see the module
+    docstring).  Over process group ``pg`` (``count`` ranks, this one ``index``): matrix ``k``
+    of shape ``shapes[k]`` is split in view shape ``views[k]`` (same numel), rank ``r`` holding
+    block ``blocks[k][r] = (starts, sizes)`` of it; ``chunks[k]`` is this rank's block (any
+    dtype: it travels as ``wire_dtype``, default the chunks' own); each entry of the list
+    ``chunks`` is set to None once it is in a send buffer, so that a caller holding no other
+    reference frees it bucket by bucket.  ``orthogonalize`` takes a list of full tensors of
+    ``wire_dtype`` (its own to overwrite) and returns one ``out_dtype`` tensor per input,
+    reshapeable to the input's shape (it may drop the list's entries as it consumes them).
+    Every rank of ``pg`` calls this with the same shapes,
+    views and blocks.  Returns this rank's block of every result (``out_dtype``, shaped as its
+    block); with ``on_result``, ``on_result(k, block)`` gets each as soon as its bucket's return
+    has landed (bucket by bucket, its receive buffer then freed) and the list holds None."""
+    n, me = count, index
+    for k, (s, b, t) in enumerate(zip(shapes, blocks, chunks)):
+        if tuple(t.shape) != tuple(b[me][1]):
+            raise AssertionError(f"matrix {k} of shape {tuple(s)}: local block {tuple(t.shape)} "
+                                 f"on rank {me} of {n}, expected {tuple(b[me][1])}")
+    numel = [[math.prod(sz) for _, sz in b] for b in blocks]  # [matrix][rank]
+    if wire_dtype is None:
+        wire_dtype = chunks[0].dtype if chunks else out_dtype
+    owners = assign_owners(shapes, n)
+    item = torch.empty(0, dtype=wire_dtype).element_size()
+    buckets = plan_buckets([math.prod(s) * item for s in shapes], bucket_bytes())
+    device = chunks[0].device if chunks else torch.device("cpu")
+
+    def a2a(send: Tensor, send_splits: list, recv_splits: list, dtype: torch.dtype):
+        recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg,
+                                      async_op=True)
+        return work, send, recv
+
+    def forward(ks: list):
+        """Post the bucket's blocks to their owners: (work, send, recv)."""
+        dest = [[k for k in ks if owners[k] == r] for r in range(n)]
+        splits = [sum(numel[k][me] for k in d) for d in dest]
+        send = torch.empty(sum(splits), dtype=wire_dtype, device=device)
+        off = 0
+        for d in dest:
+            for k in d:
+                send.narrow(0, off, numel[k][me]).view(blocks[k][me][1]).copy_(chunks[k])
+                chunks[k] = None
+                off += numel[k][me]
+        mine = dest[me]
+        return a2a(send, splits, [sum(numel[k][r] for k in mine) for r in range(n)], wire_dtype)
+
+    def assembled(ks: list, recv: Tensor) -> tuple:
+        """The owner's full matrices of the bucket (rank r's blocks in ``recv`` after rank
+        r - 1's, each rank's in matrix order): (matrix indices, full matrices)."""
+        mine = [k for k in ks if owners[k] == me]
+        fulls = [torch.empty(views[k], dtype=wire_dtype, device=device) for k in mine]
+        off = 0
+        for r in range(n):
+            for full, k in zip(fulls, mine):
+                full[_region(blocks[k][r])] = recv.narrow(0, off, numel[k][r]).view(
+                    blocks[k][r][1])
+                off += numel[k][r]
+        return mine, [f.view(shapes[k]) for f, k in zip(fulls, mine)]
+
+    def orthogonalized(mine: list, fulls: list) -> list:
+        """``orthogonalize``'s results, checked, in view shape (``fulls`` handed over)."""
+        if not fulls:
+            return []
+        results = orthogonalize(fulls)
+        out = []
+        for k, res in zip(mine, results):
+            if res.dtype != out_dtype:
+                raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
+            out.append(res.reshape(views[k]))
+        return out
+
+    def back(ks: list, mine: list, results: list):
+        """Post each rank its block of the owner's results: (work, send, recv)."""
+        splits = [sum(numel[k][r] for k in mine) for r in range(n)]
+        send = torch.empty(sum(splits), dtype=out_dtype, device=device)
+        off = 0
+        for r in range(n):
+            for k, res in zip(mine, results):
+                send.narrow(0, off, numel[k][r]).view(blocks[k][r][1]).copy_(
+                    res[_region(blocks[k][r])])
+                off += numel[k][r]
+        recv_splits = [sum(numel[k][me] for k in ks if owners[k] == r) for r in range(n)]
+        return a2a(send, splits, recv_splits, out_dtype)
+
+    out: list = [None] * len(shapes)
+
+    def landed(ks: list, work, recv: Tensor) -> None:
+        """Wait for a bucket's return; its blocks to ``out`` or ``on_result``."""
+        work.wait()
+        off = 0
+        for r in range(n):
+            for k in ks:
+                if owners[k] == r:
+                    piece = recv.narrow(0, off, numel[k][me]).view(blocks[k][me][1])
+                    if on_result is None:
+                        out[k] = piece
+                    else:
+                        on_result(k, piece)
+                    off += numel[k][me]
+
+    ahead = forward(buckets[0]) if buckets else None
+    returning = None  # the previous bucket's return in flight: (bucket, work, send, recv)
+    for b, ks in enumerate(buckets):
+        work, send, recv = ahead
+        ahead = forward(buckets[b + 1]) if b + 1 < len(buckets) else None
+        work.wait()
+        mine, fulls = assembled(ks, recv)
+        del work, send, recv  # before Newton–Schulz: the owner holds the bucket once
+        results = orthogonalized(mine, fulls)
+        del fulls
+        now = (ks,) + back(ks, mine, results)
+        del results
+        if returning is not None:  # in flight while this bucket was orthogonalized
+            landed(returning[0], returning[1], returning[3])
+        returning = now
+    if returning is not None:
+        landed(returning[0], returning[1], returning[3])
+    return out
