@@ -397,10 +397,22 @@ def _save_orig_unit(unit: UnitView, fqns: list[str], idxs: list[int], states: li
     have = set(idxs)
     for idx, info in enumerate(unit.infos):
         if idx not in have and info.param.requires_grad:
+            # torch's FSDP1 refuses it too (its message first), with the unit's names as
+            # the model names them (the unit's own names behind the prefix of fqns[0])
+            rel = unit.infos[idxs[0]].fqn
+            prefix = fqns[0][: len(fqns[0]) - len(rel)] if fqns[0].endswith(rel) else ""
+            unit_fqns = sorted(prefix + x.fqn for x in unit.infos)
             raise RuntimeError(
-                f"FullyShardedDataParallel.{what}: parameter {info.fqn!r} of the unit holding "
-                f"{fqns[0]!r} is trainable but has no optimizer state on any rank, while other "
-                "parameters of the unit have one; step the optimizer on all of them first."
+                f"{prefix + info.fqn} is not in the optimizer state. The FSDPParamInfo has the "
+                f"param keys {unit_fqns} while the optimizer has the param keys "
+                f"{sorted(fqns)}. (cfsdp: FullyShardedDataParallel.{what}: parameter "
+                f"{prefix + info.fqn!r} of the unit holding {fqns[0]!r} is trainable but has "
+                "no optimizer state on any rank, while other parameters of the unit have one. "
+                "Every trainable parameter of a sharded unit needs its state in the optimizer "
+                "given: step the optimizer on all of them first; with one optimizer per kind "
+                "of parameter (Muon + AdamW), wrap so that each unit's trainable parameters go "
+                "to one optimizer, e.g. an auto_wrap_policy putting the modules holding the "
+                "matrices in units of their own, and give the others' units to AdamW.)"
             )
     lay = unit.layout
     pos = {i: j for j, i in enumerate(idxs)}

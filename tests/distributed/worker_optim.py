@@ -391,6 +391,39 @@ def _single_process_muon(ctx, model, uop: bool, by_unit: bool, kw: dict) -> None
 
 
 @h.subtest
+def optim_state_dict_split_unit(ctx):
+    """``FSDP.optim_state_dict`` of an optimizer holding only some of a sharded unit's trainable
+    parameters (use_orig_params=True, Muon on the matrices, AdamW on the rest, the root unit
+    holding both kinds): torch's FSDP1 refuses it; cfsdp too, with torch's message first, then
+    the parameter and what to do."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    msgs = {}
+    for name, wrapper in (("torch", TorchFSDP), ("cfsdp", CFSDP)):
+        torch.manual_seed(0)
+        model = wrapper(MuonNet(), process_group=ctx.pg, use_orig_params=True,
+                        device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({MatBlock}))
+        names = {p: n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
+        weights = [p for p in model.parameters() if names[p].endswith("weight")]
+        opt = torch.optim.SGD(weights, lr=0.1, momentum=0.9)
+        x, y = data(ctx, 1)[0]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        try:
+            wrapper.optim_state_dict(model, opt)
+        except RuntimeError as e:
+            msgs[name] = str(e)
+        else:
+            raise AssertionError(f"{name}: optim_state_dict took an optimizer without 'emb.bias'")
+    head = msgs["torch"].split(" while the optimizer")[0]
+    assert head.startswith("emb.bias is not in the optimizer state. The FSDPParamInfo has the "
+                           "param keys"), msgs["torch"]
+    assert msgs["cfsdp"].startswith(head), f"cfsdp: {msgs['cfsdp']!r}\ntorch: {msgs['torch']!r}"
+    for want in ("parameter 'emb.bias'", "auto_wrap_policy"):
+        assert want in msgs["cfsdp"], f"{want!r} not in {msgs['cfsdp']!r}"
+
+
+@h.subtest
 def muon_wrapper_cleared(ctx):
     """use_orig_params=True, matrices whose gradients were cleared: the ranks agree whether each
     matrix is stepped, whichever hold it (a rank with no element of a matrix cannot tell).
