@@ -444,6 +444,18 @@ def train_wrapper(rec: Optional[RecordingDevice], steps: int = 2, seed: int = 0,
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def assert_race(log: list, *fragments: str) -> None:
+    """``check(log)`` raises a RaceError naming a tensor op and every one of ``fragments``
+    (the op that went unordered and the access it raced, with their streams)."""
+    try:
+        check(log)
+    except RaceError as e:
+        msg = str(e)
+        assert all(x in msg for x in fragments) and "aten." in msg, msg
+    else:
+        raise AssertionError(f"no race found; expected one naming {fragments}")
+
+
 def assert_same(want: tuple, got: tuple) -> None:
     """Losses and parameters of two :func:`train` runs bitwise equal."""
     for i, (a, b) in enumerate(zip(want[0] + want[1], got[0] + got[1])):
@@ -451,5 +463,5 @@ def assert_same(want: tuple, got: tuple) -> None:
             raise AssertionError(f"recorded run differs at item {i}: {a} != {b}")
 
 
-__all__ = ["CURRENT", "HOST", "RaceError", "RecordingDevice", "RecStream", "assert_same", "check", "key",
+__all__ = ["CURRENT", "HOST", "RaceError", "RecordingDevice", "RecStream", "assert_race", "assert_same", "check", "key",
            "train", "train_wrapper"]

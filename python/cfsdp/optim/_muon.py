@@ -192,7 +192,7 @@ def _shared_original(unit, j: Optional[int]) -> bool:
     return j is not None and unit.sharded and unit.infos[j].param.requires_grad
 
 
-def _agree_pieces(group: dict, gi: int) -> set:
+def _agree_pieces(group: dict, gi: int, wrapped: list) -> set:
     """The wrapper's ``use_orig_params=True`` matrices of sharded units: whether each
     is stepped is agreed by the ranks of its unit's group, so that every rank makes the same
     exchanges.  A rank holding no element of a matrix has no gradient for it (torch FSDP1
@@ -202,8 +202,7 @@ def _agree_pieces(group: dict, gi: int) -> set:
     and step.  Returns the ids of the parameters this rank joins with an empty piece; none
     holding a gradient: no rank steps it; some but not all: ``ValueError`` on every rank."""
     shared: dict = {}  # group's ranks -> (process group, device, [(i, p, unit, j)])
-    for i, p in enumerate(group["params"]):
-        w = _wrapped(p)
+    for i, (p, w) in enumerate(zip(group["params"], wrapped)):  # wrapped: each one's _wrapped
         if w is not None and _shared_original(*w):
             lay = _flat_layout(*w)
             shared.setdefault(lay.ranks, (lay.group, w[0].flat_param.device, []))[2].append(
@@ -420,9 +419,9 @@ class Muon(torch.optim.Muon):
     def _cf_step_group(self, gi: int, group: dict) -> None:
         # torch's _init_group: every check and new buffer before any arithmetic
         todo = []
-        joined = _agree_pieces(group, gi)
-        for i, p in enumerate(group["params"]):
-            w = _wrapped(p)
+        wrapped = [_wrapped(p) for p in group["params"]]  # once per parameter and step
+        joined = _agree_pieces(group, gi, wrapped)
+        for i, (p, w) in enumerate(zip(group["params"], wrapped)):
             if p.grad is None:
                 if id(p) in joined:  # its matrix is stepped by the holders: in the exchange
                     self._check_param(group, i, p, gi)
