@@ -620,3 +620,29 @@ def test_mesh_blocks_are_nested_torch_chunks(shape, dims):
             assert torch.equal(full[region], _nested_chunk(full, steps))
             cover[region] += 1
     assert bool((cover == 1).all())
+
+
+@pytest.mark.no_core
+def test_bucket_bound_read_once_per_process(monkeypatch):
+    """``CFSDP_MUON_BUCKET_BYTES`` is read the first time the bound is asked for and kept (a
+    later change on one rank cannot give it other buckets than its group agreed on); unset,
+    ``BUCKET_BYTES``; not a positive integer, a ValueError naming the variable, every time."""
+    monkeypatch.setattr(_muon_bucket, "_ENV_READ", None)
+    monkeypatch.setenv(_muon_bucket.BUCKET_ENV, "4096")
+    assert _muon_bucket.bucket_bytes() == 4096
+    monkeypatch.setenv(_muon_bucket.BUCKET_ENV, "8192")
+    assert _muon_bucket.bucket_bytes() == 4096
+    monkeypatch.setattr(_muon_bucket, "_ENV_READ", None)
+    monkeypatch.delenv(_muon_bucket.BUCKET_ENV)
+    monkeypatch.setattr(_muon_bucket, "BUCKET_BYTES", 123)
+    assert _muon_bucket.bucket_bytes() == 123
+    for bad in ("0", "-5", "1MiB"):
+        monkeypatch.setattr(_muon_bucket, "_ENV_READ", None)
+        monkeypatch.setenv(_muon_bucket.BUCKET_ENV, bad)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=f"{_muon_bucket.BUCKET_ENV}='{bad}'"):
+                _muon_bucket.bucket_bytes()
+    # one rank: no collective, the bound as read
+    monkeypatch.setattr(_muon_bucket, "_ENV_READ", None)
+    monkeypatch.setenv(_muon_bucket.BUCKET_ENV, "77")
+    assert _muon_bucket.agreed_bucket_bytes(object(), 1, torch.device("cpu")) == 77

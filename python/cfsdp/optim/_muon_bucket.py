@@ -8,9 +8,12 @@ shapes and placements.  ``exchange_blocks``:
 
 1. owners from ``assign_owners`` over the full shapes, buckets from ``plan_buckets`` over the
    matrices' bytes on the wire (``bucket_bytes()``: ``BUCKET_BYTES``, or the
-   ``CFSDP_MUON_BUCKET_BYTES`` environment variable; the same on every rank), both computed
-   from what every rank of the group knows identically, so every rank makes the same sequence
-   of collectives;
+   ``CFSDP_MUON_BUCKET_BYTES`` environment variable), both computed from what every rank of the
+   group knows identically, so every rank makes the same sequence of collectives; the bound is
+   the one input a rank could disagree on (an environment set per host, read once per process),
+   so a group's first exchange checks it on every rank with one small all-reduce
+   (``agreed_bucket_bytes``) and every rank raises, naming the variable, where they differ,
+   instead of one rank waiting for a collective the others never post;
 2. per bucket, one ``all_to_all_single`` to the owners: each rank writes its block of every
    matrix of the bucket straight into its slot of one send buffer of the wire dtype (bf16:
    Newton–Schulz's first op is ``.bfloat16()``, an elementwise rounding, and ``copy_`` into a
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -42,7 +46,7 @@ from torch import Tensor
 
 from ._muon_owners import assign_owners, plan_buckets
 
-__all__ = ["BUCKET_BYTES", "BUCKET_ENV", "bucket_bytes", "exchange_blocks"]
+__all__ = ["BUCKET_BYTES", "BUCKET_ENV", "agreed_bucket_bytes", "bucket_bytes", "exchange_blocks"]
 
 # a bucket's bound in bytes on the wire (the sum of its full matrices'); a matrix larger than the
 # bound goes alone
@@ -50,19 +54,66 @@ BUCKET_BYTES = 1 << 20
 BUCKET_ENV = "CFSDP_MUON_BUCKET_BYTES"
 
 
+# CFSDP_MUON_BUCKET_BYTES as this process read it the first time: (raw text, bound or None)
+_ENV_READ: Optional[tuple] = None
+# the process groups whose ranks were found to agree on the bound (their first exchange)
+_AGREED: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def bucket_bytes() -> int:
-    """The bucket bound: ``CFSDP_MUON_BUCKET_BYTES`` when set, else ``BUCKET_BYTES``; it must be
-    the same on every rank of a group (the buckets decide the collectives)."""
-    raw = os.environ.get(BUCKET_ENV, "").strip()
-    if not raw:
+    """The bucket bound: ``CFSDP_MUON_BUCKET_BYTES`` when set, else ``BUCKET_BYTES``.  The
+    variable is read once per process (a later change is ignored: every rank keeps the bound
+    its group agreed on); a value that is not a positive integer is a ``ValueError``."""
+    global _ENV_READ
+    if _ENV_READ is None:
+        raw = os.environ.get(BUCKET_ENV, "").strip()
+        value = None
+        if raw:
+            try:
+                value = int(raw)
+            except ValueError:
+                value = -1
+        _ENV_READ = (raw, value)
+    raw, value = _ENV_READ
+    if value is None:
         return int(BUCKET_BYTES)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
     if value < 1:
         raise ValueError(f"{BUCKET_ENV}={raw!r}: expected a positive integer (bytes)")
     return value
+
+
+def agreed_bucket_bytes(pg, count: int, device: torch.device) -> int:
+    """``bucket_bytes()``, checked equal on every rank of ``pg`` (``count`` ranks) at the group's
+    first exchange: one all-reduce (MAX of the bound and of its negation) on ``device``, then
+    never again for that group (the variable is read once per process, so a rank cannot change
+    its bound later on its own).  Where the ranks differ, or one rank's value is not a positive
+    integer, every rank raises a ``ValueError`` naming the variable: a bound differing silently
+    would give the ranks different buckets, so different collectives (a hang, or blocks read
+    with another rank's sizes)."""
+    try:
+        bound, bad = bucket_bytes(), None
+    except ValueError as e:
+        bound, bad = 0, e
+    if count <= 1 or pg in _AGREED:
+        if bad is not None:
+            raise bad
+        return bound
+    both = torch.tensor([bound, -bound], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+    hi, lo = (int(v) for v in both.tolist())
+    lo = -lo
+    if bad is not None:
+        raise bad
+    if hi != lo:
+        what = "a rank's value is not a positive integer" if lo == 0 else \
+            f"the ranks between {lo} and {hi} bytes"
+        raise ValueError(
+            f"cfsdp.optim.Muon: the exchange's bucket bound differs across the {count} ranks of a "
+            f"group ({BUCKET_ENV}, read once per process: this rank {bound}, {what}); the buckets "
+            f"decide the collectives, so every rank must use the same bound: set {BUCKET_ENV} to "
+            f"one positive integer on every rank, or unset it everywhere")
+    _AGREED.add(pg)
+    return bound
 
 
 def _region(block: tuple) -> tuple:
@@ -106,8 +157,9 @@ def exchange_blocks(
         wire_dtype = chunks[0].dtype if chunks else out_dtype
     owners = assign_owners(shapes, n)
     item = torch.empty(0, dtype=wire_dtype).element_size()
-    buckets = plan_buckets([math.prod(s) * item for s in shapes], bucket_bytes())
     device = chunks[0].device if chunks else torch.device("cpu")
+    bound = agreed_bucket_bytes(pg, n, device) if shapes else bucket_bytes()
+    buckets = plan_buckets([math.prod(s) * item for s in shapes], bound)
 
     def a2a(send: Tensor, send_splits: list, recv_splits: list, dtype: torch.dtype):
         recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)

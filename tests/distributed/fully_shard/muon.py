@@ -20,6 +20,8 @@ pair of all_to_all_single each, still bitwise).
 from __future__ import annotations
 
 import math
+import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,7 @@ from fully_shard.common import WORLD, largest_dim, raised
 from muon_oracle import AllGatherMuon, Pair, small_buckets, spy_muon
 
 import cfsdp
+from cfsdp.optim import _muon_bucket as mb
 from cfsdp.optim._muon_owners import assign_owners
 
 
@@ -187,6 +190,51 @@ def muon_buckets(ctx, bound: int):
         for case in ("lm_largest_dim", "experts_shard0"):
             _muon_run(ctx, case, mesh_1d(ctx))
     assert plans and max(plans) > 1, f"bucket counts per exchange {plans}"
+
+
+@h.subtest(grid={"rank1": ["4096", "lots"]})
+def muon_bucket_bound_differs(ctx, rank1: str):
+    """``CFSDP_MUON_BUCKET_BYTES`` set on rank 1 only (a bound, or not a number), as a fresh
+    process reads it: the group's first exchange makes every rank raise a ValueError naming the
+    variable (rank 1's own parse error for "lots"), no rank waits for a collective the others
+    never post, no parameter changes (the fix is a restart: the variable is read once per
+    process); the variable unset again, the next step runs."""
+    mm, mesh = pc.Mismatches(ctx), mesh_1d(ctx)
+    sc = Scenario(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False,
+                  make_optim=muon_factory(dict(lr=0.02)))
+    model = make_model(CFSDP, sc, mesh)
+    opt = sc.make_optim(CFSDP, model)
+    data = batches("lm", 2, ctx.world_size)
+
+    def fresh_process(value):
+        """What a new process would see: the variable read again, no group agreed yet."""
+        os.environ.pop(mb.BUCKET_ENV, None)
+        if value is not None:
+            os.environ[mb.BUCKET_ENV] = value
+        mb._ENV_READ, mb._AGREED = None, weakref.WeakSet()
+
+    fresh_process(rank1 if ctx.rank == 1 else None)
+    try:
+        before = [q.to_local().clone() for q in model.parameters()]
+        e = raised(lambda: run_steps(CFSDP, sc, model, opt, data[:1], ctx.rank, []))
+        text = str(e)
+        if ctx.rank == 1 and rank1 == "lots":
+            mm.check(isinstance(e, ValueError) and "expected a positive integer" in text
+                     and mb.BUCKET_ENV in text, f"rank 1's own bad value: {e!r}")
+        else:
+            mm.check(isinstance(e, ValueError) and "differs across the" in text
+                     and mb.BUCKET_ENV in text and "every rank" in text,
+                     f"a bound set on rank 1 only ({rank1!r}): {e!r}")
+        for q, b in zip(model.parameters(), before):
+            mm.check(torch.equal(q.to_local(), b), "the refused step changed a parameter")
+    finally:
+        fresh_process(None)
+    for q in model.parameters():  # the gradients of the refused step, dropped
+        q.grad = None
+    for o in (opt.muon, opt.adamw):
+        o.state.clear()
+    run_steps(CFSDP, sc, model, opt, data[1:], ctx.rank, [])
+    mm.raise_if_any()
 
 
 MUON_SD = dict(kind="lm", unit_kw={"shard_placement_fn": largest_dim}, ref=False)
