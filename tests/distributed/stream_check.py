@@ -131,6 +131,7 @@ class RecordingDevice(TorchDispatchMode):
         super().__init__()
         self.log: list[tuple] = []
         self._streams: dict[str, RecStream] = {}
+        self.priorities: dict[str, set] = {}
         self._current = self._cur = RecStream(self, CURRENT)
         self._watched: set = set()  # storage keys with a finalizer (see _watch)
 
@@ -138,7 +139,14 @@ class RecordingDevice(TorchDispatchMode):
     def current_stream(self) -> RecStream:
         return self._cur
 
-    def stream(self, name: str) -> RecStream:
+    def stream(self, name: str, priority: int | None = None) -> RecStream:
+        """The stream ``name`` (one per name here); the priorities asked for it are kept in
+        ``priorities[name]`` (``None``: the layer's default for the name, ``device.
+        default_priority``)."""
+        from cfsdp._runtime import device
+
+        prio = device.default_priority(name) if priority is None else priority
+        self.priorities.setdefault(name, set()).add(prio)
         s = self._streams.get(name)
         if s is None:
             s = self._streams[name] = RecStream(self, name)

@@ -241,3 +241,42 @@ def test_checker_free_covered_through_a_recorded_stream():
     with pytest.raises(RaceError, match="after r on stream 'u'"):
         check(log)
     check(log[:3] + [("wait_stream", "c", "u")] + log[3:])
+
+
+@pytest.mark.parametrize("strategy", [FULL, HYBRID], ids=["full", "hybrid"])
+@pytest.mark.parametrize("limit", [True, False], ids=["limit", "no_limit"])
+def test_stream_priorities_as_torch_fsdp1(strategy, limit, monkeypatch):
+    """torch 2.13's ``_init_streams``: the unshard, pre-unshard and post-backward streams are
+    high priority (-1) only with ``limit_all_gathers`` and a hybrid strategy together, else 0;
+    HSDP's all-reduce stream 0 (the recording layer keeps the priority each stream was asked
+    for)."""
+    monkeypatch.setattr(fsdp_mod, "_one_rank_no_shard", lambda s, g, r: (s, g, r))
+    rec = _run(_kw(strategy, mp=True, limit_all_gathers=limit))
+    high = -1 if (limit and strategy is HYBRID) else 0
+    want = {"unshard": {high}, "pre_unshard": {high}, "post_backward": {high}}
+    if strategy is HYBRID:
+        want["all_reduce"] = {0}
+    assert rec.priorities == want
+
+
+@pytest.mark.no_core
+def test_cuda_layer_makes_one_stream_per_name_and_priority():
+    """``CudaStreams.stream``: a stream per (name, priority), made once (a fake device module
+    records what is made): FSDP2's all-gather / reduce-scatter names default to -1, the rest
+    to 0, an explicit priority wins."""
+    made = []
+
+    class FakeStream:
+        def __init__(self, device=None, priority=0):
+            made.append(priority)
+            self.priority = priority
+
+    layer = device.CudaStreams(torch.device("cpu"))
+    layer._mod = lambda: type("Mod", (), {"Stream": FakeStream})
+    assert layer.stream(device.ALL_GATHER).priority == -1
+    assert layer.stream(device.REDUCE_SCATTER).priority == -1
+    assert layer.stream(device.UNSHARD).priority == 0
+    assert layer.stream(device.UNSHARD, priority=-1).priority == -1
+    assert layer.stream(device.UNSHARD) is layer.stream(device.UNSHARD, priority=0)
+    assert layer.stream(device.UNSHARD, priority=-1) is not layer.stream(device.UNSHARD)
+    assert made == [-1, -1, 0, -1]

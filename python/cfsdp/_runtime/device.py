@@ -4,8 +4,8 @@
 The runtime never calls ``torch.cuda`` for streams itself: it asks :func:`layer_for` (the one
 seam) for the layer of a tensor's device and uses what that gives:
 
-* ``current_stream()``; ``stream(name)``: a side stream, made lazily, one per name per
-  device (FSDP2's names for ``fully_shard``: :data:`ALL_GATHER_COPY_IN`, :data:`ALL_GATHER`,
+* ``current_stream()``; ``stream(name, priority=None)``: a side stream, made lazily, one per
+  name and priority per device (``None``: the name's own, below; FSDP2's names for ``fully_shard``: :data:`ALL_GATHER_COPY_IN`, :data:`ALL_GATHER`,
   :data:`REDUCE_SCATTER`, :data:`ALL_REDUCE`; FSDP1's for the wrapper: :data:`PRE_UNSHARD`,
   :data:`UNSHARD`, :data:`POST_BACKWARD`, and :data:`ALL_REDUCE` for HSDP);
 * ``on(s)``: a context making ``s`` the current stream;
@@ -84,7 +84,7 @@ class NoStreams:
     def current_stream(self) -> _NoStream:
         return NO_STREAM
 
-    def stream(self, name: str) -> _NoStream:
+    def stream(self, name: str, priority: Optional[int] = None) -> _NoStream:
         return NO_STREAM
 
     def on(self, s: Any) -> contextlib.AbstractContextManager:
@@ -103,9 +103,16 @@ class NoStreams:
 NO_STREAMS = NoStreams()
 
 # FSDP2 makes its all-gather and reduce-scatter streams high priority (they gate compute).
-# FSDP1's streams take priority 0 here; torch 2.13 gives them -1 only with limit_all_gathers
-# and HSDP together (its _init_streams)
+# FSDP1's streams take priority 0 by name; torch 2.13 gives them -1 only with
+# limit_all_gathers and HSDP together (its _init_streams), which the wrapper asks for by
+# passing the priority (flat/streams.py: FlatStreams.stream)
 _HIGH_PRIORITY = {ALL_GATHER_COPY_IN: -1, ALL_GATHER: -1, REDUCE_SCATTER: -1}
+
+
+def default_priority(name: str) -> int:
+    """A stream's priority when its user names none: -1 (high) for FSDP2's all-gather and
+    reduce-scatter streams, 0 for the rest."""
+    return _HIGH_PRIORITY.get(name, 0)
 
 
 class CudaStreams:
@@ -125,11 +132,15 @@ class CudaStreams:
     def current_stream(self) -> Any:
         return self._mod().current_stream(self.device)
 
-    def stream(self, name: str) -> Any:
-        s = self._streams.get(name)
+    def stream(self, name: str, priority: Optional[int] = None) -> Any:
+        """The side stream ``name`` of this priority (``None``: ``default_priority(name)``);
+        the same name at another priority is another stream, as torch makes one per FSDP1
+        root."""
+        prio = default_priority(name) if priority is None else priority
+        s = self._streams.get((name, prio))
         if s is None:
-            s = self._streams[name] = self._mod().Stream(device=self.device,
-                                                         priority=_HIGH_PRIORITY.get(name, 0))
+            s = self._streams[(name, prio)] = self._mod().Stream(device=self.device,
+                                                                 priority=prio)
         return s
 
     def on(self, s: Any) -> contextlib.AbstractContextManager:

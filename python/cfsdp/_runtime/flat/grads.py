@@ -55,13 +55,13 @@ class FlatGrads:
         (HSDP's all-reduce and the fold after it on the all-reduce stream, which waits for
         it); finished when it returns, as far as the CPU is concerned."""
         layer = ctx.layer
-        pb = layer.stream(device.POST_BACKWARD)
+        pb = ctx.stream(device.POST_BACKWARD)
         ctx.post_backward_waits_current(pb, layer.current_stream())
         with layer.on(pb):
             reduction = self._issue_reduce(grad, False)
         post = pb
         if self.replicate_group is not None and self.sharded:
-            post = layer.stream(device.ALL_REDUCE)
+            post = ctx.stream(device.ALL_REDUCE)
             post.wait_stream(pb)
             layer.record_stream(reduction.out, post)
         with layer.on(post):

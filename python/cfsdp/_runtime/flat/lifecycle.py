@@ -136,10 +136,10 @@ class FlatLifecycle(UnshardStates):
         stream, the all-gather (``async_op=False``) inside the unshard stream; done when it
         returns, as far as the CPU is concerned."""
         layer = ctx.layer
-        unshard = layer.stream(device.UNSHARD)
+        unshard = ctx.stream(device.UNSHARD)
         src = self.shard
         if self.uses_mp:  # torch's pre_unshard: the low-precision shard
-            pre = layer.stream(device.PRE_UNSHARD)
+            pre = ctx.stream(device.PRE_UNSHARD)
             with layer.on(pre):
                 if self.sharded:
                     src = torch.empty(self.layout.shard_numel, dtype=self.param_dtype,

@@ -34,6 +34,10 @@ FSDP1 (``_init_streams``, ``_unshard``, ``_reshard``, ``_post_backward_hook``,
 * end of backward (the root's final callback, when the root syncs gradients): the current
   stream waits for the post-backward stream (and the all-reduce stream with HSDP).
 
+Priorities as torch's ``_init_streams``: the unshard, pre-unshard and post-backward streams
+are high priority (-1) when ``limit_all_gathers`` and a hybrid strategy go together, else 0;
+HSDP's all-reduce stream 0 (``stream`` asks the layer for them so).
+
 Each wait is one method here, so a test can take one away and watch the checker fail.
 """
 
@@ -64,6 +68,12 @@ class FlatStreams:
         self.streams = False  # the layer has streams: the units take the protocol's path
         self.free_events: collections.deque = collections.deque()
 
+    def stream(self, name: str) -> Any:
+        """The layer's stream ``name`` at torch FSDP1's priority for this root (see the module
+        docstring)."""
+        high = self.limit_all_gathers and self.hybrid and name != device.ALL_REDUCE
+        return self.layer.stream(name, priority=-1 if high else 0)
+
     def begin_forward(self) -> None:
         """Root pre-forward: pick the layer for this step; with streams, the unshard and
         pre-unshard streams wait for the current stream."""
@@ -71,8 +81,8 @@ class FlatStreams:
         self.streams = layer.has_streams
         if self.streams:
             cur = layer.current_stream()
-            layer.stream(device.UNSHARD).wait_stream(cur)
-            layer.stream(device.PRE_UNSHARD).wait_stream(cur)
+            self.stream(device.UNSHARD).wait_stream(cur)
+            self.stream(device.PRE_UNSHARD).wait_stream(cur)
 
     def in_step(self) -> bool:
         """Streams, and the root is in forward or backward (else the current stream)."""
@@ -86,7 +96,7 @@ class FlatStreams:
 
     def wait_unshard(self) -> None:
         """The consumer: the current stream waits for the unshard stream."""
-        self.layer.current_stream().wait_stream(self.layer.stream(device.UNSHARD))
+        self.layer.current_stream().wait_stream(self.stream(device.UNSHARD))
 
     def before_free(self, buf: torch.Tensor) -> None:
         """Reshard: the buffer is not reused before the current stream's work on it."""
@@ -107,9 +117,9 @@ class FlatStreams:
         all-reduce stream with HSDP)."""
         layer = self.layer
         cur = layer.current_stream()
-        cur.wait_stream(layer.stream(device.POST_BACKWARD))
+        cur.wait_stream(self.stream(device.POST_BACKWARD))
         if self.hybrid:
-            cur.wait_stream(layer.stream(device.ALL_REDUCE))
+            cur.wait_stream(self.stream(device.ALL_REDUCE))
 
     def end_backward(self) -> None:
         if self.streams and self.root_state.sync_gradients:
