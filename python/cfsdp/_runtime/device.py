@@ -5,9 +5,10 @@ The runtime never calls ``torch.cuda`` for streams itself: it asks :func:`layer_
 seam) for the layer of a tensor's device and uses what that gives:
 
 * ``current_stream()``; ``stream(name, priority=None)``: a side stream, made lazily, one per
-  name and priority per device (``None``: the name's own, below; FSDP2's names for ``fully_shard``: :data:`ALL_GATHER_COPY_IN`, :data:`ALL_GATHER`,
-  :data:`REDUCE_SCATTER`, :data:`ALL_REDUCE`; FSDP1's for the wrapper: :data:`PRE_UNSHARD`,
-  :data:`UNSHARD`, :data:`POST_BACKWARD`, and :data:`ALL_REDUCE` for HSDP);
+  name and priority per device (``None``: the name's own, ``default_priority``; FSDP2's names
+  for ``fully_shard``: :data:`ALL_GATHER_COPY_IN`, :data:`ALL_GATHER`, :data:`REDUCE_SCATTER`,
+  :data:`ALL_REDUCE`; FSDP1's for the wrapper: :data:`PRE_UNSHARD`, :data:`UNSHARD`,
+  :data:`POST_BACKWARD`, and :data:`ALL_REDUCE` for HSDP);
 * ``on(s)``: a context making ``s`` the current stream;
 * on a stream ``s``: ``s.wait_stream(t)``, ``s.record_event()`` -> event, ``s.wait_event(ev)``
   (torch's ``Stream`` methods); on an event ``ev.synchronize()``: the CPU waits for it (the
