@@ -142,11 +142,17 @@ class RecordingDevice(TorchDispatchMode):
     def stream(self, name: str, priority: int | None = None) -> RecStream:
         """The stream ``name`` (one per name here); the priorities asked for it are kept in
         ``priorities[name]`` (``None``: the layer's default for the name, ``device.
-        default_priority``)."""
+        default_priority``).  A CUDA layer makes another stream for the same name at another
+        priority, which this layer would merge with the first (hiding a missing wait between
+        them): asking for one name at two priorities fails the run."""
         from cfsdp._runtime import device
 
         prio = device.default_priority(name) if priority is None else priority
-        self.priorities.setdefault(name, set()).add(prio)
+        seen = self.priorities.setdefault(name, set())
+        seen.add(prio)
+        if len(seen) > 1:
+            raise AssertionError(f"stream {name!r} asked for at priorities {sorted(seen)}: the "
+                                 "recording layer models one stream per name")
         s = self._streams.get(name)
         if s is None:
             s = self._streams[name] = RecStream(self, name)

@@ -636,7 +636,7 @@ def test_bucket_bound_read_once_per_process(monkeypatch):
     monkeypatch.delenv(_muon_bucket.BUCKET_ENV)
     monkeypatch.setattr(_muon_bucket, "BUCKET_BYTES", 123)
     assert _muon_bucket.bucket_bytes() == 123
-    for bad in ("0", "-5", "1MiB"):
+    for bad in ("0", "-5", "1MiB", str(1 << 62)):
         monkeypatch.setattr(_muon_bucket, "_ENV_READ", None)
         monkeypatch.setenv(_muon_bucket.BUCKET_ENV, bad)
         for _ in range(2):

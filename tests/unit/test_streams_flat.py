@@ -280,3 +280,13 @@ def test_cuda_layer_makes_one_stream_per_name_and_priority():
     assert layer.stream(device.UNSHARD) is layer.stream(device.UNSHARD, priority=0)
     assert layer.stream(device.UNSHARD, priority=-1) is not layer.stream(device.UNSHARD)
     assert made == [-1, -1, 0, -1]
+
+
+@pytest.mark.no_core
+def test_recording_layer_refuses_a_name_at_two_priorities():
+    """The recording layer keeps one stream per name; a CUDA layer would make two for two
+    priorities, so a name asked for at two fails instead of merging them silently."""
+    rec = RecordingDevice()
+    assert rec.stream("unshard", priority=-1) is rec.stream("unshard", priority=-1)
+    with pytest.raises(AssertionError, match="asked for at priorities \\[-1, 0\\]"):
+        rec.stream("unshard")

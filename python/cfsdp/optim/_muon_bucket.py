@@ -54,31 +54,31 @@ BUCKET_BYTES = 1 << 20
 BUCKET_ENV = "CFSDP_MUON_BUCKET_BYTES"
 
 
-# CFSDP_MUON_BUCKET_BYTES as this process read it the first time: (raw text, bound or None)
-_ENV_READ: Optional[tuple] = None
+# CFSDP_MUON_BUCKET_BYTES's text as this process read it the first time (None: not read yet)
+_ENV_READ: Optional[str] = None
 # the process groups whose ranks were found to agree on the bound (their first exchange)
 _AGREED: "weakref.WeakSet" = weakref.WeakSet()
+# the largest bound taken: the agreement sends it (and its negation) as int64
+_MAX_BOUND = 1 << 62
 
 
 def bucket_bytes() -> int:
     """The bucket bound: ``CFSDP_MUON_BUCKET_BYTES`` when set, else ``BUCKET_BYTES``.  The
     variable is read once per process (a later change is ignored: every rank keeps the bound
-    its group agreed on); a value that is not a positive integer is a ``ValueError``."""
+    its group agreed on); a value that is not a positive integer below 2**62 is a
+    ``ValueError``."""
     global _ENV_READ
     if _ENV_READ is None:
-        raw = os.environ.get(BUCKET_ENV, "").strip()
-        value = None
-        if raw:
-            try:
-                value = int(raw)
-            except ValueError:
-                value = -1
-        _ENV_READ = (raw, value)
-    raw, value = _ENV_READ
-    if value is None:
+        _ENV_READ = os.environ.get(BUCKET_ENV, "").strip()
+    if not _ENV_READ:
         return int(BUCKET_BYTES)
-    if value < 1:
-        raise ValueError(f"{BUCKET_ENV}={raw!r}: expected a positive integer (bytes)")
+    try:
+        value = int(_ENV_READ)
+    except ValueError:
+        value = -1
+    if not 1 <= value < _MAX_BOUND:
+        raise ValueError(f"{BUCKET_ENV}={_ENV_READ!r}: expected a positive integer (bytes) "
+                         "below 2**62")
     return value
 
 

@@ -64,6 +64,9 @@ class FlatStreams:
         self.device = dev
         self.limit_all_gathers = limit_all_gathers
         self.hybrid = hybrid  # HSDP: an all-reduce stream of its own (else the current one)
+        # torch's _init_streams: -1 for the unshard / pre-unshard / post-backward streams with
+        # limit_all_gathers and HSDP together, else 0
+        self.priority = -1 if limit_all_gathers and hybrid else 0
         self.layer: Any = device.NO_STREAMS
         self.streams = False  # the layer has streams: the units take the protocol's path
         self.free_events: collections.deque = collections.deque()
@@ -71,8 +74,7 @@ class FlatStreams:
     def stream(self, name: str) -> Any:
         """The layer's stream ``name`` at torch FSDP1's priority for this root (see the module
         docstring)."""
-        high = self.limit_all_gathers and self.hybrid and name != device.ALL_REDUCE
-        return self.layer.stream(name, priority=-1 if high else 0)
+        return self.layer.stream(name, priority=0 if name == device.ALL_REDUCE else self.priority)
 
     def begin_forward(self) -> None:
         """Root pre-forward: pick the layer for this step; with streams, the unshard and
