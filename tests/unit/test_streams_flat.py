@@ -257,6 +257,45 @@ def test_stream_priorities_as_torch_fsdp1(strategy, limit, monkeypatch):
     if strategy is HYBRID:
         want["all_reduce"] = {0}
     assert rec.priorities == want
+    assert want == _torch_fsdp1_priorities(strategy, limit)
+
+
+def _torch_fsdp1_priorities(strategy, limit: bool) -> dict:
+    """What torch's own ``_init_streams`` asks a device for, on a fake root state of one unit
+    with ``strategy`` and ``limit_all_gathers=limit`` (its streams by attribute name, the
+    all-reduce stream only where it makes one)."""
+    import types
+
+    from torch.distributed.fsdp import _runtime_utils
+
+    asked = []
+
+    class Handle:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def current_stream():
+            return "current"
+
+        @staticmethod
+        def Stream(priority=0):  # noqa: N802 - torch's name
+            asked.append(priority)
+            return f"stream {len(asked) - 1}"
+
+    unit = types.SimpleNamespace(sharding_strategy=strategy)
+    st = types.SimpleNamespace(_is_root=True, _device_handle=Handle, limit_all_gathers=limit,
+                               _all_fsdp_states=[unit], _fsdp_extension=None)
+    _runtime_utils._init_streams(st)
+    out = {}
+    for attr, name in (("_unshard_stream", "unshard"), ("_pre_unshard_stream", "pre_unshard"),
+                       ("_post_backward_stream", "post_backward"),
+                       ("_all_reduce_stream", "all_reduce")):
+        made = getattr(st, attr)
+        if made != "current":
+            out[name] = {asked[int(made.split()[1])]}
+    return out
 
 
 @pytest.mark.no_core
