@@ -5,15 +5,17 @@ Launch with torchrun (gloo, CPU), e.g.::
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 \\
         benchmarks/bench_collectives.py --out benchmarks/out/collectives.json
 
-For each dtype (fp32, bf16) and op (all-gather, reduce-scatter, all-reduce) on a full
-buffer of ``--mib`` MiB (64 by default), both contenders run on the same gloo group and
+For each dtype (fp32, bf16) and op (all-gather, reduce-scatter, all-reduce, all-to-all;
+``--ops`` picks some) on a full buffer of ``--mib`` MiB (64 by default), both contenders run on the same gloo group and
 the same data: ``shm`` is ``cfsdp._runtime.comm`` (shared memory; the run fails if the
 group does not take that path) and ``gloo`` is ``torch.distributed`` itself.  Every
 iteration starts after a barrier; its time is the max over ranks; a contender's time is
 the median over ``--iters`` timed iterations after ``--warmup`` untimed ones.
 
 Throughput = bytes of the full buffer / time, for every op and contender alike: the
-all-gather's output, the reduce-scatter's input, the all-reduce's buffer (``--mib`` MiB).
+all-gather's output, the reduce-scatter's input, the all-reduce's buffer, the all-to-all's
+input (``--mib`` MiB: each rank sends every rank, itself included, 1/W of it; ``shm`` is
+``comm.all_to_all`` with that counts matrix, ``gloo`` ``all_to_all_single`` with even splits).
 
 The memcpy bandwidth of this machine is measured in the same run, on every rank at once
 (as the collectives run): ``torch copy_`` of a ``--mib`` MiB tensor and a plain single-
@@ -61,6 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=64, help="full buffer size in MiB")
     p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--ops", default="all_gather,reduce_scatter,all_reduce,all_to_all")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--out", default=None)
@@ -96,6 +99,7 @@ def main() -> None:
         shard = full[: n // world].clone()
         out_full = torch.empty(n, dtype=dtype)
         out_shard = torch.empty(n // world, dtype=dtype)
+        even = [[n // world] * world for _ in range(world)]
         ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         contenders = {
@@ -111,8 +115,14 @@ def main() -> None:
                 "shm": lambda: comm.all_reduce(out_full, group, False),
                 "gloo": lambda: dist.all_reduce(out_full, group=group),
             },
+            "all_to_all": {
+                "shm": lambda: comm.all_to_all(out_full, full, even, group, False),
+                "gloo": lambda: dist.all_to_all_single(out_full, full, group=group),
+            },
         }
         for op, fns in contenders.items():
+            if op not in args.ops.split(","):
+                continue
             row = {"op": op, "dtype": dname, "bytes": n * full.element_size()}
             for who, fn in fns.items():
                 if op == "all_reduce":

@@ -24,8 +24,14 @@ barrier, the slowest rank's time kept: the machine is shared).  Contenders:
 ``single``         (c) ``torch.optim.Muon`` in one process on the whole model (rank 0; the
                    others wait at the barrier)
 ``cfsdp``          ``cfsdp.fully_shard`` + ``cfsdp.optim.Muon``: each matrix orthogonalized
-                   by one owner rank
+                   by one owner rank, the exchange through shared memory (the run fails if
+                   the group does not take it)
+``cfsdp_pg``       the same on a second process group over the same ranks, set up with
+                   ``CFSDP_SHM=0``: the exchange through gloo's ``all_to_all_single`` (what
+                   cfsdp did before its shared-memory all-to-all)
 =================  =====================================================================
+
+``--contenders`` picks some of them (default: all).
 
 Per contender: **step ms** (median and min over rounds), **NS GFLOP/rank**
 (Newton–Schulz work per step on the busiest rank, counted from the shapes each rank's
@@ -60,7 +66,9 @@ from bench_fsdp import _read_status_kib, release_memory, reset_peak_rss  # noqa:
 import cfsdp  # noqa: E402
 import cfsdp.optim._muon as cf_muon  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from cfsdp._runtime import comm  # noqa: E402
 from torch.optim import _muon as torch_muon  # noqa: E402
 
 LR, MOMENTUM, WD = 0.02, 0.95, 0.01
@@ -171,11 +179,11 @@ def build(name: str, args, mesh) -> tuple[nn.Module, Any]:
     kw = dict(lr=LR, momentum=MOMENTUM, weight_decay=WD)
     if name == "single":
         return model, torch.optim.Muon(model.parameters(), **kw)
-    shard = cfsdp.fully_shard if name == "cfsdp" else torch_fully_shard
+    shard = cfsdp.fully_shard if name.startswith("cfsdp") else torch_fully_shard
     for b in model.blocks:
         shard(b, mesh=mesh)
     shard(model, mesh=mesh)
-    if name == "cfsdp":
+    if name.startswith("cfsdp"):
         return model, cfsdp.optim.Muon(model.parameters(), **kw)
     if name == "allgather":
         return model, AllGatherMuon(model.parameters(), **kw)
@@ -195,22 +203,40 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--check-steps", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--contenders", default="allgather,torch_dtensor,single,cfsdp,cfsdp_pg")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+    # cfsdp_pg: a second group over the same ranks whose transport is set up (at its first
+    # collective, the build's forward below) with shared memory off
+    pg_mesh = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
     torch.manual_seed(1)
     x = torch.randn(8, 32, args.dim)  # the same global batch on every rank
 
-    names = ["allgather", "torch_dtensor", "single", "cfsdp"]
+    names = args.contenders.split(",")
     built, errors = {}, {}
     for name in names:
+        saved = os.environ.get("CFSDP_SHM")
+        if name == "cfsdp_pg":
+            os.environ["CFSDP_SHM"] = "0"
         try:
-            model, opt = build(name, args, mesh)
+            model, opt = build(name, args, pg_mesh if name == "cfsdp_pg" else mesh)
             model(x).square().mean().backward()
             built[name] = (model, opt)
         except Exception as e:  # noqa: BLE001 - (b) may not run: its error is the result
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        finally:
+            if saved is None:
+                os.environ.pop("CFSDP_SHM", None)
+            else:
+                os.environ["CFSDP_SHM"] = saved
+    for name, group in (("cfsdp", mesh.get_group()), ("cfsdp_pg", pg_mesh.get_group())):
+        if name in built:  # what each exchange goes through, or the comparison means nothing
+            want = "shared memory" if name == "cfsdp" else "process group"
+            got = comm.describe(group)
+            if not got.startswith(want):
+                raise SystemExit(f"{name}: the exchange's group takes {got!r}, not {want}")
 
     # the numbers: the same steps from the same start, against the single process
     ref = None
@@ -218,7 +244,7 @@ def main() -> None:
     for name in ["single"] + [n for n in names if n != "single"]:
         if name not in built or name in errors:
             continue
-        model, opt = build(name, args, mesh)
+        model, opt = build(name, args, pg_mesh if name == "cfsdp_pg" else mesh)
         try:
             for _ in range(args.check_steps):
                 for p in model.parameters():

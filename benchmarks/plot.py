@@ -128,7 +128,7 @@ def plot_vs_size(paths: list[Path], out: Path) -> None:
 
 
 MUON_COLORS = {"allgather": "#1565c0", "torch_dtensor": "#6a1b9a", "single": "#9e9e9e",
-               "cfsdp": "#2e7d32"}
+               "cfsdp_pg": "#a5d6a7", "cfsdp": "#2e7d32"}
 
 
 def plot_muon(paths: list[Path], out: Path) -> None:

@@ -170,6 +170,7 @@ typedef struct {
     cf_queue_op *op;        /* NULL once released */
     PyObject *keep;         /* the tensors, until the op is done */
     cf_chunk_param *plan;   /* the op's plan (NULL: none), until the op is done */
+    int64_t *counts;        /* all_to_all's counts (NULL: none), until the op is done */
     PyObject *error;        /* the op's message (str) once it failed */
     int waiters;
     int op_code;
@@ -335,14 +336,15 @@ static void cf_py_shm_call_init(cf_py_shm_call *c, int op)
     c->a.scale = c->a.divisor = 1.0;
 }
 
-/* Validate and queue one collective; a new ShmWork.  Takes a->plan (malloc'd by
- * cf_py_shm_plan, or NULL): the work frees it once the op is done, or it is freed here
- * if nothing is queued. */
+/* Validate and queue one collective; a new ShmWork.  Takes a->plan and a->counts
+ * (malloc'd by cf_py_shm_plan / cf_py_shm_counts, or NULL): the work frees them once
+ * the op is done, or they are freed here if nothing is queued. */
 static PyObject *cf_py_shm_enqueue(cf_py_shm_group *self, cf_shm_args *a, PyObject *keep)
 {
     cf_shm_group *g = cf_py_shm_open_group(self);
     cf_py_state *state = PyType_GetModuleState(Py_TYPE(self));
     cf_chunk_param *plan = (cf_chunk_param *)a->plan;
+    int64_t *counts = (int64_t *)a->counts;
     cf_py_shm_work *w = NULL;
     PyTypeObject *wt;
     cf_queue_op *op;
@@ -367,6 +369,7 @@ static PyObject *cf_py_shm_enqueue(cf_py_shm_group *self, cf_shm_args *a, PyObje
     w->op = op;
     w->keep = Py_NewRef(keep);
     w->plan = plan;
+    w->counts = counts;
     w->error = NULL;
     w->waiters = 0;
     w->op_code = a->op;
@@ -375,6 +378,7 @@ static PyObject *cf_py_shm_enqueue(cf_py_shm_group *self, cf_shm_args *a, PyObje
 fail:
     Py_XDECREF(w); /* its group is NULL: nothing of an op to release */
     free(plan);
+    free(counts);
     return NULL;
 }
 
@@ -404,6 +408,39 @@ static int cf_py_shm_plan(PyObject *obj, cf_shm_args *a)
     memcpy(copy, PyBytes_AS_STRING(obj), (size_t)len);
     a->plan = copy;
     a->n_plan = (int64_t)(len / (Py_ssize_t)sizeof(cf_chunk_param));
+    return 0;
+}
+
+/* all_to_all's counts argument (bytes of world_size x world_size int64, sender-major)
+ * copied into a->counts (malloc'd, as a plan: the worker reads the op's own copy) and
+ * their total into a->numel (wrapping: cf_shm_check refuses counts whose sum does not
+ * fit, before numel is compared); 0 or -1. */
+static int cf_py_shm_counts(PyObject *obj, int64_t world, cf_shm_args *a)
+{
+    size_t want = (size_t)world * (size_t)world * sizeof(int64_t);
+    uint64_t total = 0;
+    int64_t *copy;
+    if (!PyBytes_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "counts must be bytes of int64, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if ((size_t)PyBytes_GET_SIZE(obj) != want) {
+        PyErr_Format(PyExc_ValueError,
+                     "counts has %zd bytes, expected %zu (%lld x %lld int64, sender-major)",
+                     PyBytes_GET_SIZE(obj), want, (long long)world, (long long)world);
+        return -1;
+    }
+    copy = malloc(want);
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(copy, PyBytes_AS_STRING(obj), want);
+    for (size_t i = 0; i < (size_t)world * (size_t)world; i++)
+        total += (uint64_t)copy[i];
+    a->counts = copy;
+    a->numel = (int64_t)(total & (uint64_t)INT64_MAX);
     return 0;
 }
 
@@ -568,6 +605,39 @@ static PyObject *cf_py_shm_group_broadcast(PyObject *obj, PyObject *const *args,
     return cf_py_shm_queue(obj, "broadcast", &c, args, nargs, table, CF_PY_COUNT(table));
 }
 
+PyDoc_STRVAR(cf_py_shm_group_all_to_all_doc,
+"all_to_all($self, dst_addr, src_addr, counts, dtype_code, max_threads, keep, /)\n"
+"--\n"
+"\n"
+"Queue an all-to-all: counts (bytes of world_size x world_size int64,\n"
+"sender-major, the same on every rank) says how many elements rank s sends\n"
+"rank r.  src holds this rank's blocks for ranks 0, 1, ... back to back; dst\n"
+"receives every rank's block for this rank, in rank order (torch's\n"
+"all_to_all_single with those splits).  The op reads its own copy of the\n"
+"counts; `keep` is held until the op is done.  Returns a ShmWork.");
+
+static PyObject *cf_py_shm_group_all_to_all(PyObject *obj, PyObject *const *args,
+                                            Py_ssize_t nargs)
+{
+    cf_py_shm_call c;
+    PyObject *counts = NULL;
+    cf_shm_group *g = cf_py_shm_open_group((cf_py_shm_group *)obj);
+    const cf_py_arg table[] = {{"dst_addr", CF_PY_ADDR, &c.a.dst},
+                               {"src_addr", CF_PY_ADDR, &c.src},
+                               {"counts", CF_PY_OBJ, &counts},
+                               {"dtype_code", CF_PY_DTYPE, &c.a.dtype},
+                               {"max_threads", CF_PY_I64, &c.a.max_threads},
+                               {"keep", CF_PY_OBJ, &c.keep}};
+    if (g == NULL)
+        return NULL;
+    cf_py_shm_call_init(&c, CF_SHM_ALL_TO_ALL);
+    if (cf_py_parse("all_to_all", args, nargs, table, CF_PY_COUNT(table)) < 0 ||
+        cf_py_shm_counts(counts, cf_shm_group_world_size(g), &c.a) < 0)
+        return NULL;
+    c.a.src = c.src;
+    return cf_py_shm_enqueue((cf_py_shm_group *)obj, &c.a, c.keep);
+}
+
 PyDoc_STRVAR(cf_py_shm_group_drain_doc,
 "drain($self, /)\n"
 "--\n"
@@ -719,6 +789,8 @@ static PyMethodDef cf_py_shm_group_methods[] = {
      cf_py_shm_group_all_reduce_doc},
     {"broadcast", (PyCFunction)(void (*)(void))cf_py_shm_group_broadcast, METH_FASTCALL,
      cf_py_shm_group_broadcast_doc},
+    {"all_to_all", (PyCFunction)(void (*)(void))cf_py_shm_group_all_to_all, METH_FASTCALL,
+     cf_py_shm_group_all_to_all_doc},
     {"drain", cf_py_shm_group_drain, METH_NOARGS, cf_py_shm_group_drain_doc},
     {"fail", cf_py_shm_group_fail, METH_O, cf_py_shm_group_fail_doc},
     {"failure", cf_py_shm_group_failure, METH_O, cf_py_shm_group_failure_doc},
@@ -740,7 +812,7 @@ PyDoc_STRVAR(cf_py_shm_group_doc,
 "(one worker thread).  create=True (rank 0) creates the POSIX shm segment\n"
 "`name` (O_EXCL); the others attach to it; then every rank calls\n"
 "wait_attached(), which unlinks the name.  Collectives (all_gather,\n"
-"reduce_scatter, all_reduce, broadcast) are queued and run in order on the\n"
+"reduce_scatter, all_reduce, broadcast, all_to_all) are queued and run in order on the\n"
 "worker with no GIL; each returns a ShmWork.  One process may open the\n"
 "same segment as several ranks.  After a failed op the group is poisoned.\n"
 "Every wait is bounded by timeout_s; errors name `label` and the ranks\n"
@@ -770,6 +842,8 @@ static void cf_py_shm_work_release(cf_py_shm_work *self)
     }
     free(self->plan);
     self->plan = NULL;
+    free(self->counts);
+    self->counts = NULL;
     Py_CLEAR(self->keep);
 }
 
@@ -1055,6 +1129,7 @@ int cf_py_shm_exec(PyObject *m, cf_py_state *state)
         PyModule_AddIntConstant(m, "SHM_OP_REDUCE_SCATTER", CF_SHM_REDUCE_SCATTER) < 0 ||
         PyModule_AddIntConstant(m, "SHM_OP_ALL_REDUCE", CF_SHM_ALL_REDUCE) < 0 ||
         PyModule_AddIntConstant(m, "SHM_OP_BROADCAST", CF_SHM_BROADCAST) < 0 ||
+        PyModule_AddIntConstant(m, "SHM_OP_ALL_TO_ALL", CF_SHM_ALL_TO_ALL) < 0 ||
         PyModule_AddIntConstant(m, "SHM_MAX_WORLD", CF_SHM_MAX_WORLD) < 0 ||
         PyModule_AddIntConstant(m, "SHM_MIN_SLOT_PER_RANK", CF_SHM_MIN_SLOT_PER_RANK) < 0 ||
 #if defined(__linux__) && defined(CF_HAVE_PTHREADS)

@@ -25,7 +25,7 @@
  *                   CHUNK_PARALLEL_BYTES, MAX_THREADS, OPTIM_PARALLEL_BYTES,
  *                   MAX_WORLD_SIZE, MAX_PIECES
  *     bind_shm.c    SHM_OP_ALL_GATHER, SHM_OP_REDUCE_SCATTER, SHM_OP_ALL_REDUCE,
- *                   SHM_OP_BROADCAST, SHM_MAX_WORLD, SHM_MIN_SLOT_PER_RANK,
+ *                   SHM_OP_BROADCAST, SHM_OP_ALL_TO_ALL, SHM_MAX_WORLD, SHM_MIN_SLOT_PER_RANK,
  *                   SHM_AVAILABLE
  *
  * Design.  Multi-phase initialisation (PEP 489): the exec slot adds the

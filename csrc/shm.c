@@ -1,6 +1,6 @@
 /*
  * shm.c -- intra-node collectives over POSIX shared memory: the segment, the
- * step counters that synchronise it, the four collectives and their sum
+ * step counters that synchronise it, the five collectives and their sum
  * kernel (kernel twin: cfsdp/_ref/shm.py; transport twin: the process group,
  * see cfsdp/_runtime/comm.py).
  *
@@ -91,6 +91,9 @@
  * its own block from its input and the others' slots in one pass.
  * all_reduce: reduce_scatter then all_gather of the reduced blocks, through
  * the same slot half.  broadcast: root writes once, the others read once.
+ * all_to_all: a rank writes the blocks the others need into their blocks of its
+ * slot half once, every rank reads its block of every other rank's half once,
+ * and its own block is copied straight from its input.
  * Sums always run over the ranks in order 0..W-1 (so every rank of an
  * all_reduce gets the same bits) in float (double for fp64), see
  * cf_shm_reduce_run.  Copies and sums split across up to max_threads
@@ -440,8 +443,8 @@ cf_status cf_shm_memcpy(void *dst, const void *src, int64_t nbytes, int64_t max_
  * Segment
  * ------------------------------------------------------------------------ */
 
-static const char *const cf_shm_op_names[CF_SHM_OP_COUNT] = {"all_gather", "reduce_scatter",
-                                                             "all_reduce", "broadcast"};
+static const char *const cf_shm_op_names[CF_SHM_OP_COUNT] = {
+    "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"};
 static const char *const cf_shm_dtype_names[CF_DTYPE_COUNT] = {"float32", "float64",
                                                                "bfloat16", "float16"};
 
@@ -1151,19 +1154,23 @@ static cf_status cf_shm_check_desc(const cf_shm_group *g, unsigned b, const cf_s
                                    cf_err *err)
 {
     const cf_shm_desc *m = &g->ctrl[g->rank].desc[b];
+    /* all_to_all's root is a hash of its counts matrix (cf_shm_all_to_all) */
+    const char *mr = a->op == CF_SHM_ALL_TO_ALL ? "counts hash" : "root";
     for (int q = 0; q < g->world; q++) {
         const cf_shm_desc *d = &g->ctrl[q].desc[b];
         if (d->seq != m->seq || d->op != m->op || d->dtype != m->dtype ||
             d->numel != m->numel || d->root != m->root)
             return cf_err_set(err, CF_ERUNTIME,
                               CF_SHM_WHO ": collectives differ between ranks: this rank runs "
-                              "#%u %s (numel %lld, %s, root %lld), rank %d (global %lld) runs "
-                              "#%u %s (numel %lld, %s, root %lld)",
+                              "#%u %s (numel %lld, %s, %s %lld), rank %d (global %lld) runs "
+                              "#%u %s (numel %lld, %s, %s %lld)",
                               CF_SHM_WHO_ARGS(g), m->seq, cf_shm_op_name(a->op),
-                              (long long)m->numel, cf_shm_dtype_name(m->dtype),
+                              (long long)m->numel, cf_shm_dtype_name(m->dtype), mr,
                               (long long)m->root, q, (long long)g->global_ranks[q], d->seq,
                               cf_shm_op_name((int)d->op), (long long)d->numel,
-                              cf_shm_dtype_name(d->dtype), (long long)d->root);
+                              cf_shm_dtype_name(d->dtype),
+                              d->op == CF_SHM_ALL_TO_ALL ? "counts hash" : "root",
+                              (long long)d->root);
     }
     return CF_OK;
 }
@@ -1418,12 +1425,131 @@ static cf_status cf_shm_broadcast(cf_shm_group *g, const cf_shm_args *a, cf_err 
     return CF_OK;
 }
 
+/*
+ * all_to_all: rank s's block for rank r has C[s][r] elements (counts, sender-
+ * major; the same matrix on every rank).  Per piece (the same offset range of
+ * every block, per = a slot half's block per rank): copy this rank's block
+ * pieces for each other rank q into block q of our half; exchange; copy block
+ * `me` of every other rank's half into dst at that sender's displacement.
+ * Pieces cover the largest block between two ranks (the same count on every
+ * rank); a rank's own block goes straight from src to dst in the first piece.
+ * The descriptor carries the total (numel) and a hash of the matrix (root), so
+ * ranks whose matrices differ fail at the first piece with a message.
+ */
+static uint64_t cf_shm_counts_hash(const int64_t *counts, int W)
+{
+    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a over the entries' bytes */
+    for (size_t i = 0; i < (size_t)W * (size_t)W; i++) {
+        uint64_t v = (uint64_t)counts[i];
+        for (int b = 0; b < 8; b++) {
+            h ^= (v >> (8 * b)) & 0xffu;
+            h *= 0x100000001b3ULL;
+        }
+    }
+    return h;
+}
+
+static cf_status cf_shm_all_to_all(cf_shm_group *g, const cf_shm_args *a0, cf_err *err)
+{
+    const size_t esz = cf_dtype_size(a0->dtype);
+    const int W = g->world, me = g->rank;
+    const int64_t *C = a0->counts, per = cf_shm_block_numel(g, esz);
+    const size_t block = (size_t)per * esz;
+    unsigned char *dst = a0->dst;
+    const unsigned char *src = a0->src;
+    int64_t sdisp[CF_SHM_MAX_WORLD], rdisp[CF_SHM_MAX_WORLD], most = 0, at_s = 0, at_r = 0;
+    cf_shm_seg segs[CF_SHM_MAX_WORLD];
+    cf_shm_args a = *a0;
+    a.root = (int64_t)(cf_shm_counts_hash(C, W) >> 1); /* compared as the descriptor's root */
+
+    for (int q = 0; q < W; q++) {
+        sdisp[q] = at_s;
+        at_s += C[(size_t)me * (size_t)W + (size_t)q];
+        rdisp[q] = at_r;
+        at_r += C[(size_t)q * (size_t)W + (size_t)me];
+    }
+    for (int s = 0; s < W; s++)
+        for (int r = 0; r < W; r++)
+            if (s != r && C[(size_t)s * (size_t)W + (size_t)r] > most)
+                most = C[(size_t)s * (size_t)W + (size_t)r];
+
+    for (int64_t k = 0, np = cf_shm_pieces(most, per); k < np; k++) {
+        int64_t off = k * per;
+        int ns = 0;
+        CF_CHECK(cf_shm_piece_begin(g, k, &a, err));
+        for (int q = 0; q < W; q++) {
+            int64_t len = cf_shm_clip(C[(size_t)me * (size_t)W + (size_t)q], off, per);
+            if (q != me && len > 0)
+                segs[ns++] = (cf_shm_seg){cf_shm_slot(g, me) + (size_t)q * block,
+                                          src + (size_t)(sdisp[q] + off) * esz,
+                                          (size_t)len * esz};
+        }
+        cf_shm_copies(segs, ns, a.max_threads);
+        CF_CHECK(cf_shm_piece_exchange(g, k, &a, err));
+        ns = 0;
+        for (int q = 0; q < W; q++) {
+            int64_t n = C[(size_t)q * (size_t)W + (size_t)me];
+            int64_t len = q == me ? (k == 0 ? n : 0) : cf_shm_clip(n, off, per);
+            if (len > 0)
+                segs[ns++] = (cf_shm_seg){
+                    dst + (size_t)(rdisp[q] + (q == me ? 0 : off)) * esz,
+                    q == me ? src + (size_t)sdisp[me] * esz
+                            : cf_shm_slot(g, q) + (size_t)me * block,
+                    (size_t)len * esz};
+        }
+        cf_shm_copies(segs, ns, a.max_threads);
+        cf_shm_piece_end(g);
+    }
+    return CF_OK;
+}
+
+/*
+ * all_to_all's checks (cf_shm_check): the counts matrix (non-negative entries,
+ * its sums fit in bytes), numel its total, this rank's send and receive totals
+ * addressable and not overlapping; no plan, root 0, scale 1.
+ */
 /* [lo, lo + n) and [lo2, lo2 + n2) overlap (byte ranges, non-empty). */
 static bool cf_shm_overlap(const void *p, size_t n, const void *q, size_t m)
 {
     uintptr_t a = (uintptr_t)p, b = (uintptr_t)q;
     return n > 0 && m > 0 && a < b + m && b < a + n;
 }
+
+static cf_status cf_shm_check_all_to_all(const cf_shm_group *g, const cf_shm_args *a,
+                                         size_t esz, cf_err *err)
+{
+    const int W = g->world, me = g->rank;
+    const int64_t cap = (int64_t)((size_t)INT64_MAX / esz);
+    int64_t total = 0, sent = 0, got = 0;
+    if (a->counts == NULL)
+        return cf_err_set(err, CF_EINVAL, "all_to_all: counts is NULL");
+    if (a->plan != NULL || a->root != 0 || a->scale != 1.0)
+        return cf_err_set(err, CF_EINVAL, "all_to_all takes no plan, root 0 and scale 1");
+    for (int s = 0; s < W; s++)
+        for (int r = 0; r < W; r++) {
+            int64_t c = a->counts[(size_t)s * (size_t)W + (size_t)r];
+            if (c < 0)
+                return cf_err_set(err, CF_EINVAL,
+                                  "all_to_all: counts[%d][%d] must be >= 0, got %lld", s, r,
+                                  (long long)c);
+            if (c > cap - total)
+                return cf_err_set(err, CF_EOVERFLOW, "all_to_all: counts are too large");
+            total += c;
+            if (s == me)
+                sent += c;
+            if (r == me)
+                got += c;
+        }
+    if (total != a->numel)
+        return cf_err_set(err, CF_EINVAL, "all_to_all: numel %lld is not the counts' total %lld",
+                          (long long)a->numel, (long long)total);
+    if ((sent > 0 && a->src == NULL) || (got > 0 && a->dst == NULL))
+        return cf_err_set(err, CF_EINVAL, "all_to_all: NULL address");
+    if (cf_shm_overlap(a->dst, (size_t)got * esz, a->src, (size_t)sent * esz))
+        return cf_err_set(err, CF_EINVAL, "all_to_all: input and output overlap");
+    return CF_OK;
+}
+
 
 cf_status cf_shm_check(const cf_shm_group *g, const cf_shm_args *a, cf_err *err)
 {
@@ -1438,6 +1564,10 @@ cf_status cf_shm_check(const cf_shm_group *g, const cf_shm_args *a, cf_err *err)
     if (a->numel < 0)
         return cf_err_set(err, CF_EINVAL, "%s: numel must be >= 0, got %lld", name,
                           (long long)a->numel);
+    if (a->op == CF_SHM_ALL_TO_ALL)
+        return cf_shm_check_all_to_all(g, a, esz, err);
+    if (a->counts != NULL)
+        return cf_err_set(err, CF_EINVAL, "%s takes no counts", name);
     if ((uint64_t)a->numel > (uint64_t)SIZE_MAX ||
         cf_mul_size_overflows((size_t)a->numel, esz, &unit) ||
         cf_mul_size_overflows(unit, (size_t)g->world, &in_bytes) || in_bytes > (size_t)INT64_MAX)
@@ -1529,6 +1659,7 @@ cf_status cf_shm_run(cf_shm_group *g, const cf_shm_args *a, cf_err *err)
         case CF_SHM_REDUCE_SCATTER: st = cf_shm_reduce_scatter(g, a, err); break;
         case CF_SHM_ALL_REDUCE: st = cf_shm_all_reduce(g, a, err); break;
         case CF_SHM_BROADCAST: st = cf_shm_broadcast(g, a, err); break;
+        case CF_SHM_ALL_TO_ALL: st = cf_shm_all_to_all(g, a, err); break;
         default:
             st = cf_err_set(err, CF_EINVAL, "unknown collective code %d", a->op);
             break;

@@ -37,7 +37,8 @@ typedef enum {
     CF_SHM_REDUCE_SCATTER = 1,
     CF_SHM_ALL_REDUCE = 2,
     CF_SHM_BROADCAST = 3,
-    CF_SHM_OP_COUNT = 4
+    CF_SHM_ALL_TO_ALL = 4,
+    CF_SHM_OP_COUNT = 5
 } cf_shm_op;
 
 /* The most ranks one segment serves. */
@@ -197,7 +198,8 @@ typedef struct {
     int op;              /* cf_shm_op */
     void *dst;           /* output (broadcast: the buffer, read on root) */
     const void *src;     /* input (broadcast: unused, NULL) */
-    int64_t numel;       /* AG: per-rank input; RS: per-rank output; AR, BC: buffer */
+    int64_t numel;       /* AG: per-rank input; RS: per-rank output; AR, BC: buffer;
+                          * A2A: the sum of counts (every element moved) */
     int dtype;           /* cf_dtype */
     double scale;        /* RS, AR: result multiplier (1.0: plain sum) */
     int64_t root;        /* BC: source rank in the group */
@@ -216,10 +218,18 @@ typedef struct {
     int64_t natural_numel;
     int natural_dtype; /* RS with a plan */
     double divisor;    /* RS with a plan: the pre-divide (1: none) */
+    /* A2A only: world_size x world_size element counts, sender-major (counts[s *
+     * world_size + r]: what rank s sends rank r), the same on every rank.  src
+     * holds this rank's blocks for ranks 0, 1, ... back to back (row `rank`), dst
+     * receives rank 0's block for this rank, then rank 1's, ... (column `rank`).
+     * The caller keeps the array alive until the op is done. */
+    const int64_t *counts;
 } cf_shm_args;
 
 /*
  * Validate a collective locally, before it is queued: known op and dtype,
+ * (all_to_all) a counts matrix of non-negative entries whose sums fit and
+ * whose total is numel, no plan, root 0 and scale 1,
  * numel >= 0 and its byte sizes fit, non-NULL buffers when numel > 0 (at
  * any address: the sums and casts use alignment-safe loads), root in range,
  * finite scale, a plan within the bounds of cfsdp.h, and buffers that do not

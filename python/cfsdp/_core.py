@@ -800,6 +800,21 @@ def admit(tensors: tuple, other: Optional[torch.Tensor] = None,
     return Admitted((*tensors, other), (*codes, DTYPE_CODES[other.dtype]))
 
 
+def counts_blob(counts: Sequence[Sequence[int]], world: int, rank: int) -> tuple:
+    """An all-to-all's ``world`` x ``world`` counts (sender-major) as C takes them (int64
+    bytes), with what ``rank`` sends and receives in all: (bytes, sent, received).
+    ``ValueError`` for a matrix of another shape or a negative count."""
+    rows = [list(r) for r in counts]
+    if len(rows) != world or any(len(r) != world for r in rows):
+        raise ValueError(f"cfsdp: all_to_all counts must be {world} x {world} (sender-major), "
+                         f"got {len(rows)} rows of {sorted({len(r) for r in rows})}")
+    flat = [int(v) for r in rows for v in r]
+    if min(flat, default=0) < 0:
+        raise ValueError(f"cfsdp: all_to_all counts must be >= 0, got {min(flat)}")
+    return (array.array("q", flat).tobytes(), sum(rows[rank]),
+            sum(r[rank] for r in rows))
+
+
 class ShmView:
     """This rank's view of one shared-memory segment of ``world`` ranks (``create``: make
     it, as the segment's rank 0; else attach to ``name``); see csrc/shm.c.  Raises what
@@ -906,4 +921,19 @@ class ShmView:
                   admitted: Optional[Admitted] = None):
         code = self._code("broadcast", t, admitted=admitted)
         return self._g.broadcast(t.data_ptr(), t.numel(), code, int(root), threads, (t,))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[Sequence[int]],
+                   threads: int, admitted: Optional[Admitted] = None):
+        """``counts[s][r]``: the elements rank ``s`` sends rank ``r`` (every rank passes the
+        same matrix); ``inp`` is this rank's row back to back, ``out`` gets its column in
+        rank order.  The sizes are checked here: C reads as many elements as the counts
+        say."""
+        code = self._code("all_to_all", out, inp, admitted=admitted)
+        blob, sent, got = counts_blob(counts, self._world, self.rank)
+        if inp.numel() != sent or out.numel() != got:
+            raise ValueError(f"cfsdp: shared-memory all_to_all: rank {self.rank} sends {sent} "
+                             f"and receives {got} elements by the counts, but the input has "
+                             f"{inp.numel()} and the output {out.numel()}")
+        return self._g.all_to_all(out.data_ptr(), inp.data_ptr(), blob, code, threads,
+                                  (out, inp))
 

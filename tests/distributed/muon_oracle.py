@@ -223,3 +223,34 @@ def small_buckets(bound: int):
         yield plans
     finally:
         _muon_bucket.BUCKET_BYTES, _muon_bucket.plan_buckets = old_bound, plan
+
+
+def shm_expected() -> bool:
+    """Whether cfsdp's collectives on one host take shared memory in this process (the C core,
+    ``CFSDP_SHM`` not "0"): then Muon's exchange must too."""
+    import os
+
+    import cfsdp
+
+    return cfsdp.backend == "c" and os.environ.get("CFSDP_SHM", "1").strip() != "0"
+
+
+@contextlib.contextmanager
+def exchange_transports():
+    """Within: every all-to-all of ``cfsdp.optim.Muon``'s exchange is recorded by the transport
+    that carries it (``comm.transport(...).transport``: "shared memory (...)", "process group
+    ...", "two levels ..."); yields that list."""
+    from cfsdp._runtime import comm
+
+    seen: list = []
+    real = comm.all_to_all
+
+    def spy(out, inp, counts, group, async_op):
+        seen.append(comm.transport(group, inp).transport)
+        return real(out, inp, counts, group, async_op)
+
+    _muon_bucket.comm.all_to_all = spy
+    try:
+        yield seen
+    finally:
+        _muon_bucket.comm.all_to_all = real

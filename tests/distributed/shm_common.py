@@ -61,7 +61,8 @@ def close_to_gloo(got: torch.Tensor, gloo: torch.Tensor, inputs: list[torch.Tens
 
 
 def check_all_ops(ctx, group, dtype, sizes, seed0=0) -> None:
-    """Every op on `group` through comm (async, waited at once) against gloo."""
+    """Every op on `group` through comm (async, waited at once) against gloo (all-to-all with
+    the whole counts matrix, drawn from the seed: every rank knows it)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     for i, n in enumerate(sizes):
         seed = seed0 + 10 * i
@@ -115,6 +116,25 @@ def check_all_ops(ctx, group, dtype, sizes, seed0=0) -> None:
             comm.broadcast(t, root, group, async_op=True).wait()
             dist.broadcast(ref, group=group, group_src=root)
             same_bits(t, ref, f"broadcast {dtype} n={n} root={root}")
+        check_all_to_all(group, dtype, n, seed + 4)
+
+
+def check_all_to_all(group, dtype, n: int, seed: int) -> None:
+    """An all-to-all through comm against gloo's ``all_to_all_single``, bitwise: blocks of
+    uneven sizes up to ``n`` (some empty, one exactly ``n``), the counts matrix drawn from
+    ``seed`` (every rank draws the same)."""
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, n + 1, (W, W), generator=g)
+    counts[torch.rand(W, W, generator=g) < 0.2] = 0
+    counts[0, W - 1] = n
+    counts = counts.tolist()
+    inp = data(seed + 1, r, sum(counts[r]), dtype)
+    out = torch.empty(sum(row[r] for row in counts), dtype=dtype)
+    ref = torch.empty_like(out)
+    comm.all_to_all(out, inp, counts, group, async_op=True).wait()
+    dist.all_to_all_single(ref, inp, [row[r] for row in counts], counts[r], group=group)
+    same_bits(out, ref, f"all_to_all {dtype} n={n}")
 
 
 def _train(model: torch.nn.Module, steps: int, seed: int, sgd: bool = False) -> list[float]:

@@ -16,8 +16,8 @@ world group is host-major (group rank = host * k + local rank).  Subtests:
 * ``two_level_collectives`` (k >= 2): every collective through cfsdp against the
   single-process oracle of the documented two-level order (``cfsdp._ref.shm_reduce``, the
   twin, host sums in local-rank order then over hosts: **bitwise**) and against gloo on the
-  same group (all-gather and broadcast bitwise, sums within worker_shm's tolerance), with
-  async ops waited out of order and process-group ops interleaved (ordering);
+  same group (all-gather, broadcast and all-to-all bitwise, sums within worker_shm's
+  tolerance), with async ops waited out of order and process-group ops interleaved (ordering);
 * ``bytes_between_hosts`` (k >= 2): this host's link counter around one all-gather and one
   reduce-scatter: two levels send (H - 1) x k blocks per host, the least any algorithm can;
   gloo's flat collectives on the same group more (measured, and bounded here);
@@ -157,6 +157,7 @@ def check_ops(group, dtype, sizes, seed0: int) -> None:
             comm.broadcast(t, root, group, async_op=True).wait()
             dist.broadcast(ref, group=group, group_src=root)
             shmc.same_bits(t, ref, f"broadcast {dtype} n={n} root={root}")
+        shmc.check_all_to_all(group, dtype, n, seed + 4)
 
 
 if TWO_LEVEL:

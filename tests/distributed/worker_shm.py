@@ -8,7 +8,7 @@ every other rank's input.  Each collective goes once through ``cfsdp._runtime.co
 memory when ``CFSDP_IMPL=c``; checked with ``comm.uses_shm``) and once straight through gloo
 on the same group and data.  Comparisons:
 
-* all-gather and broadcast: **bitwise** against gloo;
+* all-gather, broadcast and all-to-all (uneven blocks, some empty): **bitwise** against gloo;
 * reduce-scatter and all-reduce: **bitwise** against the sum kernel's twin
   ``cfsdp._ref.shm_reduce`` over the ranks' inputs in rank order (sum in float32, float64
   for float64, times the scale, one rounding), and against gloo **within**

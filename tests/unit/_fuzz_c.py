@@ -832,7 +832,40 @@ def groups():
 
 
 OPS = ["all_gather", "all_gather_unpack", "reduce_scatter_pack", "reduce_scatter", "all_reduce",
-       "broadcast"]
+       "broadcast", "all_to_all"]
+
+# all_to_all's counts: promised (the buffers are sized by them), so either the truth or
+# entries C must refuse by itself (negative, or a total whose bytes do not fit int64)
+bad_count = st.one_of(st.integers(-2**63, -1), st.sampled_from([2**62, 2**63 - 1]))
+
+
+class A2A:
+    """An all_to_all buffer of one rank, sized by the counts matrix: "dst" its column (what
+    it receives), "src" its row (what it sends), ``shift`` bytes past an aligned address;
+    ``bad``: a promised address C must refuse instead (from ``bad_addr``)."""
+
+    def __init__(self, which: str, shift: int, bad=None):
+        self.which, self.shift, self.bad = which, shift, bad
+
+    def __repr__(self):
+        return f"A2A({self.which}, +{self.shift}{', ' + repr(self.bad) if self.bad else ''})"
+
+
+def _a2a_nbytes(which, matrix, rank, esz):
+    """The bytes of rank ``rank``'s buffer (a bad count reads as 0: C refuses the call)."""
+    vals = [value_of(v, 0) for v in (matrix[rank] if which == "src" else
+                                      [row[rank] for row in matrix])]
+    return sum(v for v in vals if 0 <= v < 2**62) * esz
+
+
+def _counts_blob(matrix, world):
+    """The counts' bytes (int64, sender-major), made per call; junk or a wrong length as drawn."""
+    if isinstance(matrix, str):
+        return {"SHORT": b"\0" * (8 * world * world - 1), "LONG": b"\0" * (8 * world * world + 8)
+                }.get(matrix, matrix)
+    if not isinstance(matrix, list):
+        return Call()(matrix)
+    return array.array("q", [value_of(v, 0) for row in matrix for v in row]).tobytes()
 
 
 @st.composite
@@ -858,6 +891,19 @@ def _collective(draw, op):
                     h.addr(h.buf(nat * esz_of(ncode))), h.promise(nat), ncode,
                     h.fl(st.sampled_from([1.0, 2.0, 0.5])), h.fl(st.sampled_from([1.0, 0.5])),
                     ("PLAN", plan), mt]
+    elif op == "all_to_all":
+        # every count up to several pieces of a slot half's block per rank
+        matrix = [[draw(st.integers(0, 200)) for _ in range(world)] for _ in range(world)]
+        if h.bad():
+            r, c = draw(st.integers(0, world - 1)), draw(st.integers(0, world - 1))
+            matrix[r][c] = draw(bad_count)
+        counts = ("COUNTS", matrix)
+        if h.bad():
+            counts = ("COUNTS", draw(st.one_of(junk, st.sampled_from(["SHORT", "LONG"]))))
+        shifts = [draw(st.sampled_from([0, 0, 0, 1, 2, 6])) for _ in range(2)]
+        dst = A2A("dst", shifts[0], draw(bad_addr) if h.bad() else None)
+        src = A2A("src", shifts[1], draw(bad_addr) if h.bad() else None)
+        args = [dst, src, counts, code, mt]
     else:
         n = draw(st.integers(0, 300))  # up to several pieces of the 512-byte slots
         if op == "all_gather":
@@ -892,9 +938,20 @@ def _plan_blob(plan):
 def _args_for(call, args, world, rank):
     """One rank's arguments: its own buffers, the same checked values as the others."""
     mat = []
+    matrix = next((x[1] for x in args if isinstance(x, tuple) and x[:1] == ("COUNTS",)), None)
     for x in args:
         if isinstance(x, tuple) and x[:1] == ("PLAN",):
             mat.append(_plan_blob(x[1]))
+        elif isinstance(x, tuple) and x[:1] == ("COUNTS",):
+            mat.append(_counts_blob(x[1], world))
+        elif isinstance(x, A2A):
+            if x.bad is not None:
+                mat.append(call(x.bad))
+            elif not isinstance(matrix, list):  # the call is refused before any buffer is read
+                mat.append(call(Buf(0)))
+            else:
+                mat.append(call(Buf(_a2a_nbytes(x.which, matrix, rank, esz_of(args[3])),
+                                    x.shift)))
         elif isinstance(x, str):
             mat.append(None)
         else:

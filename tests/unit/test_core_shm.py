@@ -230,6 +230,85 @@ def test_collectives_match_torch(groups, world):
                 assert torch.equal(b.view(torch.uint8), want.view(torch.uint8))
 
 
+def counts_of(world, n, gen):
+    """An all-to-all's counts: blocks up to n elements, some empty, one exactly n."""
+    counts = torch.randint(0, n + 1, (world, world), generator=gen)
+    counts[torch.rand(world, world, generator=gen) < 0.25] = 0
+    counts[world - 1, 0] = n
+    return counts.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_to_all_matches_its_twin(groups, world):
+    """Every rank's blocks of uneven sizes (empty ones, many pieces of the small slots),
+    every dtype, each rank's buffers at an odd address now and then: byte for byte what
+    the twin ``_ref.shm_all_to_all`` says each rank receives; the op leaves its input as it
+    was.  Also through ``_core.ShmView``'s checks."""
+    from cfsdp._ref import shm_all_to_all as ref_a2a
+
+    gs = groups(world)
+    gs.wait_attached()
+    gen = torch.Generator().manual_seed(world + 100)
+    for dtype, n, shift in itertools.product(DTYPES, SIZES, (0, 1)):
+        counts = counts_of(world, n, gen)
+        blob = array.array("q", [c for row in counts for c in row]).tobytes()
+        ins = [random_tensor(sum(counts[r]) + shift, dtype, gen)[shift:] for r in range(world)]
+        before = [i.clone() for i in ins]
+        outs = [random_tensor(sum(row[r] for row in counts) + shift, dtype, gen)[shift:]
+                for r in range(world)]
+        run_all([g.all_to_all(o.data_ptr(), i.data_ptr(), blob, CODE[dtype], 1 + r % 2, (o, i))
+                 for r, (g, o, i) in enumerate(zip(gs.views, outs, ins))])
+        for r, (o, want) in enumerate(zip(outs, ref_a2a(before, counts))):
+            assert torch.equal(o.view(torch.uint8), want.view(torch.uint8)), (dtype, n, r)
+        for i, b in zip(ins, before):
+            assert torch.equal(i.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_all_to_all_refuses_what_does_not_fit(groups):
+    """Bad counts are refused before anything is queued (C's own checks and the view's),
+    ranks with different matrices fail with a message naming the other rank."""
+    gs = groups(2)
+    gs.wait_attached()
+    g, x, y = gs.views[0], torch.zeros(8), torch.zeros(8)
+
+    def blob(rows):
+        return array.array("q", [c for row in rows for c in row]).tobytes()
+
+    p, q = x.data_ptr(), y.data_ptr()
+    cases = [
+        (lambda: g.all_to_all(p, q, blob([[1, -1], [0, 0]]), 0, 1, None), ValueError,
+         r"counts\[0\]\[1\] must be >= 0"),
+        (lambda: g.all_to_all(p, q, blob([[2**62, 2**62], [0, 0]]), 0, 1, None), OverflowError,
+         "too large"),
+        (lambda: g.all_to_all(p, q, b"\0" * 24, 0, 1, None), ValueError, "expected 32"),
+        (lambda: g.all_to_all(p, q, [[1, 1], [1, 1]], 0, 1, None), TypeError, "bytes"),
+        (lambda: g.all_to_all(p, p + 4, blob([[2, 2], [2, 2]]), 0, 1, None), ValueError,
+         "overlap"),
+        (lambda: g.all_to_all(0, q, blob([[2, 2], [2, 2]]), 0, 1, None), ValueError, "NULL"),
+        (lambda: g.all_to_all(p, q, blob([[2, 2], [2, 2]]), 9, 1, None), ValueError,
+         "dtype code"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    view = _core.ShmView.__new__(_core.ShmView)
+    view._g, view._world = g, 2
+    with pytest.raises(ValueError, match="sends 3 and receives 2 elements"):
+        view.all_to_all(torch.zeros(2), torch.zeros(4), [[1, 2], [1, 0]], 1)
+    with pytest.raises(ValueError, match="must be 2 x 2"):
+        view.all_to_all(torch.zeros(2), torch.zeros(3), [[1, 2]], 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        view.all_to_all(torch.zeros(2), torch.zeros(3), [[4, -1], [0, 0]], 1)
+    # nothing was queued; then ranks that disagree about the matrix fail, naming the other
+    a, b = torch.zeros(4), torch.zeros(4)
+    w0 = gs.views[0].all_to_all(x.data_ptr(), a.data_ptr(), blob([[2, 2], [2, 2]]), 0, 1, (x, a))
+    w1 = gs.views[1].all_to_all(y.data_ptr(), b.data_ptr(), blob([[2, 2], [1, 3]]), 0, 1, (y, b))
+    for w in (w0, w1):
+        with pytest.raises(RuntimeError, match=r"collectives differ between ranks: .*all_to_all "
+                           r"\(numel 8, float32, counts hash \d+\), rank \d \(global 1[01]\)"):
+            w.wait()
+
+
 def chunk_plan(shapes, world):
     """fully_shard's plan for parameters of these shapes: (nat_off, numel, chunk_numel,
     shard_off, outer) each, and the per-rank shard numel.  A shape (rows, row_numel) is

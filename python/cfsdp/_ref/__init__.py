@@ -11,7 +11,7 @@ from .copy import shard_fill
 from .chunk import chunk_pack, chunk_unpack
 from .reduce import scale_cast_add
 from .norm import norm_partial
-from .shm import ShmSegment, shm_memcpy, shm_reduce
+from .shm import ShmSegment, shm_all_to_all, shm_memcpy, shm_reduce
 from .optim import adam_step, sgd_step
 from .bind import attr_flags, attr_get, attr_set, dict_pop, dict_set, shape_views
 
@@ -24,6 +24,7 @@ __all__ = [
     "norm_partial",
     "shm_reduce",
     "shm_memcpy",
+    "shm_all_to_all",
     "ShmSegment",
     "adam_step",
     "sgd_step",

@@ -2,7 +2,8 @@
 
 The collectives themselves have the process group as their twin (see
 ``cfsdp._runtime.comm``); what is C in them besides synchronisation is one sum
-kernel and plain copies, twinned here, the check that a file is this job's
+kernel and plain copies, twinned here (and the all-to-all's block layout,
+``shm_all_to_all``, for the in-process tests that drive every rank at once), the check that a file is this job's
 before it is mapped (``_check_fd``: see "Trust" in ``csrc/shm.c``) and the
 host-shared segment facility that makes and maps such files (``ShmSegment``,
 twin of ``cfsdp._C.ShmSegment`` / ``cf_shm_map_file``).
@@ -48,6 +49,20 @@ def shm_reduce(dst: torch.Tensor, srcs: Sequence[torch.Tensor], scale: float) ->
 def shm_memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src``'s bytes into ``dst`` (same number of bytes, no overlap)."""
     dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+
+
+def shm_all_to_all(inputs: Sequence[torch.Tensor],
+                   counts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """What every rank of an all-to-all receives (the twin of the segment's ``all_to_all``,
+    taking every rank's input at once): ``inputs[s]`` holds rank ``s``'s blocks for ranks
+    0, 1, ... back to back, ``counts[s][r]`` elements each; rank ``r`` receives rank 0's
+    block for it, then rank 1's, ... (``torch.distributed.all_to_all_single``'s layout)."""
+    world = len(inputs)
+    rows = [[int(c) for c in row] for row in counts]
+    if len(rows) != world or any(len(r) != world for r in rows):
+        raise ValueError(f"counts must be {world} x {world}")
+    blocks = [list(torch.split(x.reshape(-1), row)) for x, row in zip(inputs, rows)]
+    return [torch.cat([blocks[s][r] for s in range(world)]) for r in range(world)]
 
 
 def _user_name(uid: int) -> str:

@@ -902,6 +902,15 @@ class Transport:
                                                      async_op=async_op))
         return Pending(work, t)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[Sequence[int]],
+                   async_op: bool) -> Pending:
+        me = self.group.rank()
+        splits_in = [int(c) for c in counts[me]]
+        splits_out = [int(row[me]) for row in counts]
+        work = self._issue(out, lambda: dist.all_to_all_single(
+            out, inp, splits_out, splits_in, group=self.group, async_op=async_op))
+        return Pending(work, out, inp)
+
 
 class _Solo(Transport):
     """A group of one rank: every op is its local equivalent, at once (see "One rank")."""
@@ -930,6 +939,14 @@ class _Solo(Transport):
         return _scaled(None, t, scale, False)
 
     def broadcast(self, t, src, async_op):
+        return Pending(None)
+
+    def all_to_all(self, out, inp, counts, async_op):
+        _, sent, got = _core.counts_blob(counts, 1, 0)
+        if inp.numel() != sent or out.numel() != got:
+            raise ValueError(f"all_to_all: input has {inp.numel()} and output {out.numel()} "
+                             f"elements, the counts say {sent} and {got}")
+        out.copy_(inp)
         return Pending(None)
 
 
@@ -992,6 +1009,13 @@ class _SharedBase(Transport):
             return super().broadcast(t, src, async_op)
         self._check_src(src)
         return _shm_done(self._run("broadcast", adm, t, int(src), _threads()), async_op, t)
+
+    def all_to_all(self, out, inp, counts, async_op):
+        adm = self._carries(out, inp)
+        if adm is None:
+            return super().all_to_all(out, inp, counts, async_op)
+        return _shm_done(self._run("all_to_all", adm, out, inp, counts, _threads()), async_op,
+                         out, inp)
 
 
 class _SharedMemory(_SharedBase):
@@ -1125,6 +1149,20 @@ def all_reduce(
     """Reduce ``t`` (sum, or ``op``) over the ranks of ``group``, in place, multiplied
     by ``scale`` if given (fused into the sum on shared memory)."""
     return transport(group, t).all_reduce(t, async_op, op=op, scale=scale)
+
+
+@_traced("all_to_all")
+def all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, counts: Sequence[Sequence[int]],
+    group: dist.ProcessGroup, async_op: bool,
+) -> Pending:
+    """Every rank's blocks to every rank: ``counts[s][r]`` elements go from rank ``s`` to rank
+    ``r`` (the whole ``world x world`` matrix, sender-major, the same on every rank: shared
+    memory copies every block once from the sender's slot, and the ranks check that they
+    agree on it).  ``inp`` holds this rank's row of blocks back to back, ``out`` receives its
+    column in rank order: ``dist.all_to_all_single(out, inp, column, row)``, which is the
+    process-group path.  Byte copies: the same bits on every transport."""
+    return transport(group, inp).all_to_all(out, inp, counts, async_op)
 
 
 @_traced("broadcast")

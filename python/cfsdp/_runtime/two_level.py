@@ -22,6 +22,14 @@ algorithm can: 1/k of what a flat collective over the W ranks moves per rank)
 * **all_reduce**: reduce_scatter into this rank's block of a buffer padded to ``W`` equal
   blocks, then all_gather of the blocks (each block summed once, by its owner, so every
   rank gets the same bits).
+* **all_to_all** (``counts[s][r]`` elements from rank ``s`` to rank ``r``, every rank knowing
+  the whole matrix): first inside the host, a shared-memory all-to-all that gives local rank
+  ``l'`` every block of this host for a rank of local index ``l'`` on any host (ordered by
+  host); then between hosts, to each ``peer(h')`` all of this host's blocks for it in one
+  message (sender order) and from it all of host ``h'``'s blocks for this rank, straight into
+  their place in the output (whose senders ``h' * k .. h' * k + k - 1`` are contiguous); this
+  host's blocks for this rank are copied from the first stage.  Every byte crosses between
+  hosts once, in ``H - 1`` messages per rank instead of ``W - k``.
 * **broadcast** from group rank ``R = h_R * k + l_R``: between hosts the root sends to
   ``peer(h')`` of local rank ``l_R``, then a shared-memory broadcast from local rank ``l_R``
   inside every host.
@@ -333,6 +341,50 @@ class Lane:
             self._shm_wait([self.intra.broadcast(t, root_local, threads)])
 
         return self.submit("broadcast", run)
+
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[Sequence[int]],
+                   threads: int) -> LaneWork:
+        H, k, h, l = self.hosts, self.per_host, self.host, self.local
+        W, me = H * k, self.rank
+        C = [[int(c) for c in row] for row in counts]
+        _, sent, got = _core.counts_blob(C, W, me)
+        if inp.numel() != sent or out.numel() != got:
+            raise ValueError(f"all_to_all: rank {me} sends {sent} and receives {got} elements "
+                             f"by the counts, but the input has {inp.numel()} and the output "
+                             f"{out.numel()}")
+        g = lambda hh, ll: hh * k + ll  # noqa: E731 - group rank of (host, local rank)
+        sdisp = [sum(C[me][:r]) for r in range(W)]
+        rdisp = [sum(C[s][me] for s in range(q)) for q in range(W)]
+        # stage 1, inside the host: local rank l1 gets from each host-mate l0 its blocks for
+        # (h', l1) for every host h', ordered by h'
+        c1 = [[sum(C[g(h, l0)][g(q, l1)] for q in range(H)) for l1 in range(k)]
+              for l0 in range(k)]
+
+        def run() -> None:
+            send1 = torch.cat([inp.narrow(0, sdisp[g(q, l1)], C[me][g(q, l1)])
+                               for l1 in range(k) for q in range(H)]) if sent else inp
+            recv1 = torch.empty(sum(c1[l0][l] for l0 in range(k)), dtype=out.dtype)
+            self._shm_wait([self.intra.all_to_all(recv1, send1, c1, threads)])
+            # recv1: for each host-mate l0, for each host h', the block (h, l0) -> (h', l)
+            at, piece = 0, {}
+            for l0 in range(k):
+                for q in range(H):
+                    n = C[g(h, l0)][g(q, l)]
+                    piece[l0, q] = recv1.narrow(0, at, n)
+                    at += n
+            # stage 2, between hosts, with the rank of local index l on each other host: all
+            # of this host's blocks for it, sender order; theirs for this rank land in place
+            # (out is in sender order, and host q's senders are contiguous)
+            others = [q for q in range(H) if q != h]
+            sends = [(q, torch.cat([piece[l0, q] for l0 in range(k)])) for q in others]
+            recvs = [(q, out.narrow(0, rdisp[g(q, 0)],
+                                    sum(C[g(q, l0)][me] for l0 in range(k)))) for q in others]
+            self._exchange(sends, recvs)
+            for l0 in range(k):
+                out.narrow(0, rdisp[g(h, l0)], C[g(h, l0)][me]).copy_(piece[l0, h])
+
+        return self.submit("all_to_all", run)
 
 
 class _Waits:

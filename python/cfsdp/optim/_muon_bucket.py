@@ -14,15 +14,19 @@ shapes and placements.  ``exchange_blocks``:
    so a group's first exchange checks it on every rank with one small all-reduce
    (``agreed_bucket_bytes``) and every rank raises, naming the variable, where they differ,
    instead of one rank waiting for a collective the others never post;
-2. per bucket, one ``all_to_all_single`` to the owners: each rank writes its block of every
-   matrix of the bucket straight into its slot of one send buffer of the wire dtype (bf16:
-   Newton–Schulz's first op is ``.bfloat16()``, an elementwise rounding, and ``copy_`` into a
-   bf16 buffer is the same conversion, fp64 included; no padding: every rank knows every
-   block's size), ordered by destination rank, then by matrix index; the owner receives into
-   one buffer and writes the blocks into its full matrices;
+2. per bucket, one all-to-all to the owners (``comm.all_to_all``: shared memory among the
+   ranks of one host, shared memory and the process group in two levels across hosts, else
+   the process group's ``all_to_all_single``; every rank knows every rank's blocks, so each
+   passes the whole counts matrix, which the shared-memory ranks check they agree on): each
+   rank writes its block of every matrix of the bucket straight into its slot of one send
+   buffer of the wire dtype (bf16: Newton–Schulz's first op is ``.bfloat16()``, an
+   elementwise rounding, and ``copy_`` into a bf16 buffer is the same conversion, fp64
+   included; no padding: every rank knows every block's size), ordered by destination rank,
+   then by matrix index; the owner receives into one buffer and writes the blocks into its
+   full matrices;
 3. the owner orthogonalizes the bucket's matrices in one call (same-shape ones stacked:
    [Note: stacked Newton-Schulz] in ``_muon``), writes each rank's block of each result into
-   one send buffer, and one ``all_to_all_single`` brings every rank its block of the results;
+   one send buffer, and one all-to-all brings every rank its block of the results;
 4. pipelined: bucket ``b + 1``'s forward exchange is issued (``async_op=True``) before the
    owners orthogonalize bucket ``b``, and bucket ``b``'s return is in flight while bucket
    ``b + 1`` is orthogonalized; every return is waited for before this returns (before the
@@ -30,7 +34,8 @@ shapes and placements.  ``exchange_blocks``:
 
 A rank holds at a time about two buckets' send and receive buffers, one bucket's full matrices
 and Newton–Schulz operands, and its own blocks of the results (what the parameter update needs),
-instead of every matrix of the group.  Pure torch (``torch.distributed``; no C).
+instead of every matrix of the group.  The copies and Newton–Schulz are torch ops; the
+exchanges are cfsdp's collectives (C on a host).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._runtime import comm
 from ._muon_owners import assign_owners, plan_buckets
 
 __all__ = ["BUCKET_BYTES", "BUCKET_ENV", "agreed_bucket_bytes", "bucket_bytes", "exchange_blocks"]
@@ -161,10 +167,11 @@ def exchange_blocks(
     bound = agreed_bucket_bytes(pg, n, device) if shapes else bucket_bytes()
     buckets = plan_buckets([math.prod(s) * item for s in shapes], bound)
 
-    def a2a(send: Tensor, send_splits: list, recv_splits: list, dtype: torch.dtype):
-        recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg,
-                                      async_op=True)
+    def a2a(send: Tensor, counts: list, dtype: torch.dtype):
+        """Post one all-to-all of ``counts`` (the whole matrix, sender-major: every rank
+        knows every rank's blocks) through cfsdp's collectives: (work, send, recv)."""
+        recv = torch.empty(sum(row[me] for row in counts), dtype=dtype, device=device)
+        work = comm.all_to_all(recv, send, counts, pg, async_op=True)
         return work, send, recv
 
     def forward(ks: list):
@@ -178,8 +185,9 @@ def exchange_blocks(
                 send.narrow(0, off, numel[k][me]).view(blocks[k][me][1]).copy_(chunks[k])
                 chunks[k] = None
                 off += numel[k][me]
-        mine = dest[me]
-        return a2a(send, splits, [sum(numel[k][r] for k in mine) for r in range(n)], wire_dtype)
+        counts = [[sum(numel[k][s] for k in ks if owners[k] == r) for r in range(n)]
+                  for s in range(n)]
+        return a2a(send, counts, wire_dtype)
 
     def assembled(ks: list, recv: Tensor) -> tuple:
         """The owner's full matrices of the bucket (rank r's blocks in ``recv`` after rank
@@ -216,8 +224,9 @@ def exchange_blocks(
                 send.narrow(0, off, numel[k][r]).view(blocks[k][r][1]).copy_(
                     res[_region(blocks[k][r])])
                 off += numel[k][r]
-        recv_splits = [sum(numel[k][me] for k in ks if owners[k] == r) for r in range(n)]
-        return a2a(send, splits, recv_splits, out_dtype)
+        counts = [[sum(numel[k][r] for k in ks if owners[k] == s) for r in range(n)]
+                  for s in range(n)]
+        return a2a(send, counts, out_dtype)
 
     out: list = [None] * len(shapes)
 

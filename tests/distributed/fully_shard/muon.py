@@ -14,7 +14,8 @@ bf16 ulps of an update; measured at 2 ranks: the parameters bitwise on these cas
 same model (the usual pairing). A spy counts the matrices each rank orthogonalizes: per step,
 each matrix exactly once in its shard group, on the owner ``assign_owners`` names, all of
 them in one exchange per step (``muon_buckets``: that exchange cut into several buckets, one
-pair of all_to_all_single each, still bitwise).
+pair of all-to-alls each, still bitwise), through shared memory (``comm.all_to_all``) where
+the launch's collectives take it (2 ranks), else the process group.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import parity_common as pc
 from fs_common import CFSDP, Scenario, batches, make_model, mesh_1d, mesh_2d, run_scenario, run_steps
 from fully_shard.checkpoint import clone_tree, dcp_load, dcp_save, shared_tmpdir
 from fully_shard.common import WORLD, largest_dim, raised
-from muon_oracle import AllGatherMuon, Pair, small_buckets, spy_muon
+from muon_oracle import (AllGatherMuon, Pair, exchange_transports, shm_expected, small_buckets,
+                         spy_muon)
 
 import cfsdp
 from cfsdp.optim import _muon_bucket as mb
@@ -168,8 +170,15 @@ def _muon_run(ctx, case: str, mesh) -> None:
     sc = Scenario(**sc_kw, make_optim=muon_factory(kw, counts), ref_optim=single_process_muon(kw),
                   ref_tol=MUON_REF_TOL, ref_build=sc_kw.get("build"))
     mm = pc.Mismatches(ctx)
-    run_scenario(ctx, sc, mesh, mm)
+    with exchange_transports() as seen:
+        run_scenario(ctx, sc, mesh, mm)
     _check_owners(ctx, mm, sc.build(sc.kind, 0), mesh, counts)
+    # the exchange goes through cfsdp's collectives: shared memory on this one host when the
+    # process's collectives take it, else the process group
+    want = "shared memory" if shm_expected() else "process group"
+    mm.check(seen and all(t.startswith(want) for t in seen),
+             f"rank {ctx.rank}: Muon's all-to-alls went through {sorted(set(seen))}, "
+             f"expected {want}")
     mm.raise_if_any()
 
 
