@@ -177,7 +177,8 @@ the sum before that single rounding.  Two levels sum in a documented order of
 their own: each host's ranks in local-rank order, rounded, then the host sums in
 host order, scaled and rounded once (two_level.py); every rank gets the same bits
 there too.  On the process group ``scale`` is a separate ``mul_`` after the
-collective.  All-gather and broadcast are byte copies, identical on every transport.
+collective.  All-gather, broadcast and all-to-all are byte copies, identical on every
+transport.
 
 One rank.  A group of one rank needs no transport: every function does its
 local equivalent at once (a copy, the chunk copy, the scale), in either
@@ -953,7 +954,7 @@ class _Solo(Transport):
 class _SharedBase(Transport):
     """What shared memory carries, one level or two: the engine (``_core.ShmView`` or a
     ``two_level.Lane``, which take the same calls) runs the group's eligible all-gathers,
-    reduce-scatters, all-reduces and broadcasts in issue order."""
+    reduce-scatters, all-reduces, broadcasts and all-to-alls in issue order."""
 
     def __init__(self, group: dist.ProcessGroup, engine: Any, transport: str):
         super().__init__(group, transport)
