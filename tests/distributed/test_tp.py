@@ -1,7 +1,8 @@
 """Tensor parallelism with both faces against torch (see worker_tp.py and worker_tp_wrapper.py
 for what is compared).
 
-One torchrun launch per world size runs every subtest; the checkpoint-across-meshes test
+One torchrun launch per world size runs every subtest (and one of 8 ranks the one subtest that
+needs them: Muon on a (2, 2, 2) HSDP x TP mesh); the checkpoint-across-meshes test
 chains two launches sharing the test's tmp_path: 4 ranks on (2, 2) save, 2 ranks load on
 (1, 2) and (2, 1).  ``CFSDP_SUBTESTS=substr`` runs only the matching subtests.
 """
@@ -39,6 +40,19 @@ def test_spmd_meshes(tmp_path, world_size):
     (ShardPlacementResult: a mixture of experts) against torch's FSDP2 (worker_spmd.py)."""
     run_worker("worker_spmd.py", world_size, args=subtest_filter(), timeout=LAUNCH_TIMEOUT_S,
                env={"CFSDP_CKPT_DIR": str(tmp_path)})
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world_size", [8])  # CFSDP_TEST_WORLD_SIZES=2 passes leave it out
+def test_muon_hsdp_tp_at_8_ranks(tmp_path, world_size):
+    """cfsdp.optim.Muon on HSDP x TP over a (2, 2, 2) mesh: the one case that needs 8 ranks
+    (two replicates, each matrix cut over the (shard, tp) ranks of its replicate, each
+    replicate's exchange on a process group of its own), worker_tp.py's ``fs_muon_hsdp_tp``
+    alone, bitwise against torch's fully_shard with the all-gather Muon; the exchange through
+    shared memory (every reduction of this layout has two terms, so gloo's sums agree)."""
+    run_worker("worker_tp.py", world_size, args=["--only", "fs_muon_hsdp_tp"],
+               timeout=LAUNCH_TIMEOUT_S,
+               env={"CFSDP_CKPT_DIR": str(tmp_path), "CFSDP_SHM": "1"})
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)

@@ -297,20 +297,27 @@ if WORLD == 4:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard", "tp"))
         check_pair(ctx, run_pair(ctx, mesh, sp, dp_key=("rep", "shard")))
 
-    @h.subtest
-    def fs_muon_hsdp_tp_refused(ctx):
-        """HSDP x TP (1, 2, 2): a matrix sharded over two dims of a 3-D mesh is not
-        reassembled yet (_muon_mesh takes a 2-D (dp, tp) mesh): NotImplementedError naming the
-        parameter and what to use, when the group is added."""
-        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+
+
+if WORLD in (4, 8):
+    @h.subtest(grid={"shape": [(2, 1, 2), (1, 2, 2)] if WORLD == 4 else [(2, 2, 2)]})
+    def fs_muon_hsdp_tp(ctx, shape):
+        """cfsdp.optim.Muon (+ AdamW) on HSDP x TP (a 3-D (replicate, shard, tp) mesh) against
+        the all-gather Muon on torch's: bitwise.  (1, 2, 2): every matrix sharded over the
+        shard and tp dims of a 3-D mesh (blocks over the 4 ranks, on the exchange's own group
+        of them); (2, 1, 2): over tp only, each replicate orthogonalizing its own copy; (2, 2,
+        2) at 8 ranks (test_tp.py's launch of this subtest alone): over (shard, tp), each
+        replicate's 4 ranks exchanging on a group of their own."""
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard", "tp"))
+        check_pair(ctx, run_pair(ctx, mesh, False, dp_key=("rep", "shard"), make_opt=_muon_pair))
         model = fs_model("cfsdp", mesh, False, dp_key=("rep", "shard"))
-        try:
-            cfsdp.optim.Muon([(n, p) for n, p in model.named_parameters() if p.ndim >= 2])
-        except NotImplementedError as e:
-            if "'tok.weight'" not in str(e) or "TP x FSDP on a 2-D" not in str(e):
-                raise AssertionError(f"the message does not name the parameter and what to use: {e}")
-        else:
-            raise AssertionError("Muon took a matrix sharded over two dims of a 3-D mesh")
+        _check_blocks(ctx, model)
+        if shape[1] > 1:  # the exchange's group: the ranks of this rank's replicate
+            lay = shard_layout(model.tok.weight)[0]
+            rep = mesh.get_local_rank("rep")
+            want = tuple(int(r) for r in mesh.mesh[rep].flatten().sort().values)
+            assert isinstance(lay, MeshLayout) and lay.ranks == want, (lay, want)
+            assert dist.get_process_group_ranks(lay.group) == list(want)
 
 
 # ----------------------------------------------------------------------------- DDP + TP

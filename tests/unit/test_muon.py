@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import math
 import random
 
@@ -23,7 +24,7 @@ from cfsdp._ref import optim as ref
 from cfsdp.optim import _muon
 from cfsdp.optim import _muon_bucket
 from cfsdp.optim._muon_owners import assign_owners, ns_cost, plan_buckets
-from cfsdp.optim._muon_mesh import block
+from cfsdp.optim._muon_mesh import block, group_ranks
 from cfsdp.optim._muon_shard import chunk_blocks, chunk_sizes
 
 _CORE_MOMENTUM = _core.muon_momentum
@@ -620,6 +621,22 @@ def test_mesh_blocks_are_nested_torch_chunks(shape, dims):
             assert torch.equal(full[region], _nested_chunk(full, steps))
             cover[region] += 1
     assert bool((cover == 1).all())
+
+
+@pytest.mark.no_core
+def test_mesh_group_ranks():
+    """``_muon_mesh.group_ranks``: on a 2 x 2 x 2 (replicate, shard, tp) mesh whose ranks are
+    laid out in another order than 0..7, a matrix sharded over (shard, tp) is cut over the 4
+    ranks of this rank's replicate (sorted: the exchange group's rank order), over (replicate,
+    tp) the 4 of its shard coordinate; on a 2 x 2 sub-mesh of ranks 4..7 (a pipeline stage's),
+    its 4 ranks."""
+    ids = torch.tensor([3, 0, 6, 5, 1, 2, 7, 4]).reshape(2, 2, 2)
+    where = {int(ids[c]): c for c in itertools.product(range(2), range(2), range(2))}
+    assert group_ranks(where, 5, (1, 2)) == (0, 3, 5, 6)
+    assert group_ranks(where, 2, (1, 2)) == (1, 2, 4, 7)
+    assert group_ranks(where, 2, (0, 2)) == (0, 1, 2, 3)
+    sub = {4 + 2 * a + b: (a, b) for a in range(2) for b in range(2)}
+    assert group_ranks(sub, 6, (0, 1)) == (4, 5, 6, 7)
 
 
 @pytest.mark.no_core

@@ -47,8 +47,8 @@ bucket lands.  The
 numbers are those of torch's Muon on the full matrices (the all-gather-everywhere Muon
 of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`` naming the
 parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim, nor TP x
-FSDP's blocks on a 2-D world mesh (``_muon_mesh``: phase 2b; a lone ``_StridedShard``, a
-``Partial`` parameter, a 3-D mesh sharded over two dims), a sharded
+FSDP's blocks over two mesh dims (``_muon_mesh``: HSDP x TP's 3-D meshes and sub-meshes too; a
+lone ``_StridedShard``, a ``Partial`` parameter, three sharded mesh dims), a sharded
 parameter whose gradient is placed otherwise, a sharded bf16 one without Nesterov (torch
 normalizes its bf16 momentum buffer in place, which a gathered copy cannot), any sharded bf16 or
 fp16 one (torch's 16-bit ``add_(update, alpha=)`` rounds an element by its position in the
@@ -356,8 +356,8 @@ class Muon(torch.optim.Muon):
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
                 f"is {why}; Newton–Schulz needs each matrix whole on the rank that steps it, "
                 "gathered from torch.chunk shards along one dim: use cfsdp.fully_shard "
-                "(Shard(d) DTensors on one mesh dim, HSDP included; TP x FSDP on a 2-D (dp, "
-                "tp) mesh of every rank), ZeroRedundancyOptimizer "
+                "(Shard(d) DTensors on one mesh dim, HSDP included; TP x FSDP and HSDP x TP: "
+                "blocks over two mesh dims), ZeroRedundancyOptimizer "
                 "or DDP (whole parameters on each rank)"
             )
         w = _wrapped(p)

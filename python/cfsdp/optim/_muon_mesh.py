@@ -1,4 +1,4 @@
-"""``cfsdp.optim.Muon`` on a parameter sharded over two mesh dims (TP x FSDP, issue 27 phase 2b).
+"""``cfsdp.optim.Muon`` on a parameter sharded over two mesh dims (TP x FSDP, HSDP x TP; issue 27).
 
 TP's ``ColwiseParallel`` / ``RowwiseParallel`` shard a weight along dim 0 / 1 over the ``tp``
 mesh dim; ``fully_shard`` on ``dp`` then shards each TP-local piece along dim 0 (torch.chunk):
@@ -9,16 +9,25 @@ torch.chunk per mesh dim in the order the shardings were applied (``block``).  `
 (the two-dim form of ``_muon_shard.exchange``): every rank computes every rank's block of every
 matrix from the full shape and placements, and ``_muon_bucket.exchange_blocks`` (shared with
 ``_muon_shard``) sends each block to the matrix's owner (``assign_owners`` over the flattened
-``dp x tp`` ranks) in bounded buckets, bf16 on the wire, one ``all_to_all_single`` over the
-mesh's ranks each way per bucket; the owner writes the blocks into the full matrix,
-orthogonalizes its matrices, and sends each rank its block of the results.  The process group
-is the world's (the mesh must span every rank: the mesh's own groups are one per dim).  Pure
-torch.
+``dp x tp`` ranks) in bounded buckets, bf16 on the wire, one all-to-all over those ranks each
+way per bucket; the owner writes the blocks into the full matrix, orthogonalizes its matrices,
+and sends each rank its block of the results.
+
+The mesh may have more dims than the two sharded ones, each ``Replicate`` or of one rank (HSDP x
+TP: ``(Replicate(), Shard or _StridedShard, Shard)`` over ``(replicate, shard, tp)``), and need
+not span the world (a pipeline stage's ``(dp, tp)`` sub-mesh): a matrix's blocks lie on the
+ranks that share this rank's coordinates on the other dims (``group_ranks``), which hold the
+same values on every replicate (the gradients are reduced over it), so each such set of ranks
+orthogonalizes its own copy, as HSDP's shard groups do.  The exchange runs on a process group
+of exactly those ranks, made once per set of ranks (``dist.new_group`` with
+``use_local_synchronization``: only its members take part, at the optimizer's construction,
+where they check their parameters in the same order).
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -29,7 +38,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._muon_bucket import exchange_blocks
 
-__all__ = ["Blocks", "MeshLayout", "block", "exchange", "mesh_layout"]
+__all__ = ["Blocks", "MeshLayout", "block", "exchange", "group_ranks", "mesh_layout"]
+
+# the exchange's process groups: default group -> {sorted global ranks: group}
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class Blocks(NamedTuple):
@@ -39,7 +51,8 @@ class Blocks(NamedTuple):
 
 class MeshLayout(NamedTuple):
     """A matrix sharded over two mesh dims: its ``Blocks`` (``dim``) over process ``group``
-    (every rank of the mesh, ``ranks``), this rank ``index`` of ``count``."""
+    (the ranks it is cut over, ``ranks``, sorted: group rank order), this rank ``index`` of
+    ``count``."""
     group: object
     mesh_dim: Optional[int]
     dim: Blocks
@@ -61,15 +74,34 @@ def block(shape: Sequence[int], steps: Sequence[tuple[int, int, int]]) -> tuple[
     return tuple(starts), tuple(sizes)
 
 
+def group_ranks(where: dict, me: int, sharded: Sequence[int]) -> tuple:
+    """The global ranks (sorted) whose mesh coordinates equal rank ``me``'s on every mesh dim
+    but the ``sharded`` ones: the ranks over which ``me``'s matrices are cut.  ``where``: global
+    rank -> mesh coordinate, for every rank of the mesh."""
+    mine = where[me]
+    return tuple(sorted(r for r, c in where.items()
+                        if all(c[m] == mine[m] for m in range(len(mine)) if m not in sharded)))
+
+
+def _exchange_group(ranks: tuple):
+    """The process group of ``ranks`` (sorted global ranks, this one among them) for Muon's
+    exchange, made the first time its members ask (they ask together: see the module doc)."""
+    default = dist.distributed_c10d._get_default_group()
+    made = _GROUPS.setdefault(default, {})
+    if ranks not in made:
+        made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return made[ranks]
+
+
 def mesh_layout(t, found: list) -> tuple[Optional[MeshLayout], Optional[str]]:
     """The layout of DTensor ``t`` whose ``found`` ``(mesh dim, placement)`` entries are its
     sharded mesh dims (two), or ``(None, why)``."""
     mesh = t.device_mesh
     desc = (f"a DTensor placed as {tuple(t.placements)} over a mesh of shape "
             f"{tuple(mesh.shape)}")
-    if len(found) != 2 or mesh.ndim != 2:
-        return None, (f"{desc}: sharded over {len(found)} of {mesh.ndim} mesh dims; only a "
-                      "2-D (dp, tp) mesh with both dims sharded is implemented (issue 27 phase 2b)")
+    if len(found) != 2:
+        return None, (f"{desc}: sharded over {len(found)} mesh dims of more than one rank; "
+                      "Muon reassembles a matrix sharded over one or two")
     (m0, p0), (m1, p1) = found
     if type(p1) is not Shard:
         return None, f"{desc}: mesh dim {m1} holds {p1!r}, not a plain Shard(d)"
@@ -82,19 +114,18 @@ def mesh_layout(t, found: list) -> tuple[Optional[MeshLayout], Optional[str]]:
         order = (m0, m1)
     else:
         return None, f"{desc}: mesh dim {m0} holds {p0!r}, not Shard(d) or _StridedShard"
-    world = dist.get_world_size()
-    if mesh.size() != world:
-        return None, (f"{desc}: the mesh spans {mesh.size()} of {world} ranks; Muon reassembles "
-                      "a matrix sharded over two mesh dims over the world's group only")
     dims = {m0: p0.dim % t.ndim, m1: p1.dim % t.ndim}
     where = {}  # global rank -> its mesh coordinate
     for coord in itertools.product(*(range(s) for s in mesh.shape)):
         where[int(mesh.mesh[coord])] = coord
-    ranks = tuple(range(world))
+    me = dist.get_rank()
+    if me not in where:
+        return None, f"{desc}: this rank ({me}) is not in the mesh"
+    ranks = group_ranks(where, me, (m0, m1))
     blocks = Blocks(tuple(block(t.shape, [(dims[m], mesh.size(m), where[r][m]) for m in order])
                           for r in ranks))
-    group = dist.group.WORLD
-    return MeshLayout(group, None, blocks, dist.get_rank(), world, ranks), None
+    return MeshLayout(_exchange_group(ranks), None, blocks, ranks.index(me), len(ranks),
+                      ranks), None
 
 
 def exchange(
