@@ -12,10 +12,10 @@ from launcher import run_worker, subtest_filter
 
 LAUNCH_TIMEOUT_S = 240  # 4 ranks took 116 s once on a loaded machine
 # at 4 ranks: these subtests only (see [Note: coverage at 4 ranks] in launcher.py): every
-# optimizer parity subtest, one Muon-on-the-wrapper case (and it in small buckets) and the
-# agreement on cleared gradients
+# optimizer parity subtest, one Muon-on-the-wrapper case (and it in small buckets), transposed
+# weights (their memory-order ranges straddle more ranks) and the agreement on cleared gradients
 AT_4 = ("parity_and_resume|muon_wrapper[case=orig_adamw]|muon_wrapper_buckets[case=orig_adamw]"
-        "|muon_wrapper_cleared")
+        "|muon_wrapper[case=orig_strided]|muon_wrapper_cleared")
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

@@ -248,13 +248,19 @@ class MatBlock(nn.Module):
 
 
 class MuonNet(nn.Module):
-    """Two matrix units and a root unit of a matrix with a bias on each end."""
+    """Two matrix units and a root unit of a matrix with a bias on each end.  ``strided``: the
+    second unit's ``b.weight`` (5, 9) is transposed in memory (strides (1, 5)), which the
+    wrapper keeps and lays out in memory order (at W=2 it straddles the shard boundary), and
+    the first unit's ``a.weight`` (9, 7) too (on rank 0 only at W=2)."""
 
-    def __init__(self):
+    def __init__(self, strided: bool = False):
         super().__init__()
         self.emb = nn.Linear(5, 7)
         self.blocks = nn.ModuleList([MatBlock(), MatBlock()])
         self.head = nn.Linear(7, 3)
+        if strided:
+            for lin in (self.blocks[1].b, self.blocks[0].a):
+                lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
 
     def forward(self, x):
         x = self.emb(x)
@@ -272,12 +278,15 @@ MUON_CASES = {  # name: (use_orig_params, Muon kwargs)
     # Muon on the matrix units' originals only, AdamW on the root unit: FSDP.optim_state_dict
     # of the Muon (it wants every trainable parameter of a unit it sees in the optimizer)
     "orig_state_dict": (True, {"lr": 0.02, "weight_decay": 0.1}),
+    # transposed weights (MuonNet(strided=True)), flat and original parameters
+    "flat_strided": (False, {"lr": 0.02, "weight_decay": 0.1}),
+    "orig_strided": (True, {"lr": 0.02, "weight_decay": 0.1}),
 }
 
 
-def _muon_model(ctx, uop: bool) -> nn.Module:
+def _muon_model(ctx, uop: bool, strided: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return CFSDP(MuonNet(), process_group=ctx.pg, use_orig_params=uop, device_id=CPU,
+    return CFSDP(MuonNet(strided), process_group=ctx.pg, use_orig_params=uop, device_id=CPU,
                  auto_wrap_policy=ModuleWrapPolicy({MatBlock}))
 
 
@@ -317,10 +326,16 @@ def muon_wrapper_buckets(ctx, case):
 
 def _muon_wrapper_run(ctx, case):
     uop, kw = MUON_CASES[case]
+    strided = case.endswith("_strided")
     batches = data(ctx, 3)
     runs = {}
     for impl in ("cfsdp", "oracle"):
-        model = _muon_model(ctx, uop)
+        model = _muon_model(ctx, uop, strided)
+        if strided:  # the wrapper kept both strides (else the case tests nothing new)
+            units = [_muon._wrapped(m._handle.flat_param)[0] for m in model.modules()
+                     if isinstance(m, CFSDP) and m._handle is not None]
+            kept = sorted(i.fqn for u in units for i in u.infos if i.stride is not None)
+            assert kept == ["a.weight", "b.weight"], kept
         mats, rest = _muon_split(model, uop, case == "orig_state_dict")
         adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
         if impl == "cfsdp":
@@ -344,7 +359,7 @@ def _muon_wrapper_run(ctx, case):
     (cm, cmuon, closs, cmats), (om, omuon, oloss, _) = runs["cfsdp"], runs["oracle"]
     same("losses", closs, oloss)
     same("params", dict(cm.named_parameters()), dict(om.named_parameters()))
-    _single_process_muon(ctx, cm, uop, case == "orig_state_dict", kw)
+    _single_process_muon(ctx, cm, uop, case == "orig_state_dict", kw, strided)
     if case == "orig_state_dict":  # FSDP.optim_state_dict consolidates the 1-D momentum pieces, and loads back
         _muon_state_round_trip(ctx, cm, cmuon, cmats, omuon, kw)
     shapes = [tuple(u.infos[k].shape) for u, k in omuon.matrices]
@@ -361,13 +376,14 @@ def _muon_wrapper_run(ctx, case):
 MUON_REF_RTOL, MUON_REF_ATOL = 1e-5, 1e-6  # atol: times the reference's largest |value|
 
 
-def _single_process_muon(ctx, model, uop: bool, by_unit: bool, kw: dict) -> None:
+def _single_process_muon(ctx, model, uop: bool, by_unit: bool, kw: dict,
+                         strided: bool = False) -> None:
     """The wrapper's full parameters after ``muon_wrapper``'s 3 steps against torch's Muon (+
     AdamW, the same split as ``_muon_split``) on the plain model in one process, on the global
     batch (every rank's rows: the mean of the ranks' mean losses is the mean over all rows)."""
     full = model.state_dict()  # FULL_STATE_DICT on every rank
     torch.manual_seed(0)
-    ref = MuonNet()
+    ref = MuonNet(strided)
     to_muon = {n for n, p in ref.named_parameters()
                if (n.startswith("blocks.") if (not uop or by_unit) else p.ndim >= 2)}
     muon = torch.optim.Muon([p for n, p in ref.named_parameters() if n in to_muon], **kw)

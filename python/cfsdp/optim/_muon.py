@@ -66,17 +66,19 @@ C pass over the whole local shard (elementwise: padding included, whose gradient
 then each original matrix's range of the update goes to the matrix's owner over the unit's
 process group, which concatenates the ranges in rank order (the row-major matrix), and gets
 its range of the orthogonalized update back (``_muon_shard.exchange`` with element ranges:
-the same buckets, every matrix of the group's units in one exchange); each range of the shard is updated with torch's weight decay and the full
-shape's adjusted lr.  Every original parameter of a flat parameter given to Muon must be a
+the same buckets, every matrix of the group's units in one exchange); each range of the shard
+is updated with torch's weight decay and the full shape's adjusted lr.  Every original parameter of a flat parameter given to Muon must be a
 matrix (torch's ``ValueError`` plus the original's FQN otherwise: a flat parameter is one
 param group).  With ``use_orig_params=True`` each original matrix is stepped the same way on
 its own 1-D piece (so the 1-D ones go to AdamW: the usual pairing), its ``momentum_buffer``
 of the piece's shape (what ``FSDP.optim_state_dict`` consolidates).  A rank holding no element
 of a matrix has no gradient for it (torch FSDP1 leaves it None) and no state, yet takes part in
 its exchange with an empty range when the ranks holding it have gradients for it, which the
-unit's ranks agree on each step (``_agree_pieces``: one small ``all_reduce`` per process group).  With NO_SHARD (one rank)
-the matrices are whole.  Still ``NotImplementedError``: the wrapper's tensor-parallel
-originals and non-row-major (strided) ones of a sharded unit.  The numbers are the
+unit's ranks agree on each step (``_agree_pieces``: one small ``all_reduce`` per process
+group).  With NO_SHARD (one rank) the matrices are whole.  An original that is not row-major
+(a transposed weight, a channels-last one: the wrapper lays it out in memory order) travels in
+memory order, its owner viewing the matrix through its strides (``Layout.stride``).  Still
+``NotImplementedError``: the wrapper's tensor-parallel originals.  The numbers are the
 all-gather-everywhere ``torch.optim.Muon`` on the same wrapper's full matrices
 (``muon_oracle.WrapperAllGatherMuon``), bit for bit.
 
@@ -133,7 +135,8 @@ class _UnitIndex:
         if unit.sharded:
             lay, ranks = unit.layout, tuple(dist.get_process_group_ranks(unit.group))
             self.layouts = [Layout(unit.group, -1, 0, unit.rank, unit.world_size, ranks,
-                                   tuple(lay.slices[r][j].numel for r in range(lay.world_size)))
+                                   tuple(lay.slices[r][j].numel for r in range(lay.world_size)),
+                                   unit.infos[j].stride)
                             for j in range(len(unit.infos))]
 
 
@@ -179,9 +182,6 @@ def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
         where = f"original parameter '{info.fqn}' of shape {tuple(info.shape)}"
         if info.tp_spec is not None:
             return f"{where}: a tensor-parallel parameter of a wrapper unit (issue 27 phase 2b)"
-        if info.stride is not None and unit.sharded:
-            return (f"{where}: not row-major (stride {info.stride}), so its shard ranges are not "
-                    "row-major element ranges")
     return None
 
 
@@ -592,7 +592,8 @@ class Muon(torch.optim.Muon):
             exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks], ups,
                      lambda fulls: self._cf_orthogonalize(fulls, group, gathered=True),
                      torch.bfloat16, [pending[k][2].sizes for k in ks], torch.bfloat16,
-                     lambda i, o, ks=ks: update(ks[i], o))
+                     lambda i, o, ks=ks: update(ks[i], o),
+                     [getattr(pending[k][2], "stride", None) for k in ks])
             del ups
         whole = [k for k, e in enumerate(pending) if e[2] is None]
         if whole:

@@ -139,6 +139,7 @@ def exchange_blocks(
     out_dtype: torch.dtype,
     wire_dtype: Optional[torch.dtype] = None,
     on_result: Optional[Callable[[int, Tensor], None]] = None,
+    strides: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> list[Optional[Tensor]]:
     """This rank's block of ``orthogonalize``'s result for every matrix (see the module
     docstring).  Over process group ``pg`` (``count`` ranks, this one ``index``): matrix ``k``
@@ -152,13 +153,19 @@ def exchange_blocks(
     Every rank of ``pg`` calls this with the same shapes,
     views and blocks.  Returns this rank's block of every result (``out_dtype``, shaped as its
     block); with ``on_result``, ``on_result(k, block)`` gets each as soon as its bucket's return
-    has landed (bucket by bucket, its receive buffer then freed) and the list holds None."""
+    has landed (bucket by bucket, its receive buffer then freed) and the list holds None.
+    ``strides[k]``, when given and not None, says matrix ``k`` is not row-major (the wrapper's
+    strided originals, laid out in memory order): its view ``[numel]`` is its memory, the
+    matrix ``as_strided(shapes[k], strides[k])`` of it; the owner orthogonalizes the matrix
+    (made contiguous: the same values) and its result goes back in memory order."""
     n, me = count, index
     for k, (s, b, t) in enumerate(zip(shapes, blocks, chunks)):
         if tuple(t.shape) != tuple(b[me][1]):
             raise AssertionError(f"matrix {k} of shape {tuple(s)}: local block {tuple(t.shape)} "
                                  f"on rank {me} of {n}, expected {tuple(b[me][1])}")
     numel = [[math.prod(sz) for _, sz in b] for b in blocks]  # [matrix][rank]
+    stride = [None] * len(shapes) if strides is None else [
+        None if s is None else tuple(int(x) for x in s) for s in strides]
     if wire_dtype is None:
         wire_dtype = chunks[0].dtype if chunks else out_dtype
     owners = assign_owners(shapes, n)
@@ -200,7 +207,9 @@ def exchange_blocks(
                 full[_region(blocks[k][r])] = recv.narrow(0, off, numel[k][r]).view(
                     blocks[k][r][1])
                 off += numel[k][r]
-        return mine, [f.view(shapes[k]) for f, k in zip(fulls, mine)]
+        return mine, [f.view(shapes[k]) if stride[k] is None else
+                      f.as_strided(shapes[k], stride[k]).contiguous()
+                      for f, k in zip(fulls, mine)]
 
     def orthogonalized(mine: list, fulls: list) -> list:
         """``orthogonalize``'s results, checked, in view shape (``fulls`` handed over)."""
@@ -211,7 +220,12 @@ def exchange_blocks(
         for k, res in zip(mine, results):
             if res.dtype != out_dtype:
                 raise AssertionError(f"orthogonalize returned {res.dtype}, expected {out_dtype}")
-            out.append(res.reshape(views[k]))
+            if stride[k] is None:
+                out.append(res.reshape(views[k]))
+            else:  # back to memory order
+                mem = torch.empty(views[k], dtype=out_dtype, device=device)
+                mem.as_strided(shapes[k], stride[k]).copy_(res.reshape(shapes[k]))
+                out.append(mem)
         return out
 
     def back(ks: list, mine: list, results: list):

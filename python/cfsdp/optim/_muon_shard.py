@@ -56,6 +56,9 @@ class Layout(NamedTuple):
     # per rank of the group, how many consecutive elements of the row-major flattened matrix
     # it holds (the wrapper's flat shards); None: torch.chunk along ``dim``
     sizes: Optional[tuple] = None
+    # with ``sizes``: the matrix's strides when it is not row-major (the wrapper's strided
+    # originals: the ranges are of its memory order); None: row-major
+    stride: Optional[tuple] = None
 
 
 def shard_layout(t: Tensor) -> tuple[Optional[Layout], Optional[str]]:
@@ -125,6 +128,7 @@ def exchange(
     sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
     wire_dtype: Optional[torch.dtype] = None,
     on_result: Optional[Callable[[int, Tensor], None]] = None,
+    strides: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> list[Optional[Tensor]]:
     """This rank's chunk of ``orthogonalize``'s result for every matrix (see the module
     docstring).  ``chunks[k]`` is this rank's chunk along ``dims[k]`` of matrix ``k`` (full
@@ -137,7 +141,9 @@ def exchange(
     ``on_result`` takes each result as it lands (``_muon_bucket.exchange_blocks``).
     ``sizes[k]``, when given and not None, makes matrix ``k``'s chunks element ranges (the
     wrapper's flat shards): rank ``r`` holds ``sizes[k][r]`` consecutive elements of the
-    row-major flattened matrix, the ranges in rank order (``chunks[k]`` 1-D, ``dims[k]`` 0).
+    row-major flattened matrix, the ranges in rank order (``chunks[k]`` 1-D, ``dims[k]`` 0);
+    ``strides[k]`` (element ranges only) of a matrix that is not row-major: the ranges are of
+    its memory order (``_muon_bucket.exchange_blocks``).
     Every rank of ``layout.group`` must call this with the same shapes and sizes.  A matrix
     sharded over two mesh dims (``_muon_mesh.MeshLayout``, ``dims`` its ``Blocks``):
     ``_muon_mesh``'s."""
@@ -155,4 +161,4 @@ def exchange(
                                  f"{d} of {tuple(v)} over {n} ranks")
         blocks.append(chunk_blocks(v, d, split))
     return exchange_blocks(layout.group, n, me, shapes, vshapes, blocks, chunks, orthogonalize,
-                           out_dtype, wire_dtype, on_result)
+                           out_dtype, wire_dtype, on_result, strides)
