@@ -10,6 +10,8 @@ Run by test_tp.py (``test_spmd_meshes``) under torchrun (gloo, CPU) at 2 and 4 r
   one shard dim on 1-D and 2-D (dp x tp) meshes, the dp dim right of tp, several shard dims
   flattened (``("dp", "cp")``, the sequence sharded on ``cp``), HSDP (one shard rank too),
   HSDP with flattened shard dims and tp, and torch's DDP mode (``replicate`` only).
+* ``spmd_muon``: ``cfsdp.optim.Muon`` on those models against the all-gather Muon on torch's,
+  bitwise.
 * ``ShardPlacementResult``: a small mixture of experts whose expert weights are sharded on
   an ``(efsdp, ep)`` mesh (FSDP over ``efsdp``, the experts split over ``ep``) while the
   dense parameters are sharded over every rank (``moe_*`` subtests).
@@ -34,8 +36,11 @@ from torch.distributed.tensor import Replicate, Shard
 import _harness as h
 import tp_common as tc
 from ckpt_common import ckpt_dir
+from muon_oracle import AllGatherMuon, Pair
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
+
+import cfsdp
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 # torch 2.13+ flattens several dp_mesh_dims shard dims into one (read from torch's version)
@@ -113,10 +118,12 @@ def _result(model, seen: list, snap: dict) -> tuple:
 
 
 def spmd_run(mesh, dims, steps: int = STEPS, micro: int = 1, fs_kw: dict | None = None,
-             setup: Callable | None = None, optim: str = "adamw"):
+             setup: Callable | None = None, optim: str = "adamw",
+             make_opt: Callable | None = None):
     """Train torch and cfsdp; {impl: (losses and no-sync gradients, snapshot, state dict)}.
     ``micro`` > 1: set_requires_gradient_sync(False) for all but the last micro-batch, the
-    first block kept unsharded after backward (its no-sync gradients compared)."""
+    first block kept unsharded after backward (its no-sync gradients compared).
+    ``make_opt(impl, model)``: the optimizer (else ``optim``'s)."""
     data = tc.spmd_batches(steps, mesh, micro=micro)
     out = {}
     for impl in ("torch", "cfsdp"):
@@ -125,7 +132,8 @@ def spmd_run(mesh, dims, steps: int = STEPS, micro: int = 1, fs_kw: dict | None 
             setup(model, impl)
         if micro > 1:
             model.blocks[0].set_reshard_after_backward(False)
-        opt = pc.make_optim(optim, model.parameters())
+        opt = (make_opt(impl, model) if make_opt is not None
+               else pc.make_optim(optim, model.parameters()))
         seen = []
         for i, step in enumerate(data):
             for m, (x, y) in enumerate(step):
@@ -174,6 +182,33 @@ def spmd_parity(ctx, layout: str, reshard):
     if ctx.rank == 0:
         ctx.log({n: v[0] for n, v in out["cfsdp"][1].items() if "blocks.0.w" in n})
     spmd_check(ctx, out)
+
+
+def _muon_pair(impl: str, model) -> Pair:
+    """Muon on the matrices (the all-gather oracle on torch's model, cfsdp.optim.Muon on
+    cfsdp's), torch's AdamW on the rest."""
+    mats = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-2,
+                              weight_decay=0.01)
+    if impl == "torch":
+        return Pair(AllGatherMuon([p for _, p in mats], lr=0.02), adamw)
+    return Pair(cfsdp.optim.Muon(mats, lr=0.02), adamw)
+
+
+@h.subtest(grid={"layout": [k for k in SPMD_LAYOUTS if k in ("fsdp", "fsdp_tp2", "fsdp2_tp",
+                                                               "tp_first", "flat_cp", "fsdp_tp",
+                                                               "hsdp_tp", "ddp_tp")]})
+def spmd_muon(ctx, layout: str):
+    """cfsdp.optim.Muon (+ AdamW) on dp_mesh_dims models (torchtitan's default path: every
+    parameter a DTensor on the whole SPMD mesh) against the all-gather Muon on torch's FSDP2:
+    bitwise (losses, placements, local and full parameters, last local gradients, state
+    dict).  The layouts put a matrix on one shard dim, on dp x tp blocks (``_StridedShard``
+    beside tp's ``Shard``), on a flattened (dp, cp) mesh, on a 3-D mesh's (dp, tp) with a
+    replicate dim, and whole (DDP mode)."""
+    mesh, dims = spmd_mesh(layout)
+    if len(dims.shard_names) > 1 and not TORCH_FLATTENS_SHARD_DIMS:
+        return  # cfsdp refuses the layout on this torch (spmd_parity checks the error)
+    spmd_check(ctx, spmd_run(mesh, dims, make_opt=_muon_pair))
 
 
 @h.subtest(grid={"layout": list(SPMD_LAYOUTS)[:3] if WORLD == 2 else list(SPMD_LAYOUTS)[:2],
@@ -425,13 +460,15 @@ def moe_batches(steps: int, micro: int = 1):
     return out
 
 
-@h.subtest(grid={"style": ["ep_mesh", "spmd"], "case": ["plain", "accumulate", "mp"]
-                 if WORLD == 2 else ["plain", "mp"]})
+@h.subtest(grid={"style": ["ep_mesh", "spmd"], "case": ["plain", "accumulate", "mp", "muon"]
+                 if WORLD == 2 else ["plain", "mp", "muon"]})
 def moe_parity(ctx, style: str, case: str):
     """ShardPlacementResult: the experts on the (efsdp, ep) mesh, the rest on the dense mesh,
     bitwise as torch's FSDP2 (losses; placements, local shards, full values and gradients;
     state dict); ``accumulate``: set_requires_gradient_sync(False) on the first of two
-    micro-batches; ``mp``: bf16 parameters, fp32 reduction."""
+    micro-batches; ``mp``: bf16 parameters, fp32 reduction; ``muon``: cfsdp.optim.Muon (+
+    AdamW) against the all-gather Muon (the stacked experts per trailing matrix, at 4 ranks
+    cut over both mesh dims)."""
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                             reduce_dtype=torch.float32)} if case == "mp" else {}
     micro = 2 if case == "accumulate" else 1
@@ -439,7 +476,8 @@ def moe_parity(ctx, style: str, case: str):
     out = {}
     for impl in ("torch", "cfsdp"):
         model = moe_model(impl, style, **kw)
-        opt = pc.make_optim("adamw", model.parameters())
+        opt = (_muon_pair(impl, model) if case == "muon"
+               else pc.make_optim("adamw", model.parameters()))
         seen = []
         for i, step in enumerate(data):
             for m, (x, y) in enumerate(step):

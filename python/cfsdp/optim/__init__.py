@@ -2,8 +2,8 @@
 
 * ``Adam``, ``AdamW``, ``SGD`` (``_fused.py``): ``torch.optim``'s classes whose
   ``step()`` is one C pass over flat buffers (see that module's docstring).
-* ``Muon`` (``_muon.py``): ``torch.optim.Muon`` with a C momentum pass and stacked
-  Newton–Schulz, on parameters of ndim >= 2, whole or ``fully_shard``'s sharded DTensors
+* ``Muon`` (``_muon.py``): ``torch.optim.Muon`` with a C momentum pass and torch's
+  Newton–Schulz per matrix, on parameters of ndim >= 2, whole or ``fully_shard``'s sharded DTensors
   (``_muon_shard.py``: each matrix gathered to one owner rank, orthogonalized there, its
   chunks scattered back; ``_muon_mesh.py``: the same for TP x FSDP's blocks over two mesh
   dims; the wrapper's flat parameters raise ``NotImplementedError``: issue 27 phase 2b);

@@ -1,4 +1,4 @@
-"""``cfsdp.optim.Muon``: ``torch.optim.Muon`` with a C momentum pass and stacked matrices.
+"""``cfsdp.optim.Muon``: ``torch.optim.Muon`` with a C momentum pass, on sharded matrices.
 
 Phase 1 of issue 27: whole parameters (a single process, DDP, each rank's own parameters
 under ``ZeroRedundancyOptimizer``, a DTensor that is not sharded).  A subclass of
@@ -17,8 +17,7 @@ load both ways.  On whole fp32 parameters the numbers are torch's bit for bit:
   momentum).  Every parameter's momentum is done before the group's Newton–Schulz;
 * Newton–Schulz is torch's ``_zeropower_via_newtonschulz`` op for op (bf16, transpose of a
   tall matrix, division by the clamped Frobenius norm, ``ns_steps`` quintic iterations
-  with ``addmm``).  [Note: stacked Newton-Schulz] below: same-shape matrices of a param
-  group go through it together;
+  with ``addmm``), each matrix on its own ([Note: Newton-Schulz per matrix] below);
 * the update is torch's: ``p.mul_(1 - lr * weight_decay)``,
   ``p.add_(update, alpha=-adjusted_lr)`` with torch's ``_adjust_lr`` of the matrix's
   ``(m, n)``.
@@ -82,19 +81,20 @@ memory order, its owner viewing the matrix through its strides (``Layout.stride`
 all-gather-everywhere ``torch.optim.Muon`` on the same wrapper's full matrices
 (``muon_oracle.WrapperAllGatherMuon``), bit for bit.
 
-[Note: stacked Newton-Schulz]
-The matrices of a param group that share a trailing shape and dtype (2-D parameters of one
-shape, and the slices of 3-D ones), on the CPU and not bf16, are orthogonalized as one stack: the
-same ops with ``baddbmm`` for ``addmm`` and a per-matrix Frobenius norm
-(``norm(dim=(-2, -1))``), one call per op for the whole stack.  On the CPU this is the same
-bits as torch's per-matrix path (tests/unit/test_muon.py checks it for square, tall, wide
-and odd shapes against ``torch.optim._muon._zeropower_via_newtonschulz`` slice by slice):
-the bf16 batched matmul computes each matrix of the batch as the single matmul does, and
-the norm of a matrix is the same reduction either way.  On other devices (cuBLAS picks its
-batched kernels by shape) each matrix goes alone, through torch's 2-D ops, and so does a
-bf16 one (torch's ``grad.bfloat16()`` is then the update itself, which torch normalizes in
-place: without Nesterov, the momentum buffer; stacking would copy it).  A lone matrix
-always takes the 2-D ops.
+[Note: Newton-Schulz per matrix]
+Every matrix (a 2-D parameter, each trailing matrix of a 3-D one) goes through torch's own
+``_zeropower_via_newtonschulz``, one call per matrix, so its bits and errors are torch's by
+construction.  Same-shape matrices used to go through one stacked run (``baddbmm`` for
+``addmm``, a per-matrix norm), believed to give the same bits on the CPU: it does not in
+general.  The bf16 ``baddbmm(o, gram_update, o)`` of a (6, 6) by (6, 8) batch differs from
+torch's per-matrix ``addmm`` by a bf16 ulp in about 1% of random stacks (measured on this
+CPU build: 49 of 5000 iterations; in 14 of 720 whole runs of random (E, m, n) stacks, E = 1..8,
+every one of them a (6, 8) stack), so
+stacked experts and same-shape matrices trained to other numbers than torch's Muon, silently
+(found by the mixture-of-experts Muon case at 4 ranks, ``moe_parity[case=muon]`` in
+tests/distributed/worker_spmd.py; tests/unit/test_muon.py's
+``test_newton_schulz_is_torchs_per_matrix`` runs those stacks).  A bf16 update is normalized
+in place, as torch's function does it (without Nesterov: the momentum buffer).
 """
 
 from __future__ import annotations
@@ -282,23 +282,17 @@ def _check_newton_schulz(ns_coefficients: tuple, ns_steps: int) -> None:
 
 
 def _newton_schulz(x: Tensor, ns_coefficients: tuple, ns_steps: int, eps: float) -> Tensor:
-    """torch's ``_zeropower_via_newtonschulz`` on a matrix (2-D: torch's own function, so
-    its bits and errors) or the same ops batched over a stack of matrices (3-D; [Note:
-    stacked Newton-Schulz]).  Returns bf16."""
+    """torch's ``_zeropower_via_newtonschulz`` on a matrix (2-D), or on each trailing matrix of
+    ``x`` (ndim >= 3: a ``[batch, m, n]`` stack of the results), so its bits and errors
+    ([Note: Newton-Schulz per matrix]).  A bf16 ``x`` is normalized in place, as torch's
+    function does it.  Returns bf16."""
     if x.ndim == 2:
         return muon_newton_schulz(x, ns_coefficients, ns_steps, eps)
     _check_newton_schulz(ns_coefficients, ns_steps)
-    a, b, c = ns_coefficients
-    o = x.bfloat16()
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        o = o.mT
-    o.div_(o.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
-    for _ in range(ns_steps):
-        gram = o @ o.mT
-        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        o = torch.baddbmm(o, gram_update, o, beta=a)
-    return o.mT if tall else o
+    mats = _matrices(x)
+    if mats.shape[0] == 0:
+        return torch.empty(mats.shape, dtype=torch.bfloat16, device=x.device)
+    return torch.stack([muon_newton_schulz(m, ns_coefficients, ns_steps, eps) for m in mats])
 
 
 def _matrices(u: Tensor) -> Tensor:
@@ -313,7 +307,7 @@ def _to_scalar(x):
 
 class Muon(torch.optim.Muon):
     __doc__ = (
-        "``torch.optim.Muon`` with cfsdp's C momentum pass and stacked Newton–Schulz, on\n"
+        "``torch.optim.Muon`` with cfsdp's C momentum pass, on\n"
         "parameters of ndim >= 2 (see ``cfsdp.optim._muon``).\n\n"
         + (torch.optim.Muon.__doc__ or "")
     )
@@ -588,7 +582,7 @@ class Muon(torch.optim.Muon):
             for k in ks:  # the exchange drops each update once it is sent
                 pending[k] = pending[k][:1] + (None,) + pending[k][2:]
             # bf16 on the wire: Newton–Schulz's first op rounds to bf16 (exact either way); the
-            # gathered matrices are the exchange's own, so bf16 ones stack too
+            # gathered matrices are the exchange's own (normalized in place: nobody's buffer)
             exchange(lay, [pending[k][3] for k in ks], [pending[k][2].dim for k in ks], ups,
                      lambda fulls: self._cf_orthogonalize(fulls, group, gathered=True),
                      torch.bfloat16, [pending[k][2].sizes for k in ks], torch.bfloat16,
@@ -614,34 +608,17 @@ class Muon(torch.optim.Muon):
 
     @staticmethod
     def _cf_orthogonalize(updates: list, group: dict, gathered: bool = False) -> list:
-        """Newton–Schulz of every update ([Note: stacked Newton-Schulz]): one list entry per
-        update, a bf16 tensor of the update's matrices (``[-1, m, n]`` or ``[m, n]``).
-        ``gathered``: the updates are the exchange's own bf16 copies (nothing normalized in
-        place is anyone's), so bf16 ones stack as the others, and the list's entries are
-        dropped once stacked (the exchange holds no other reference: one copy at a time)."""
+        """Newton–Schulz of every update ([Note: Newton-Schulz per matrix]): one list entry per
+        update (``[-1, m, n]`` or ``[m, n]``), each matrix through torch's own function.
+        ``gathered``: the updates are the exchange's own bf16 copies, and the list's entries
+        are dropped as they are done (the exchange holds no other reference: one copy at a
+        time)."""
         hp = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         out: list = [None] * len(updates)
-        stacks: dict = {}
-        for k, u in enumerate(updates):
-            if u.device.type == "cpu" and (gathered or u.dtype != torch.bfloat16):
-                stacks.setdefault((tuple(u.shape[-2:]), u.dtype), []).append(k)
-            else:  # alone, matrix by matrix (a bf16 one, as torch's, normalized in place)
-                out[k] = (_newton_schulz(u, *hp) if u.ndim == 2 else
-                          torch.stack([_newton_schulz(t, *hp) for t in _matrices(u)]))
-        u = None  # noqa: F841 - no reference past the list's (``gathered`` drops them)
-        for ks in stacks.values():
-            mats = [_matrices(updates[k]) for k in ks]
-            counts = [t.shape[0] for t in mats]
-            if sum(counts) == 1:
-                out[ks[0]] = _newton_schulz(mats[0][0], *hp)
-                continue
-            stacked = torch.cat(mats) if len(mats) > 1 else mats[0]
-            del mats
+        for k in range(len(updates)):
+            u = updates[k]
             if gathered:
-                for k in ks:
-                    updates[k] = None
-            res = _newton_schulz(stacked, *hp)
-            del stacked
-            for k, part in zip(ks, res.split(counts)):
-                out[k] = part
+                updates[k] = None
+            out[k] = _newton_schulz(u, *hp)
+            del u
         return out

@@ -14,8 +14,8 @@ and ``_muon_bucket.exchange_blocks`` moves the blocks: owners from ``assign_owne
 (``_muon_owners``), bounded buckets, per bucket one ``all_to_all_single`` sending each rank's
 block of every matrix to the matrix's owner in bf16 (Newton–Schulz's first op is
 ``.bfloat16()``), the owner writing the blocks into the full matrix and orthogonalizing its
-matrices in one call (the caller's function: same-shape ones stacked, [Note: stacked
-Newton-Schulz] in ``_muon``), so each matrix's Newton–Schulz runs on exactly one rank of its
+matrices in one call (the caller's function: each matrix through torch's, [Note:
+Newton-Schulz per matrix] in ``_muon``), so each matrix's Newton–Schulz runs on exactly one rank of its
 shard group (HSDP: once per replica group), and one ``all_to_all_single`` back with each rank's
 block of the results; the next bucket in flight while the owners work on this one.
 
