@@ -181,6 +181,19 @@ class WrapperAllGatherMuon:
                 flat[sl.param_start: sl.param_start + sl.numel])
 
 
+def muon_pair(impl: str, model) -> Pair:
+    """Muon on ``model``'s matrices (``impl`` "torch": the all-gather oracle, for torch's
+    model; else ``cfsdp.optim.Muon``), torch's AdamW on the rest (the usual pairing)."""
+    import cfsdp
+
+    mats = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-2,
+                              weight_decay=0.01)
+    if impl == "torch":
+        return Pair(AllGatherMuon([p for _, p in mats], lr=0.02), adamw)
+    return Pair(cfsdp.optim.Muon(mats, lr=0.02), adamw)
+
+
 def spy_muon(opt, counts: list) -> None:
     """Record in ``counts``, per step of the ``cfsdp.optim.Muon`` ``opt``, ``[matrices this rank
     orthogonalizes, exchanges it joins]``."""

@@ -36,11 +36,10 @@ from torch.distributed.tensor import Replicate, Shard
 import _harness as h
 import tp_common as tc
 from ckpt_common import ckpt_dir
-from muon_oracle import AllGatherMuon, Pair
+from muon_oracle import muon_pair as _muon_pair
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
-import cfsdp
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 # torch 2.13+ flattens several dp_mesh_dims shard dims into one (read from torch's version)
@@ -182,17 +181,6 @@ def spmd_parity(ctx, layout: str, reshard):
     if ctx.rank == 0:
         ctx.log({n: v[0] for n, v in out["cfsdp"][1].items() if "blocks.0.w" in n})
     spmd_check(ctx, out)
-
-
-def _muon_pair(impl: str, model) -> Pair:
-    """Muon on the matrices (the all-gather oracle on torch's model, cfsdp.optim.Muon on
-    cfsdp's), torch's AdamW on the rest."""
-    mats = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
-    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-2,
-                              weight_decay=0.01)
-    if impl == "torch":
-        return Pair(AllGatherMuon([p for _, p in mats], lr=0.02), adamw)
-    return Pair(cfsdp.optim.Muon(mats, lr=0.02), adamw)
 
 
 @h.subtest(grid={"layout": [k for k in SPMD_LAYOUTS if k in ("fsdp", "fsdp_tp2", "fsdp2_tp",

@@ -37,7 +37,7 @@ from ckpt_common import ckpt_dir
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
-from muon_oracle import AllGatherMuon, Pair, small_buckets
+from muon_oracle import Pair, muon_pair as _muon_pair, small_buckets
 
 import cfsdp
 from cfsdp.optim._muon_mesh import MeshLayout
@@ -203,17 +203,6 @@ def fs_cfsdp_optim(ctx, layout):
     AdamW does: within a few ulps per step (csrc/optim.c's IEEE sqrt against torch's MKL one,
     see cfsdp/optim.py), so losses agree to 1e-5 relative over the steps."""
     check_pair(ctx, run_pair(ctx, tc.mesh_2d(*layout), False, cfsdp_optim=True), exact=False)
-
-
-def _muon_pair(impl: str, model) -> Pair:
-    """Muon on the matrices (the all-gather oracle on torch's model, cfsdp.optim.Muon on
-    cfsdp's), torch's AdamW on the rest."""
-    mats = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
-    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-2,
-                              weight_decay=0.01)
-    if impl == "torch":
-        return Pair(AllGatherMuon([p for _, p in mats], lr=0.02), adamw)
-    return Pair(cfsdp.optim.Muon(mats, lr=0.02), adamw)
 
 
 @h.subtest(grid={"layout": tc.meshes(WORLD), "sp": [False, True]})
