@@ -47,10 +47,11 @@ def test_spmd_meshes(tmp_path, world_size):
 def test_muon_hsdp_tp_at_8_ranks(tmp_path, world_size):
     """cfsdp.optim.Muon on HSDP x TP over a (2, 2, 2) mesh: the one case that needs 8 ranks
     (two replicates, each matrix cut over the (shard, tp) ranks of its replicate, each
-    replicate's exchange on a process group of its own), worker_tp.py's ``fs_muon_hsdp_tp``
-    alone, bitwise against torch's fully_shard with the all-gather Muon; the exchange through
-    shared memory (every reduction of this layout has two terms, so gloo's sums agree)."""
-    run_worker("worker_tp.py", world_size, args=["--only", "fs_muon_hsdp_tp"],
+    replicate's exchange on a process group of its own), worker_tp.py's ``fs_muon_hsdp_tp``,
+    bitwise against torch's fully_shard with the all-gather Muon; the exchange through shared
+    memory (every reduction of this layout has two terms, so gloo's sums agree); and
+    ``muon_three_sharded_dims``: matrices cut over all three dims of the mesh."""
+    run_worker("worker_tp.py", world_size, args=["--only", "fs_muon_hsdp_tp|muon_three_sharded"],
                timeout=LAUNCH_TIMEOUT_S,
                env={"CFSDP_CKPT_DIR": str(tmp_path), "CFSDP_SHM": "1"})
 

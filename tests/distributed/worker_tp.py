@@ -37,7 +37,7 @@ from ckpt_common import ckpt_dir
 import parity_common as pc
 from tp_dcp_common import SHARDERS, STEPS, compare, dcp_load, dcp_save, describe_sd, snapshot
 
-from muon_oracle import Pair, muon_pair as _muon_pair, small_buckets
+from muon_oracle import AllGatherMuon, Pair, muon_pair as _muon_pair, small_buckets
 
 import cfsdp
 from cfsdp.optim._muon_mesh import MeshLayout
@@ -307,6 +307,46 @@ if WORLD in (4, 8):
             want = tuple(int(r) for r in mesh.mesh[rep].flatten().sort().values)
             assert isinstance(lay, MeshLayout) and lay.ranks == want, (lay, want)
             assert dist.get_process_group_ranks(lay.group) == list(want)
+
+
+if WORLD == 8:
+    @h.subtest
+    def muon_three_sharded_dims(ctx):
+        """Matrices cut over three mesh dims of a (2, 2, 2) mesh by plain Shard(d)s (an EP x FSDP
+        x TP layout; uneven and 3-D ones too), 2 steps of cfsdp.optim.Muon against the
+        all-gather Muon on copies: local parameters bitwise; the blocks are DTensor's."""
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("ep", "dp", "tp"))
+        cases = [((12, 10), [Shard(0), Shard(1), Shard(0)]),
+                 ((9, 7, 5), [Shard(0), Shard(2), Shard(1)]),
+                 ((16, 8), [Shard(1), Shard(0), Shard(1)])]
+        g = torch.Generator().manual_seed(5)
+        fulls = [torch.randn(s, generator=g) for s, _ in cases]
+        ours = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl))
+                for f, (_, pl) in zip(fulls, cases)]
+        theirs = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl))
+                  for f, (_, pl) in zip(fulls, cases)]
+        opt = cfsdp.optim.Muon([(f"w{i}", p) for i, p in enumerate(ours)], lr=0.02)
+        oracle = AllGatherMuon(theirs, lr=0.02)
+        for step in range(2):
+            for i, (shape, pl) in enumerate(cases):
+                grad = torch.randn(shape, generator=g)
+                ours[i].grad = distribute_tensor(grad.clone(), mesh, pl)
+                theirs[i].grad = distribute_tensor(grad.clone(), mesh, pl)
+            opt.step()
+            oracle.step()
+        mm = pc.Mismatches(ctx)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            mm.tensors(f"w{i} {cases[i][1]} local after 2 steps", a.to_local(), b.to_local(),
+                       a_name="cfsdp", b_name="all-gather Muon")
+            lay = shard_layout(a)[0]
+            mm.check(isinstance(lay, MeshLayout) and lay.ranks == tuple(range(8)),
+                     f"w{i}: layout {lay}")
+            starts, sizes = lay.dim.of_rank[lay.index]
+            region = tuple(slice(s0, s0 + k) for s0, k in zip(starts, sizes))
+            mm.tensors(f"w{i}: this rank's block", a.full_tensor()[region], a.to_local())
+        mm.raise_if_any()
 
 
 # ----------------------------------------------------------------------------- DDP + TP

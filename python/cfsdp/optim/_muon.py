@@ -350,8 +350,8 @@ class Muon(torch.optim.Muon):
                 f"{_PHASE2}: parameter {_describe(group, i, gi)} of shape {tuple(p.shape)} "
                 f"is {why}; Newton–Schulz needs each matrix whole on the rank that steps it, "
                 "gathered from torch.chunk shards along one dim: use cfsdp.fully_shard "
-                "(Shard(d) DTensors on one mesh dim, HSDP included; TP x FSDP and HSDP x TP: "
-                "blocks over two mesh dims), ZeroRedundancyOptimizer "
+                "(Shard(d) DTensors on one mesh dim, HSDP included; TP x FSDP, HSDP x TP and "
+                "plain Shard(d)s on several mesh dims: blocks), ZeroRedundancyOptimizer "
                 "or DDP (whole parameters on each rank)"
             )
         w = _wrapped(p)

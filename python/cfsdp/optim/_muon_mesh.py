@@ -1,4 +1,4 @@
-"""``cfsdp.optim.Muon`` on a parameter sharded over two mesh dims (TP x FSDP, HSDP x TP; issue 27).
+"""``cfsdp.optim.Muon`` on a parameter sharded over several mesh dims (TP x FSDP, HSDP x TP, EP).
 
 TP's ``ColwiseParallel`` / ``RowwiseParallel`` shard a weight along dim 0 / 1 over the ``tp``
 mesh dim; ``fully_shard`` on ``dp`` then shards each TP-local piece along dim 0 (torch.chunk):
@@ -13,7 +13,9 @@ matrix from the full shape and placements, and ``_muon_bucket.exchange_blocks`` 
 way per bucket; the owner writes the blocks into the full matrix, orthogonalizes its matrices,
 and sends each rank its block of the results.
 
-The mesh may have more dims than the two sharded ones, each ``Replicate`` or of one rank (HSDP x
+More than two sharded dims are taken when every one is a plain ``Shard(d)`` (DTensor takes
+their chunks in mesh-dim order: ``block`` does the same).  The mesh may have more dims than the
+sharded ones, each ``Replicate`` or of one rank (HSDP x
 TP: ``(Replicate(), Shard or _StridedShard, Shard)`` over ``(replicate, shard, tp)``), and need
 not span the world (a pipeline stage's ``(dp, tp)`` sub-mesh): a matrix's blocks lie on the
 ranks that share this rank's coordinates on the other dims (``group_ranks``), which hold the
@@ -93,35 +95,39 @@ def _exchange_group(ranks: tuple):
     return made[ranks]
 
 
+def _order(found: list, mesh) -> Optional[tuple]:
+    """The mesh dims of ``found`` in the order their chunks are taken: every placement a plain
+    ``Shard`` (any number of dims: mesh-dim order, as DTensor shards), or two where the first
+    is the ``_StridedShard`` fully_shard puts beside TP's ``Shard`` of the same dim (TP's chunk
+    first); None for anything else."""
+    if all(type(p) is Shard for _, p in found):
+        return tuple(m for m, _ in found)
+    if len(found) == 2:
+        (m0, p0), (m1, p1) = found
+        if (type(p0) is _StridedShard and type(p1) is Shard and p0.dim == p1.dim
+                and p0.split_factor == mesh.size(m1)):
+            return (m1, m0)
+    return None
+
+
 def mesh_layout(t, found: list) -> tuple[Optional[MeshLayout], Optional[str]]:
     """The layout of DTensor ``t`` whose ``found`` ``(mesh dim, placement)`` entries are its
-    sharded mesh dims (two), or ``(None, why)``."""
+    sharded mesh dims (two or more), or ``(None, why)``."""
     mesh = t.device_mesh
     desc = (f"a DTensor placed as {tuple(t.placements)} over a mesh of shape "
             f"{tuple(mesh.shape)}")
-    if len(found) != 2:
-        return None, (f"{desc}: sharded over {len(found)} mesh dims of more than one rank; "
-                      "Muon reassembles a matrix sharded over one or two")
-    (m0, p0), (m1, p1) = found
-    if type(p1) is not Shard:
-        return None, f"{desc}: mesh dim {m1} holds {p1!r}, not a plain Shard(d)"
-    if type(p0) is _StridedShard:
-        if p0.dim != p1.dim or p0.split_factor != mesh.size(m1):
-            return None, (f"{desc}: {p0!r} is not the dp chunk of a tp Shard({p0.dim}) of "
-                          f"{mesh.size(m1)} chunks")
-        order = (m1, m0)  # the tp chunk first, then fully_shard's chunk of it
-    elif type(p0) is Shard:
-        order = (m0, m1)
-    else:
-        return None, f"{desc}: mesh dim {m0} holds {p0!r}, not Shard(d) or _StridedShard"
-    dims = {m0: p0.dim % t.ndim, m1: p1.dim % t.ndim}
+    order = _order(found, mesh)
+    if order is None:
+        return None, (f"{desc}: its chunks are not plain Shard(d)s taken in mesh-dim order, "
+                      "nor fully_shard's _StridedShard beside TP's Shard of the same dim")
+    dims = {m: p.dim % t.ndim for m, p in found}
     where = {}  # global rank -> its mesh coordinate
     for coord in itertools.product(*(range(s) for s in mesh.shape)):
         where[int(mesh.mesh[coord])] = coord
     me = dist.get_rank()
     if me not in where:
         return None, f"{desc}: this rank ({me}) is not in the mesh"
-    ranks = group_ranks(where, me, (m0, m1))
+    ranks = group_ranks(where, me, order)
     blocks = Blocks(tuple(block(t.shape, [(dims[m], mesh.size(m), where[r][m]) for m in order])
                           for r in ranks))
     return MeshLayout(_exchange_group(ranks), None, blocks, ranks.index(me), len(ranks),
