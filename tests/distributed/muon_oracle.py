@@ -154,8 +154,27 @@ class WrapperAllGatherMuon:
 
     @staticmethod
     def _full(unit, k: int, flat: torch.Tensor) -> torch.Tensor:
+        """Original ``k`` of the unit's all-gathered ``flat`` buffer: its tensor, and for a
+        tensor-parallel ``Shard(d)`` one the whole matrix (``full_tensor()`` over its TP mesh,
+        a collective: every rank steps the same matrices in the same order)."""
         info, off = unit.infos[k], unit.layout.offsets[k]
-        return info.view(flat[off: off + info.numel])
+        local = info.view(flat[off: off + info.numel])
+        sp = info.tp_spec
+        if sp is None or not any(pl.is_shard() for pl in sp.placements):
+            return local
+        return DTensor.from_local(local.contiguous(), sp.mesh, sp.placements, shape=sp.shape,
+                                  stride=sp.stride, run_check=False).full_tensor()
+
+    @staticmethod
+    def _local(unit, k: int, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's chunk of original ``k``'s whole matrix ``full`` (itself when not
+        tensor-parallel), as the unit holds it."""
+        sp = unit.infos[k].tp_spec
+        if sp is None or not any(pl.is_shard() for pl in sp.placements):
+            return full
+        return local_part(full, DTensor.from_local(
+            unit.infos[k].param.detach(), sp.mesh, sp.placements, shape=sp.shape,
+            stride=sp.stride, run_check=False))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -176,7 +195,7 @@ class WrapperAllGatherMuon:
         for unit, k, s in stepped:
             self.ns_matrices += 1
             sl = unit.layout.slices[unit.rank][k]
-            flat = unit.infos[k].flat(s.detach())
+            flat = unit.infos[k].flat(self._local(unit, k, s.detach()))
             unit.shard[sl.shard_offset: sl.shard_offset + sl.numel].copy_(
                 flat[sl.param_start: sl.param_start + sl.numel])
 

@@ -28,7 +28,7 @@ def test_tensor_parallel_wrapper(tmp_path, world_size):
     ranks (the (2, 2) mesh) the subtests 4 ranks add: every parity case, resuming and DCP across
     both implementations, no_sync, the single-process oracle, sync_module_states, the errors
     ([Note: coverage at 4 ranks] in launcher.py)."""
-    at_4 = "parity|resume|dcp|no_sync|single|sync_module|unsupported|hybrid"
+    at_4 = "parity|resume|dcp|no_sync|single|sync_module|unsupported|hybrid|muon"
     run_worker("worker_tp_wrapper.py", world_size, timeout=LAUNCH_TIMEOUT_S,
                args=subtest_filter(world_size, at_4=at_4), env={"CFSDP_CKPT_DIR": str(tmp_path)})
 

@@ -13,7 +13,9 @@ Oracle: torch's FSDP1 on the same model, seed and data; cfsdp is **bitwise** equ
 local tensors through the same collectives and DTensor ops).  Compared: losses per step, the
 flat (or original) gradients of the last backward, full parameters after training (FULL state
 dict: keys, types, placements, local values), SHARDED state dicts (keys, placements, local
-values), and optimizer state dicts of both types.
+values), and optimizer state dicts of both types.  ``muon`` / ``muon_flat``:
+cfsdp.optim.Muon on the TP units against the all-gather Muon on the same wrapper
+(``muon_oracle.WrapperAllGatherMuon``), bitwise.
 
 Where torch cannot be the oracle (each measured on torch 2.13, each test says which):
 * ``use_orig_params=True`` at dp=1: torch fails on the second forward ("Cannot writeback when
@@ -388,6 +390,116 @@ def resume(ctx, layout):
 
 
 # ------------------------------------------------------------------------------ accumulation
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "kind": ["even", "odd"], "sp": [False, True]})
+def muon(ctx, layout, kind: str, sp: bool):
+    """cfsdp.optim.Muon on the TP wrapper's original matrices (use_orig_params=True; the units
+    mix them with LayerNorms, which go to AdamW) against the all-gather Muon on the same
+    wrapper (``WrapperAllGatherMuon``: each matrix gathered over dp, then over tp): losses and
+    every parameter bitwise after 3 steps.  A TP ``Shard(d)`` matrix is cut over the (dp, tp)
+    ranks (a TP chunk, dp-sharded by element ranges; uneven TP chunks at ``odd``), its pieces
+    exchanged with its owner among them; at dp = 1 the units are NO_SHARD and the TP chunks
+    whole."""
+    from cfsdp.optim import _muon
+    from muon_oracle import WrapperAllGatherMuon, Pair
+
+    mesh = tc.mesh_2d(*layout)
+    data = tc.batches(STEPS, dp_size(mesh))
+    runs = {}
+    for impl in ("cfsdp", "oracle"):
+        model = wrap("cfsdp", kind, mesh, sp, True)
+        mats = [(n, p) for n, p in model.named_parameters()
+                if len(_muon._wrapped(p)[0].infos[_muon._wrapped(p)[1]].global_shape) >= 2]
+        rest = [p for n, p in model.named_parameters() if all(p is not q for _, q in mats)]
+        adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
+        if impl == "cfsdp":
+            muon_opt = cfsdp.optim.Muon(mats, lr=0.02)
+        else:
+            muon_opt = WrapperAllGatherMuon([_muon._wrapped(p) for _, p in mats], lr=0.02)
+        batches = [step[dp_rank(mesh)] for step in data]
+        runs[impl] = _muon_steps(model, Pair(muon_opt, adamw), batches,
+                                 lambda out, y: loss_fn(out, y))
+    _muon_check(ctx, runs)
+
+
+def _muon_steps(model, opt, batches, loss_of) -> tuple:
+    """Train on ``batches`` of ``(x, y)``; (losses, parameters after the last step)."""
+    losses = []
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _muon_check(ctx, runs: dict) -> None:
+    mm = pc.Mismatches(ctx)
+    compare(mm, "losses", runs["cfsdp"][0], runs["oracle"][0])
+    compare(mm, "parameters after 3 steps", runs["cfsdp"][1], runs["oracle"][1])
+    mm.raise_if_any()
+
+
+class _MatBlock(nn.Module):
+    """A unit of TP matrices only (colwise ``w1``, rowwise ``w2``): the flat parameter Muon
+    takes with use_orig_params=False."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(tc.D, 2 * tc.D, bias=False)
+        self.w2 = nn.Linear(2 * tc.D, tc.D, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(torch.tanh(self.w1(x)))
+
+
+class _MatNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MatBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD)})
+def muon_flat(ctx, layout):
+    """cfsdp.optim.Muon on the flat parameters of TP units of matrices only
+    (use_orig_params=False: each original's pieces cut from the flat shard) against the
+    all-gather Muon on the same wrapper: losses and parameters bitwise after 3 steps."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from cfsdp.optim import _muon
+    from muon_oracle import WrapperAllGatherMuon
+
+    mesh = tc.mesh_2d(*layout)
+    g = torch.Generator().manual_seed(dp_rank(mesh))
+    xs = [torch.randn(4, tc.D, generator=g) for _ in range(STEPS)]
+    runs = {}
+    for impl in ("cfsdp", "oracle"):
+        torch.manual_seed(0)
+        model = _MatNet()
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        model = cfsdp.FullyShardedDataParallel(
+            model, device_mesh=mesh["dp"], use_orig_params=False, device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({_MatBlock}))
+        flats = [m._handle.flat_param for m in model.modules()
+                 if isinstance(m, cfsdp.FullyShardedDataParallel) and m._handle is not None]
+        if impl == "cfsdp":
+            opt = cfsdp.optim.Muon(flats, lr=0.02)
+        else:
+            units = [_muon._wrapped(f)[0] for f in flats]
+            opt = WrapperAllGatherMuon([(u, k) for u in units for k in range(len(u.infos))],
+                                       lr=0.02)
+        runs[impl] = _muon_steps(model, opt, [(x, None) for x in xs],
+                                 lambda out, _: out.square().mean())
+    _muon_check(ctx, runs)
 
 
 @h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})

@@ -3,10 +3,10 @@
 * ``Adam``, ``AdamW``, ``SGD`` (``_fused.py``): ``torch.optim``'s classes whose
   ``step()`` is one C pass over flat buffers (see that module's docstring).
 * ``Muon`` (``_muon.py``): ``torch.optim.Muon`` with a C momentum pass and torch's
-  Newton–Schulz per matrix, on parameters of ndim >= 2, whole or ``fully_shard``'s sharded DTensors
-  (``_muon_shard.py``: each matrix gathered to one owner rank, orthogonalized there, its
-  chunks scattered back; ``_muon_mesh.py``: the same for TP x FSDP's blocks over two mesh
-  dims; the wrapper's flat parameters raise ``NotImplementedError``: issue 27 phase 2b);
+  Newton–Schulz per matrix, on parameters of ndim >= 2, whole, ``fully_shard``'s sharded
+  DTensors or the wrapper's shards (``_muon_shard.py``: each matrix gathered to one owner
+  rank, orthogonalized there, its chunks scattered back; ``_muon_mesh.py``: the same for
+  blocks over several mesh dims; ``_muon_bucket.py``: the exchange in bounded buckets);
   ``_muon_owners.py`` assigns each matrix its owner rank by Newton–Schulz FLOPs.
 * ``ZeroRedundancyOptimizer`` (``zero.py``): torch's
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1) with flat rank-major

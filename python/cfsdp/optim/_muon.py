@@ -76,8 +76,12 @@ its exchange with an empty range when the ranks holding it have gradients for it
 unit's ranks agree on each step (``_agree_pieces``: one small ``all_reduce`` per process
 group).  With NO_SHARD (one rank) the matrices are whole.  An original that is not row-major
 (a transposed weight, a channels-last one: the wrapper lays it out in memory order) travels in
-memory order, its owner viewing the matrix through its strides (``Layout.stride``).  Still
-``NotImplementedError``: the wrapper's tensor-parallel originals.  The numbers are the
+memory order, its owner viewing the matrix through its strides (``Layout.stride``).  A
+tensor-parallel ``Shard(d)`` original (the wrapper on ``mesh["dp"]`` of a TP model) is cut
+over the (dp, tp) ranks: a TP chunk per TP rank, dp-sharded by element ranges that each TP
+rank's unit lays out from its own local numels (``_tp_layout``), exchanged over all those
+ranks; with NO_SHARD (dp = 1) the TP chunks are whole.  Still ``NotImplementedError``: a
+tensor-parallel original that is not row-major.  The numbers are the
 all-gather-everywhere ``torch.optim.Muon`` on the same wrapper's full matrices
 (``muon_oracle.WrapperAllGatherMuon``), bit for bit.
 
@@ -110,6 +114,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _core
 from .._torch.core import muon_adjust_lr, muon_newton_schulz
+from ._muon_mesh import Blocks, MeshLayout, _exchange_group, block
 from ._muon_shard import Layout, exchange, shard_layout
 
 __all__ = ["Muon"]
@@ -125,19 +130,75 @@ def _local(t: Tensor) -> Tensor:
 class _UnitIndex:
     """What Muon reads of one wrapper unit each step, found once: each original parameter's
     index (by identity, re-found when the unit's parameter was replaced) and, on a sharded
-    unit, each original's element-range ``Layout``."""
+    unit, each original's element-range ``Layout`` (a tensor-parallel ``Shard(d)`` one's:
+    ``_tp_layout``)."""
 
     __slots__ = ("index", "layouts")
 
     def __init__(self, unit):
         self.index = {id(info.param): j for j, info in enumerate(unit.infos)}
-        self.layouts: Optional[list] = None
+        self.layouts: list = [None] * len(unit.infos)  # None: whole (NO_SHARD, not TP)
         if unit.sharded:
             lay, ranks = unit.layout, tuple(dist.get_process_group_ranks(unit.group))
             self.layouts = [Layout(unit.group, -1, 0, unit.rank, unit.world_size, ranks,
                                    tuple(lay.slices[r][j].numel for r in range(lay.world_size)),
                                    unit.infos[j].stride)
                             for j in range(len(unit.infos))]
+        for j, info in enumerate(unit.infos):  # TP Shard(d) ones: over the (dp, tp) ranks
+            if _tp_sharded(info) and unit.flat_param.requires_grad:
+                self.layouts[j] = _tp_layout(unit, j)
+
+
+def _tp_sharded(info) -> bool:
+    """Whether a wrapper original is a tensor-parallel parameter placed ``Shard(d)`` (a
+    ``Replicate()`` one holds the whole matrix on every TP rank: the plain element ranges)."""
+    return info.tp_spec is not None and _tp_dim(info.tp_spec) is not None
+
+
+def _tp_dim(sp) -> Optional[int]:
+    """The tensor dim a TP spec shards (its one ``Shard(d)``), or None (``Replicate()``)."""
+    dims = [pl.dim % len(sp.shape) for pl in sp.placements if pl.is_shard()]
+    return dims[0] if dims else None
+
+
+def _tp_layout(unit, j: int) -> MeshLayout:
+    """Tensor-parallel original ``j`` of a sharded wrapper unit ([Note: tensor-parallel wrapper
+    units] in ``_runtime/flat/unit.py``): TP rank ``t`` holds ``torch.chunk`` ``t`` of the
+    matrix along its ``Shard(d)`` dim, and the unit on that TP rank lays its local tensors out
+    as ``unit.layout`` does on this one (``plan_layout`` of their numels: uneven TP chunks give
+    other ranges), so dp rank ``a`` of TP rank ``t`` holds elements ``[param_start, +numel)``
+    of that chunk, row-major.  Every rank of the (dp, tp) root mesh has a piece; the exchange
+    runs over all of them (``_muon_mesh``'s group of those ranks)."""
+    sp = unit.infos[j].tp_spec
+    d = _tp_dim(sp)
+    root = sp.mesh._get_root_mesh()
+    dps, tps = root.shape
+    where = {int(root.mesh[a, t]): (a, t) for a in range(dps) for t in range(tps)}
+    me = dist.get_rank()
+    layouts = []
+    for t in range(tps):  # each TP rank's unit layout, from its local numels
+        numels = []
+        for info in unit.infos:
+            di = None if info.tp_spec is None else _tp_dim(info.tp_spec)
+            if di is None:
+                numels.append(info.numel)
+            else:
+                g = info.tp_spec.shape
+                numels.append(math.prod(g[:di]) * block(g, [(di, tps, t)])[1][di] *
+                              math.prod(g[di + 1:]))
+        if t == where[me][1] and numels != [info.numel for info in unit.infos]:
+            raise AssertionError(f"Muon's TP layout of unit {unit}: local numels {numels}, the "
+                                 f"unit's {[info.numel for info in unit.infos]}")
+        layouts.append(_core.plan_layout(numels, unit.plan_align, dps))
+    ranks = tuple(sorted(where))
+    blocks = []
+    for r in ranks:
+        a, t = where[r]
+        starts, sizes = block(sp.shape, [(d, tps, t)])
+        sl = layouts[t].slices[a][j]
+        blocks.append((starts, sizes, sl.param_start, sl.param_start + sl.numel))
+    return MeshLayout(_exchange_group(ranks), None, Blocks(tuple(blocks)), ranks.index(me),
+                      len(ranks), ranks)
 
 
 _unit_index: "weakref.WeakKeyDictionary[Any, _UnitIndex]" = weakref.WeakKeyDictionary()
@@ -169,10 +230,19 @@ def _wrapped(p: Tensor) -> Optional[tuple]:
     return unit, j
 
 
-def _flat_layout(unit, j: int) -> Layout:
-    """Original parameter ``j`` of a sharded wrapper unit as element ranges: rank ``r`` of the
-    unit's group holds ``layout.slices[r][j].numel`` consecutive elements of it."""
+def _flat_layout(unit, j: int):
+    """Original parameter ``j`` of a wrapper unit as pieces: on a sharded unit, element ranges
+    (rank ``r`` of the unit's group holds ``layout.slices[r][j].numel`` consecutive elements of
+    it); a tensor-parallel ``Shard(d)`` one, on any unit, its ``_tp_layout``; else None (whole
+    on this rank)."""
     return _index_of(unit).layouts[j]
+
+
+def _holders(lay) -> int:
+    """How many ranks hold a piece of a matrix laid out as ``lay``."""
+    if isinstance(lay, MeshLayout):
+        return sum(1 for b in lay.dim.of_rank if math.prod(b[1]) and (len(b) == 2 or b[3] > b[2]))
+    return sum(1 for k in lay.sizes if k)
 
 
 def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
@@ -180,16 +250,19 @@ def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
     for k in range(len(unit.infos)) if j is None else (j,):
         info = unit.infos[k]
         where = f"original parameter '{info.fqn}' of shape {tuple(info.shape)}"
-        if info.tp_spec is not None:
-            return f"{where}: a tensor-parallel parameter of a wrapper unit (issue 27 phase 2b)"
+        if info.tp_spec is not None and info.stride is not None and unit.sharded:
+            return (f"{where}: a tensor-parallel parameter of a wrapper unit that is not "
+                    f"row-major (stride {info.stride})")
     return None
 
 
 def _shared_original(unit, j: Optional[int]) -> bool:
-    """Whether original parameter ``j`` is a trainable one of a sharded unit: whether it is
-    stepped is agreed (``_agree_pieces``), by every rank of the unit's group alike (its matrix
-    goes through the group's exchange, whichever ranks hold it)."""
-    return j is not None and unit.sharded and unit.infos[j].param.requires_grad
+    """Whether original parameter ``j`` is a trainable one spread over ranks (of a sharded
+    unit, or tensor-parallel): whether it is stepped is agreed (``_agree_pieces``), by every
+    rank of its exchange alike (its matrix goes through the exchange, whichever ranks hold
+    it)."""
+    return (j is not None and unit.infos[j].param.requires_grad
+            and _flat_layout(unit, j) is not None)
 
 
 def _agree_pieces(group: dict, gi: int, wrapped: list) -> set:
@@ -213,7 +286,7 @@ def _agree_pieces(group: dict, gi: int, wrapped: list) -> set:
                             dtype=torch.int32, device=device)
         dist.all_reduce(have, group=pg)
         for (i, p, unit, j), n in zip(entries, have.tolist()):
-            holders = sum(1 for k in _flat_layout(unit, j).sizes if k)
+            holders = _holders(_flat_layout(unit, j))
             if n == holders:
                 if p.grad is None:  # an empty piece here
                     joined.add(id(p))
@@ -431,7 +504,7 @@ class Muon(torch.optim.Muon):
                 self._check_param(group, i, p, gi)
             if w is not None:
                 self._check_param(group, i, p, gi)
-                if w[0].sharded:
+                if w[0].sharded or any(x is not None for x in _index_of(w[0]).layouts):
                     self._check_dtype(group, i, gi, p, p.grad.dtype)
             elif layout is None:
                 why = _sharded(p.grad)
@@ -499,19 +572,24 @@ class Muon(torch.optim.Muon):
         pd = p.detach()
         if p.grad is None:  # an empty piece (_agree_pieces)
             empty = unit.flat_param.new_empty(0, dtype=_piece_dtype(unit))  # as the holders'
-            return [(pd, empty, _flat_layout(unit, j), tuple(unit.infos[j].shape))]
+            return [(pd, empty, _flat_layout(unit, j), tuple(unit.infos[j].global_shape))]
         upd = self._cf_momentum(p.grad, self.state[p][_KIND], group["momentum"], group["nesterov"])
         if j is not None:
-            lay = _flat_layout(unit, j) if unit.sharded else None
-            return [(pd, upd, lay, tuple(unit.infos[j].shape))]
+            lay = _flat_layout(unit, j)
+            if isinstance(lay, MeshLayout) and pd.ndim != 1:  # a TP original of a NO_SHARD unit
+                pd, upd = pd.view(-1), upd.view(-1)
+            return [(pd, upd, lay, tuple(unit.infos[j].global_shape))]
         out = []
         for k, info in enumerate(unit.infos):
+            lay = _flat_layout(unit, k)
             if unit.sharded:
                 sl = unit.layout.slices[unit.rank][k]
                 a, b = sl.shard_offset, sl.shard_offset + sl.numel
-                out.append((pd[a:b], upd[a:b], _flat_layout(unit, k), tuple(info.shape)))
             else:
                 a, b = unit.layout.offsets[k], unit.layout.offsets[k] + info.numel
+            if lay is not None:
+                out.append((pd[a:b], upd[a:b], lay, tuple(info.global_shape)))
+            else:
                 out.append((info.view(pd[a:b]), info.view(upd[a:b]), None, tuple(info.shape)))
         return out
 

@@ -123,9 +123,13 @@ def agreed_bucket_bytes(pg, count: int, device: torch.device) -> int:
 
 
 def _region(block: tuple) -> tuple:
-    starts, sizes = block
+    starts, sizes = block[:2]
     return tuple(slice(a, a + b) for a, b in zip(starts, sizes))
 
+
+def _piece(block: tuple) -> tuple:
+    """The shape of a rank's piece: its block's, or ``(hi - lo,)`` for a range of one."""
+    return tuple(block[1]) if len(block) == 2 else (block[3] - block[2],)
 
 def exchange_blocks(
     pg,
@@ -154,16 +158,19 @@ def exchange_blocks(
     views and blocks.  Returns this rank's block of every result (``out_dtype``, shaped as its
     block); with ``on_result``, ``on_result(k, block)`` gets each as soon as its bucket's return
     has landed (bucket by bucket, its receive buffer then freed) and the list holds None.
+    A block may also be ``(starts, sizes, lo, hi)``: the rank holds elements ``[lo, hi)`` of
+    the row-major flattened block (its chunk is 1-D; the wrapper's tensor-parallel originals:
+    a TP block, dp-sharded by element ranges); the ranks sharing a block cover it between them.
     ``strides[k]``, when given and not None, says matrix ``k`` is not row-major (the wrapper's
     strided originals, laid out in memory order): its view ``[numel]`` is its memory, the
     matrix ``as_strided(shapes[k], strides[k])`` of it; the owner orthogonalizes the matrix
     (made contiguous: the same values) and its result goes back in memory order."""
     n, me = count, index
     for k, (s, b, t) in enumerate(zip(shapes, blocks, chunks)):
-        if tuple(t.shape) != tuple(b[me][1]):
+        if tuple(t.shape) != _piece(b[me]):
             raise AssertionError(f"matrix {k} of shape {tuple(s)}: local block {tuple(t.shape)} "
-                                 f"on rank {me} of {n}, expected {tuple(b[me][1])}")
-    numel = [[math.prod(sz) for _, sz in b] for b in blocks]  # [matrix][rank]
+                                 f"on rank {me} of {n}, expected {_piece(b[me])}")
+    numel = [[math.prod(_piece(blk)) for blk in b] for b in blocks]  # [matrix][rank]
     stride = [None] * len(shapes) if strides is None else [
         None if s is None else tuple(int(x) for x in s) for s in strides]
     if wire_dtype is None:
@@ -189,7 +196,7 @@ def exchange_blocks(
         off = 0
         for d in dest:
             for k in d:
-                send.narrow(0, off, numel[k][me]).view(blocks[k][me][1]).copy_(chunks[k])
+                send.narrow(0, off, numel[k][me]).view(_piece(blocks[k][me])).copy_(chunks[k])
                 chunks[k] = None
                 off += numel[k][me]
         counts = [[sum(numel[k][s] for k in ks if owners[k] == r) for r in range(n)]
@@ -201,12 +208,25 @@ def exchange_blocks(
         r - 1's, each rank's in matrix order): (matrix indices, full matrices)."""
         mine = [k for k in ks if owners[k] == me]
         fulls = [torch.empty(views[k], dtype=wire_dtype, device=device) for k in mine]
+        ranged: dict = {}  # (matrix, block) -> the block row-major, filled range by range
         off = 0
         for r in range(n):
             for full, k in zip(fulls, mine):
-                full[_region(blocks[k][r])] = recv.narrow(0, off, numel[k][r]).view(
-                    blocks[k][r][1])
+                b, got = blocks[k][r], recv.narrow(0, off, numel[k][r])
+                if len(b) == 2:
+                    full[_region(b)] = got.view(b[1])
+                else:
+                    key = (k, tuple(b[0]), tuple(b[1]))
+                    if key not in ranged:
+                        ranged[key] = torch.empty(math.prod(b[1]), dtype=wire_dtype,
+                                                  device=device)
+                    ranged[key][b[2]:b[3]] = got
                 off += numel[k][r]
+        for full, k in zip(fulls, mine):
+            for (kk, starts, sizes), flat in list(ranged.items()):
+                if kk == k:
+                    full[_region((starts, sizes))] = flat.view(sizes)
+        del ranged
         return mine, [f.view(shapes[k]) if stride[k] is None else
                       f.as_strided(shapes[k], stride[k]).contiguous()
                       for f, k in zip(fulls, mine)]
@@ -235,8 +255,11 @@ def exchange_blocks(
         off = 0
         for r in range(n):
             for k, res in zip(mine, results):
-                send.narrow(0, off, numel[k][r]).view(blocks[k][r][1]).copy_(
-                    res[_region(blocks[k][r])])
+                b = blocks[k][r]
+                part = res[_region(b)]
+                if len(b) == 4:
+                    part = part.reshape(-1)[b[2]:b[3]]
+                send.narrow(0, off, numel[k][r]).view(_piece(b)).copy_(part)
                 off += numel[k][r]
         counts = [[sum(numel[k][r] for k in ks if owners[k] == s) for r in range(n)]
                   for s in range(n)]
@@ -251,7 +274,7 @@ def exchange_blocks(
         for r in range(n):
             for k in ks:
                 if owners[k] == r:
-                    piece = recv.narrow(0, off, numel[k][me]).view(blocks[k][me][1])
+                    piece = recv.narrow(0, off, numel[k][me]).view(_piece(blocks[k][me]))
                     if on_result is None:
                         out[k] = piece
                     else:

@@ -118,6 +118,7 @@ class Unit(FlatLifecycle, FlatGrads, FlatWriteback, FlatLayout):
         align = ALIGN_BYTES // self.param_dtype.itemsize if use_orig_params else 0
         lay_ws = self.world_size if sharded else 1
         self._lay_rank = self.rank if sharded else 0
+        self.plan_align = align  # plan_layout's alignment (Muon plans other TP ranks' layouts)
         self.layout = _core.plan_layout([i.numel for i in self.infos], align, lay_ws)
         self._split_sizes, self._split_index = self._plan_splits()
         # Whether this rank's shard holds any element of an original parameter (else it is
