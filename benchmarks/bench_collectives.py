@@ -6,10 +6,10 @@ Launch with torchrun (gloo, CPU), e.g.::
         benchmarks/bench_collectives.py --out benchmarks/out/collectives.json
 
 For each dtype (fp32, bf16) and op (all-gather, reduce-scatter, all-reduce, all-to-all;
-``--ops`` picks some) on a full buffer of ``--mib`` MiB (64 by default), both contenders run on the same gloo group and
-the same data: ``shm`` is ``cfsdp._runtime.comm`` (shared memory; the run fails if the
-group does not take that path) and ``gloo`` is ``torch.distributed`` itself.  Every
-iteration starts after a barrier; its time is the max over ranks; a contender's time is
+``--ops`` picks some) on a full buffer of ``--mib`` MiB (64 by default), both contenders run on
+the same gloo group and the same data: ``shm`` is ``cfsdp._runtime.comm`` (shared memory; the
+run fails if the group does not take that path) and ``gloo`` is ``torch.distributed`` itself.
+Every iteration starts after a barrier; its time is the max over ranks; a contender's time is
 the median over ``--iters`` timed iterations after ``--warmup`` untimed ones.
 
 Throughput = bytes of the full buffer / time, for every op and contender alike: the

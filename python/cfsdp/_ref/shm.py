@@ -1,12 +1,11 @@
 """Kernels of the shared-memory collectives (twins of ``csrc/shm.c``).
 
-The collectives themselves have the process group as their twin (see
-``cfsdp._runtime.comm``); what is C in them besides synchronisation is one sum
-kernel and plain copies, twinned here (and the all-to-all's block layout,
-``shm_all_to_all``, for the in-process tests that drive every rank at once), the check that a file is this job's
-before it is mapped (``_check_fd``: see "Trust" in ``csrc/shm.c``) and the
-host-shared segment facility that makes and maps such files (``ShmSegment``,
-twin of ``cfsdp._C.ShmSegment`` / ``cf_shm_map_file``).
+The collectives themselves have the process group as their twin (see ``cfsdp._runtime.comm``);
+what is C in them besides synchronisation is one sum kernel and plain copies, twinned here (and
+the all-to-all's block layout, ``shm_all_to_all``, for the in-process tests that drive every
+rank at once), the check that a file is this job's before it is mapped (``_check_fd``: see
+"Trust" in ``csrc/shm.c``) and the host-shared segment facility that makes and maps such files
+(``ShmSegment``, twin of ``cfsdp._C.ShmSegment`` / ``cf_shm_map_file``).
 """
 
 from __future__ import annotations

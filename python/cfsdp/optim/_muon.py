@@ -40,14 +40,14 @@ way.  The momentum (and Nesterov) update runs on the local shard (elementwise: t
 are the whole one's); every such matrix of a param group then goes to its owner rank in the
 shard group, is orthogonalized there once and comes back chunk by chunk
 (``_muon_shard.exchange`` through ``_muon_bucket``: bounded buckets, bf16 on the wire, two
-``all_to_all_single`` per bucket, the next bucket in flight while the owners work; owners from
-``_muon_owners.assign_owners``); each shard is updated with the full shape's adjusted lr as its
-bucket lands.  The
-numbers are those of torch's Muon on the full matrices (the all-gather-everywhere Muon
-of tests/distributed/muon_oracle.py), bit for bit.  Still ``NotImplementedError`` naming the
-parameter: a layout whose chunks are not the matrix's ``torch.chunk`` along one dim, nor TP x
-FSDP's blocks over two mesh dims (``_muon_mesh``: HSDP x TP's 3-D meshes and sub-meshes too; a
-lone ``_StridedShard``, a ``Partial`` parameter, three sharded mesh dims), a sharded
+all-to-alls per bucket through cfsdp's collectives, the next bucket in flight while the owners
+work; owners from ``_muon_owners.assign_owners``); each shard is updated with the full shape's
+adjusted lr as its bucket lands.  The numbers are those of torch's Muon on the full matrices
+(the all-gather-everywhere Muon of tests/distributed/muon_oracle.py), bit for bit.  Still
+``NotImplementedError`` naming the parameter: a layout whose chunks are not the matrix's
+``torch.chunk`` along one dim, nor TP x FSDP's blocks (``_muon_mesh``: plain ``Shard(d)``s on
+any number of mesh dims, fully_shard's ``_StridedShard`` beside TP's ``Shard``, HSDP x TP's 3-D
+meshes, sub-meshes; a lone ``_StridedShard``, a ``Partial`` parameter), a sharded
 parameter whose gradient is placed otherwise, a sharded bf16 one without Nesterov (torch
 normalizes its bf16 momentum buffer in place, which a gathered copy cannot), any sharded bf16 or
 fp16 one (torch's 16-bit ``add_(update, alpha=)`` rounds an element by its position in the
@@ -60,30 +60,30 @@ The FullyShardedDataParallel wrapper's parameters (issue 27, the wrapper): its f
 the flat shard, possibly empty, as torch FSDP1's) carry ``_cfsdp_unit``, a weak reference to
 their unit (``_runtime/flat``), whose layout places each original parameter: rank ``r`` holds
 ``unit.layout.slices[r][k].numel`` consecutive elements of original ``k``'s row-major flat
-elements, the ranks' ranges in rank order.  A flat parameter's momentum (and Nesterov) is one
-C pass over the whole local shard (elementwise: padding included, whose gradient is zero);
-then each original matrix's range of the update goes to the matrix's owner over the unit's
-process group, which concatenates the ranges in rank order (the row-major matrix), and gets
-its range of the orthogonalized update back (``_muon_shard.exchange`` with element ranges:
-the same buckets, every matrix of the group's units in one exchange); each range of the shard
-is updated with torch's weight decay and the full shape's adjusted lr.  Every original parameter of a flat parameter given to Muon must be a
-matrix (torch's ``ValueError`` plus the original's FQN otherwise: a flat parameter is one
-param group).  With ``use_orig_params=True`` each original matrix is stepped the same way on
-its own 1-D piece (so the 1-D ones go to AdamW: the usual pairing), its ``momentum_buffer``
-of the piece's shape (what ``FSDP.optim_state_dict`` consolidates).  A rank holding no element
-of a matrix has no gradient for it (torch FSDP1 leaves it None) and no state, yet takes part in
-its exchange with an empty range when the ranks holding it have gradients for it, which the
-unit's ranks agree on each step (``_agree_pieces``: one small ``all_reduce`` per process
-group).  With NO_SHARD (one rank) the matrices are whole.  An original that is not row-major
-(a transposed weight, a channels-last one: the wrapper lays it out in memory order) travels in
-memory order, its owner viewing the matrix through its strides (``Layout.stride``).  A
-tensor-parallel ``Shard(d)`` original (the wrapper on ``mesh["dp"]`` of a TP model) is cut
-over the (dp, tp) ranks: a TP chunk per TP rank, dp-sharded by element ranges that each TP
-rank's unit lays out from its own local numels (``_tp_layout``), exchanged over all those
-ranks; with NO_SHARD (dp = 1) the TP chunks are whole.  Still ``NotImplementedError``: a
-tensor-parallel original that is not row-major.  The numbers are the
-all-gather-everywhere ``torch.optim.Muon`` on the same wrapper's full matrices
-(``muon_oracle.WrapperAllGatherMuon``), bit for bit.
+elements, the ranks' ranges in rank order.  A flat parameter's momentum (and Nesterov) is one C
+pass over the whole local shard (elementwise: padding included, whose gradient is zero); then
+each original matrix's range of the update goes to the matrix's owner over the unit's process
+group, which concatenates the ranges in rank order (the row-major matrix), and gets its range of
+the orthogonalized update back (``_muon_shard.exchange`` with element ranges: the same buckets,
+every matrix of the group's units in one exchange); each range of the shard is updated with
+torch's weight decay and the full shape's adjusted lr.  Every original parameter of a flat
+parameter given to Muon must be a matrix (torch's ``ValueError`` plus the original's FQN
+otherwise: a flat parameter is one param group).  With ``use_orig_params=True`` each original
+matrix is stepped the same way on its own 1-D piece (so the 1-D ones go to AdamW: the usual
+pairing), its ``momentum_buffer`` of the piece's shape (what ``FSDP.optim_state_dict``
+consolidates).  A rank holding no element of a matrix has no gradient for it (torch FSDP1 leaves
+it None) and no state, yet takes part in its exchange with an empty range when the ranks holding
+it have gradients for it, which the unit's ranks agree on each step (``_agree_pieces``: one
+small ``all_reduce`` per process group).  With NO_SHARD (one rank) the matrices are whole.  An
+original that is not row-major (a transposed weight, a channels-last one: the wrapper lays it
+out in memory order) travels in memory order, its owner viewing the matrix through its strides
+(``Layout.stride``).  A tensor-parallel ``Shard(d)`` original (the wrapper on ``mesh["dp"]`` of
+a TP model) is cut over the (dp, tp) ranks: a TP chunk per TP rank, dp-sharded by element ranges
+that each TP rank's unit lays out from its own local numels (``_tp_layout``), exchanged over all
+those ranks; with NO_SHARD (dp = 1) the TP chunks are whole.  Still ``NotImplementedError``: a
+tensor-parallel original that is not row-major.  The numbers are the all-gather-everywhere
+``torch.optim.Muon`` on the same wrapper's full matrices (``muon_oracle.WrapperAllGatherMuon``),
+bit for bit.
 
 [Note: Newton-Schulz per matrix]
 Every matrix (a 2-D parameter, each trailing matrix of a 3-D one) goes through torch's own
@@ -162,7 +162,7 @@ def _tp_dim(sp) -> Optional[int]:
 
 
 def _tp_layout(unit, j: int) -> MeshLayout:
-    """Tensor-parallel original ``j`` of a sharded wrapper unit ([Note: tensor-parallel wrapper
+    """Tensor-parallel original ``j`` of a wrapper unit ([Note: tensor-parallel wrapper
     units] in ``_runtime/flat/unit.py``): TP rank ``t`` holds ``torch.chunk`` ``t`` of the
     matrix along its ``Shard(d)`` dim, and the unit on that TP rank lays its local tensors out
     as ``unit.layout`` does on this one (``plan_layout`` of their numels: uneven TP chunks give
@@ -241,7 +241,8 @@ def _flat_layout(unit, j: int):
 def _holders(lay) -> int:
     """How many ranks hold a piece of a matrix laid out as ``lay``."""
     if isinstance(lay, MeshLayout):
-        return sum(1 for b in lay.dim.of_rank if math.prod(b[1]) and (len(b) == 2 or b[3] > b[2]))
+        return sum(1 for b in lay.dim.of_rank
+                   if math.prod(b[1]) and (len(b) == 2 or b[3] > b[2]))
     return sum(1 for k in lay.sizes if k)
 
 
@@ -250,7 +251,7 @@ def _wrapped_why(unit, j: Optional[int]) -> Optional[str]:
     for k in range(len(unit.infos)) if j is None else (j,):
         info = unit.infos[k]
         where = f"original parameter '{info.fqn}' of shape {tuple(info.shape)}"
-        if info.tp_spec is not None and info.stride is not None and unit.sharded:
+        if _tp_sharded(info) and info.stride is not None:
             return (f"{where}: a tensor-parallel parameter of a wrapper unit that is not "
                     f"row-major (stride {info.stride})")
     return None

@@ -25,8 +25,8 @@ shapes and placements.  ``exchange_blocks``:
    then by matrix index; the owner receives into one buffer and writes the blocks into its
    full matrices;
 3. the owner orthogonalizes the bucket's matrices in one call (each through torch's
-   function: [Note: Newton-Schulz per matrix] in ``_muon``), writes each rank's block of each result into
-   one send buffer, and one all-to-all brings every rank its block of the results;
+   function: [Note: Newton-Schulz per matrix] in ``_muon``), writes each rank's block of each
+   result into one send buffer, and one all-to-all brings every rank its block of the results;
 4. pipelined: bucket ``b + 1``'s forward exchange is issued (``async_op=True``) before the
    owners orthogonalize bucket ``b``, and bucket ``b``'s return is in flight while bucket
    ``b + 1`` is orthogonalized; every return is waited for before this returns (before the

@@ -11,13 +11,13 @@ whole matrix.  ``exchange`` does, per process group and dtype, for every matrix 
 each rank's chunk is a block of the matrix (``torch.chunk``'s offset and size along ``d``,
 the whole extent along the others), every rank knows every rank's block from the full shape,
 and ``_muon_bucket.exchange_blocks`` moves the blocks: owners from ``assign_owners``
-(``_muon_owners``), bounded buckets, per bucket one ``all_to_all_single`` sending each rank's
-block of every matrix to the matrix's owner in bf16 (Newton–Schulz's first op is
-``.bfloat16()``), the owner writing the blocks into the full matrix and orthogonalizing its
-matrices in one call (the caller's function: each matrix through torch's, [Note:
-Newton-Schulz per matrix] in ``_muon``), so each matrix's Newton–Schulz runs on exactly one rank of its
-shard group (HSDP: once per replica group), and one ``all_to_all_single`` back with each rank's
-block of the results; the next bucket in flight while the owners work on this one.
+(``_muon_owners``), bounded buckets, per bucket one all-to-all (cfsdp's ``comm.all_to_all``)
+sending each rank's block of every matrix to the matrix's owner in bf16 (Newton–Schulz's first
+op is ``.bfloat16()``), the owner writing the blocks into the full matrix and orthogonalizing
+its matrices in one call (the caller's function: each matrix through torch's, [Note:
+Newton-Schulz per matrix] in ``_muon``), so each matrix's Newton–Schulz runs on exactly one
+rank of its shard group (HSDP: once per replica group), and one all-to-all back with each
+rank's block of the results; the next bucket in flight while the owners work on this one.
 
 The FullyShardedDataParallel wrapper's matrices take the same path with element ranges
 (``Layout.sizes``, ``exchange``'s ``sizes``): rank ``i`` holds ``sizes[i]`` consecutive elements
