@@ -15,7 +15,8 @@ flat (or original) gradients of the last backward, full parameters after trainin
 dict: keys, types, placements, local values), SHARDED state dicts (keys, placements, local
 values), and optimizer state dicts of both types.  ``muon`` / ``muon_flat``:
 cfsdp.optim.Muon on the TP units against the all-gather Muon on the same wrapper
-(``muon_oracle.WrapperAllGatherMuon``), bitwise.
+(``muon_oracle.WrapperAllGatherMuon``), bitwise; ``muon_resume``: its state through the
+wrapper's optimizer state dicts, resumed bitwise.
 
 Where torch cannot be the oracle (each measured on torch 2.13, each test says which):
 * ``use_orig_params=True`` at dp=1: torch fails on the second forward ("Cannot writeback when
@@ -466,29 +467,38 @@ class _MatNet(nn.Module):
         return x
 
 
+def _mat_model(mesh, uop: bool, seed: int = 0) -> nn.Module:
+    """_MatNet, tensor-parallel on ``mesh["tp"]``, a wrapper unit per block on ``mesh["dp"]``."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(seed)
+    model = _MatNet()
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    return cfsdp.FullyShardedDataParallel(
+        model, device_mesh=mesh["dp"], use_orig_params=uop, device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({_MatBlock}))
+
+
+def _mat_inputs(mesh, steps: int) -> list:
+    g = torch.Generator().manual_seed(dp_rank(mesh))
+    return [torch.randn(4, tc.D, generator=g) for _ in range(steps)]
+
+
 @h.subtest(grid={"layout": tc.meshes(WORLD)})
 def muon_flat(ctx, layout):
     """cfsdp.optim.Muon on the flat parameters of TP units of matrices only
     (use_orig_params=False: each original's pieces cut from the flat shard) against the
     all-gather Muon on the same wrapper: losses and parameters bitwise after 3 steps."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
     from cfsdp.optim import _muon
     from muon_oracle import WrapperAllGatherMuon
 
     mesh = tc.mesh_2d(*layout)
-    g = torch.Generator().manual_seed(dp_rank(mesh))
-    xs = [torch.randn(4, tc.D, generator=g) for _ in range(STEPS)]
+    xs = _mat_inputs(mesh, STEPS)
     runs = {}
     for impl in ("cfsdp", "oracle"):
-        torch.manual_seed(0)
-        model = _MatNet()
-        for b in model.blocks:
-            parallelize_module(b, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-        model = cfsdp.FullyShardedDataParallel(
-            model, device_mesh=mesh["dp"], use_orig_params=False, device_id=torch.device("cpu"),
-            auto_wrap_policy=ModuleWrapPolicy({_MatBlock}))
+        model = _mat_model(mesh, uop=False)
         flats = [m._handle.flat_param for m in model.modules()
                  if isinstance(m, cfsdp.FullyShardedDataParallel) and m._handle is not None]
         if impl == "cfsdp":
@@ -500,6 +510,43 @@ def muon_flat(ctx, layout):
         runs[impl] = _muon_steps(model, opt, [(x, None) for x in xs],
                                  lambda out, _: out.square().mean())
     _muon_check(ctx, runs)
+
+
+@h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
+def muon_resume(ctx, layout, uop: bool):
+    """cfsdp.optim.Muon's state through the wrapper's optimizer state dicts on TP units of
+    matrices (``FSDP.optim_state_dict`` / ``optim_state_dict_to_load``, FULL and SHARDED): the
+    momentum buffers come out under the original FQNs with the parameters' shapes, and a fresh
+    model with other weights that loads model and optimizer after two steps trains on with
+    bitwise the losses and parameters of the uninterrupted run.  No torch oracle: torch's Muon
+    refuses the flat parameters and its FSDP1 loads no optimizer state dict with tp > 1 (see
+    the module docstring); the uninterrupted cfsdp run is the oracle."""
+    mesh = tc.mesh_2d(*layout)
+    xs = _mat_inputs(mesh, 4)
+    loss_of = lambda out, _: out.square().mean()  # noqa: E731
+    mm = pc.Mismatches(ctx)
+    for t in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
+        model = _mat_model(mesh, uop)
+        opt = cfsdp.optim.Muon(model.parameters(), lr=0.02)
+        _muon_steps(model, opt, [(x, None) for x in xs[:2]], loss_of)
+        msd, osd = save(model, opt, t)
+        full = dict(msd)  # the original FQNs (the model has only matrices, no buffers)
+        for fqn, st in osd["state"].items():
+            buf = st["momentum_buffer"]
+            if fqn not in full or tuple(buf.shape) != tuple(full[fqn].shape):
+                mm.add(f"{t.name}: momentum_buffer of {fqn}: shape {tuple(buf.shape)}, the "
+                       f"parameter's {tuple(full[fqn].shape) if fqn in full else 'absent'}")
+        if set(osd["state"]) != set(full):
+            mm.add(f"{t.name}: optimizer states for {sorted(osd['state'])}, parameters "
+                   f"{sorted(full)}")
+        fresh = _mat_model(mesh, uop, seed=1)
+        fresh_opt = cfsdp.optim.Muon(fresh.parameters(), lr=0.02)
+        load(fresh, fresh_opt, t, msd, osd)
+        want = _muon_steps(model, opt, [(x, None) for x in xs[2:]], loss_of)
+        got = _muon_steps(fresh, fresh_opt, [(x, None) for x in xs[2:]], loss_of)
+        compare(mm, f"{t.name} resumed losses", got[0], want[0])
+        compare(mm, f"{t.name} resumed parameters", got[1], want[1])
+    mm.raise_if_any()
 
 
 @h.subtest(grid={"layout": tc.meshes(WORLD), "uop": [False, True]})
