@@ -11,11 +11,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as SS
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
 from cfsdp import FullyShardedDataParallel as CFSDP
-from parity_common import LOSSES, Mismatches, make_batches, make_optim
-from strategies.common import GRID_STRATEGIES, HYBRID, _orig_params_model, _written
+from parity_common import CPU, LOSSES, Mismatches, make_batches, make_optim
+from strategies.common import GRID_STRATEGIES, HYBRID, _orig_params_model, _written, groups_kw
 
 
 def _attributes(model: nn.Module) -> list[tuple]:
@@ -230,4 +231,70 @@ def orig_param_attributes(ctx, strategy):
             mm.check(cs.get(k) == b, f"{k}: {_list_diff(cs.get(k) or [], b)}")
         else:
             mm.tensors(k, cs.get(k), b)
+    mm.raise_if_any()
+
+
+class _Head(nn.Linear):
+    """A head of ``_TwoHeads``: one unit each (the wrap policy's class)."""
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and two heads, of which each step uses the one ``head`` names (the same on
+    every rank): the other head's unit takes no part in that step's backwards."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(6, 9)
+        self.heads = nn.ModuleList(_Head(9, 3) for _ in range(2))
+        self.head = 0
+
+    def forward(self, x):
+        return self.heads[self.head](torch.relu(self.trunk(x)))
+
+
+@h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True]})
+def unit_outside_backward(ctx, strategy, use_orig_params: bool):
+    """A unit whose module a step does not call (a branch not taken) keeps what its
+    parameters show, as torch FSDP1 ([Note: units outside a backward] in cfsdp's
+    ``flat/grads.py``): after ``zero_grad`` its gradients stay None through the other head's
+    synchronising and no_sync() backwards, so SGD with momentum leaves it alone.  Losses,
+    the gradients after every backward, the parameters and the state dict bitwise torch's.
+    (cfsdp showed the unit's last gradient again at the end of every backward: the optimizer
+    stepped the head with it; after a no_sync() backward it viewed the sharded gradient at
+    full shapes and failed.)"""
+    if strategy in HYBRID and ctx.world_size < 4:
+        return
+    mm = Mismatches(ctx)
+    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=use_orig_params, device_id=CPU,
+              sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({_Head}))
+    # per step: the head used and, per backward, whether it runs under no_sync()
+    plan = [(0, [False]), (1, [False]), (1, [True, False]), (0, [True, False]), (1, [False])]
+    batches = make_batches("seq", ctx.world_size, steps=len(plan))
+    record = []
+    for wrapper in (TorchFSDP, CFSDP):
+        model = wrapper(_TwoHeads(), **kw)
+        opt = make_optim("sgd", model.parameters())
+        seen: dict[str, Any] = {}
+        for step, ((head, micro), chunks) in enumerate(zip(plan, batches)):
+            x, y = chunks[ctx.rank]
+            opt.zero_grad(set_to_none=True)
+            model.module.head = head
+            for m, use_no_sync in enumerate(micro):
+                with model.no_sync() if use_no_sync else contextlib.nullcontext():
+                    loss = LOSSES["seq"](model(x + m), y)
+                    loss.backward()
+                seen[f"step {step}.{m}: loss"] = loss.detach().clone()
+                for n, p in model.named_parameters():
+                    seen[f"step {step}.{m}: grad of {n}"] = None if p.grad is None else p.grad.detach().clone()
+            opt.step()
+        for n, p in model.named_parameters():
+            seen[f"local parameter {n} at the end"] = p.detach().clone()
+        for k, v in model.state_dict().items():
+            seen[f"state_dict[{k}] at the end"] = v
+        record.append(seen)
+    ts, cs = record
+    mm.check(list(cs) == list(ts), f"recorded {list(cs)} != torch {list(ts)}")
+    for k, b in ts.items():
+        mm.tensors(k, cs.get(k), b)
     mm.raise_if_any()

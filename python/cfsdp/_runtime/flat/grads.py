@@ -15,8 +15,11 @@ parameter's gradient lands in one flat gradient:
   NO_SHARD; in ``param_dtype`` with ``keep_low_precision_grads``).  With
   ``use_orig_params=True`` each original parameter's ``.grad`` is a view of its part of it
   (``orig_grads_as_shard_views``, one C pass), or a full-shape view of no_sync()'s unsharded
-  gradient (``publish_unsharded_grad``), and a ``zero_grad`` of every original parameter drops
-  the flat gradient;
+  gradient (``publish_unsharded_grad``, ``show_unsharded_grad``), and a ``zero_grad`` of every
+  original parameter drops the flat gradient.  A unit that took no part in a backward (its
+  module not called in that step) keeps what its original parameters show, as torch's
+  FSDP1, whose grad views are set in a unit's own post-backward only
+  ([Note: units outside a backward]);
 * summon_full_params(with_grads=True): the sharded gradient all-gathered (``unshard_grad``)
   and shown on the full parameters (``grads_as_full`` / ``grads_as_sharded``).
 """
@@ -44,6 +47,7 @@ class FlatGrads:
         a reduce-scatter (sharded) or an all-reduce (NO_SHARD).  ``finish``
         post-divides and folds the result into the unit's gradient (with streams it is
         folded in already: a ``FinishedReduce``)."""
+        self.in_backward = True
         ctx = self._comm
         if ctx is not None and ctx.streams:
             return self._reduce_on_streams(ctx, grad)
@@ -136,12 +140,14 @@ class FlatGrads:
         this one, as torch's FSDP1 accumulates it)."""
         set_grad(self.flat_param, grad)
         self.grad_unsharded = True
+        self.in_backward = True
 
     def take_grad_for_backward(self) -> None:
         """Before backward: move an existing *sharded* gradient aside so the
         new unsharded one can accumulate, and fold it back in ``finish``.  An
         unsharded gradient from no_sync() (or NO_SHARD's full gradient) stays
         in place and keeps accumulating."""
+        self.in_backward = True
         g = self.flat_param.grad
         if g is None or self.grad_unsharded or not self.sharded:
             return
@@ -152,9 +158,24 @@ class FlatGrads:
         self.saved_grad = g if g.dtype == self.dtype else g.to(self.dtype)
         self.flat_param.grad = None
 
+    # [Note: units outside a backward]
+    # The end of every backward visits every unit of the root, also those whose module
+    # was not called in that step (a branch not taken) or whose output did not reach the
+    # loss.  torch's FSDP1 sets the original parameters' gradients in a unit's own
+    # post-backward only, so such a unit's original parameters keep what they showed:
+    # None after ``zero_grad``.  Shown again from ``flat_param.grad``, which still holds
+    # the last step's gradient (only the unit's own pre-forward drops it after a
+    # ``zero_grad``), the optimizer would step them with that stale gradient; under
+    # ``no_sync()`` a sharded stale gradient would be viewed at full shapes.
+    # ``in_backward`` (set by the pre-backward and the post-backward) says whether the
+    # unit took part; the end-of-backward calls read and clear it.
+
     def publish_grad(self) -> None:
         """After a synchronising backward: expose the reduced gradient to the
-        optimizer (sharded for sharded strategies, full for NO_SHARD)."""
+        optimizer (sharded for sharded strategies, full for NO_SHARD).  A unit that
+        took no part in it leaves its original parameters' gradients as they are
+        ([Note: units outside a backward])."""
+        took_part, self.in_backward = self.in_backward, False
         if self.saved_grad is not None:
             g = self.saved_grad
             if self.keep_low_precision_grads and g.dtype != self.param_dtype:
@@ -162,7 +183,7 @@ class FlatGrads:
             set_grad(self.flat_param, g)
             self.saved_grad = None
         self.grad_unsharded = False
-        if self.use_orig_params:
+        if self.use_orig_params and took_part:
             self.orig_grads_as_shard_views()
 
     def _grad_views(self, g: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
@@ -173,9 +194,16 @@ class FlatGrads:
         ]
 
     def publish_unsharded_grad(self) -> None:
-        """After a no_sync() backward with use_orig_params=True: each original
-        parameter's ``.grad`` is a full-shape view of the unsharded gradient
-        (as torch does, although the parameter itself is sharded)."""
+        """After a no_sync() backward: ``show_unsharded_grad`` if the unit took part in
+        it ([Note: units outside a backward])."""
+        took_part, self.in_backward = self.in_backward, False
+        if took_part:
+            self.show_unsharded_grad()
+
+    def show_unsharded_grad(self) -> None:
+        """With use_orig_params=True: each original parameter's ``.grad`` is a
+        full-shape view of no_sync()'s unsharded gradient (as torch does, although the
+        parameter itself is sharded)."""
         if not self.use_orig_params:
             return
         for info, v in zip(self.infos, self._grad_views(self.flat_param.grad)):

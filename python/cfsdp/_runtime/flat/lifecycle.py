@@ -255,7 +255,7 @@ class FlatLifecycle(UnshardStates):
         every original parameter again, those the writeback showed as None included, as
         torch's post-forward reshard does."""
         if self._grads_hidden and self.sharded and self.grad_unsharded:
-            self.publish_unsharded_grad()
+            self.show_unsharded_grad()
 
     # ------------------------------------------------- summon / state dicts
     def params_as_full(self, buf: Optional[torch.Tensor] = None) -> None:

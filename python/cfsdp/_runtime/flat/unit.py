@@ -149,6 +149,9 @@ class Unit(FlatLifecycle, FlatGrads, FlatWriteback, FlatLayout):
         # True while flat_param.grad is an unsharded gradient accumulated
         # under no_sync() (not yet reduced).
         self.grad_unsharded = False
+        # True from the unit's pre-backward or post-backward to the end of that backward
+        # ([Note: units outside a backward] in grads.py)
+        self.in_backward = False
         self._init_binding()
         self._init_writeback()
         self._install_initial_views()
@@ -283,7 +286,7 @@ class Unit(FlatLifecycle, FlatGrads, FlatWriteback, FlatLayout):
                 info.param.data = v
             self._note_data()
             if self.grad_unsharded:
-                self.publish_unsharded_grad()
+                self.show_unsharded_grad()
             else:
                 self.orig_grads_as_shard_views()
         else:

@@ -174,7 +174,7 @@ class FlatWriteback:
                 info.param.data = v
             self._note_data()
         if full_grad or (not self.sharded and self.grad_unsharded):
-            self.publish_unsharded_grad()
+            self.show_unsharded_grad()
         else:
             self.orig_grads_as_shard_views()
         if any(grad_none):  # None until the next backward gives them a gradient, as torch
