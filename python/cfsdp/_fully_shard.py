@@ -349,19 +349,22 @@ class FSDPModule:
         _state(self).post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's unit only, as torch (not its FSDP submodules: call it on each)."""
         self._set_reduction(gradient_divide_factor=float(factor))
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """This module's unit only, as torch (not its FSDP submodules: call it on each)."""
         self._set_reduction(force_sum_reduction=bool(enable))
 
     def _set_reduction(self, **attrs: Any) -> None:
-        """Set reduction attributes on every unit in the tree and rederive its ops."""
-        for m in _fs_modules(self, True):
-            u = _state(m).unit
-            if u is not None:
-                for k, v in attrs.items():
-                    setattr(u, k, v)
-                u.update_divide_factors()
+        """Set reduction attributes on this module's unit and rederive its ops.  torch's
+        setters take ``self._get_fsdp_state()``'s parameter groups only, with no
+        ``recurse``: a factor set on the root leaves its submodules' units as they were."""
+        u = _state(self).unit
+        if u is not None:
+            for k, v in attrs.items():
+                setattr(u, k, v)
+            u.update_divide_factors()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward does not all-gather this module's parameters (for modules

@@ -113,6 +113,17 @@ def _divide_factor(factor_of_w: Callable[[int], float]):
     return configure
 
 
+def _divide_factor_root_only(impl, model):
+    """``set_gradient_divide_factor(1.0)`` on the root only: torch's setter takes no
+    ``recurse`` and changes the root's unit alone, so the blocks keep averaging (their
+    gradients a factor W apart from the root's; torch is the oracle: the reference has one
+    scale).  force-sum on every unit for torch, as ``_divide_factor``."""
+    model.set_gradient_divide_factor(1.0)
+    if impl is TORCH or SELFTEST:
+        for mod in fsdp_modules(impl, model):
+            mod.set_force_sum_reduction_for_comms(True)
+
+
 def _is_last_backward(impl, model, s, m, notes):
     model.set_is_last_backward(m == 1)
 
@@ -209,6 +220,8 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
         optim="sgd", configure=_divide_factor(lambda w: 1.0), ref_grad_scale=float(WORLD)),
     "gradient_divide_factor_2w": lambda: Scenario(
         optim="sgd", configure=_divide_factor(lambda w: 2.0 * w), ref_grad_scale=0.5),
+    "gradient_divide_factor_root_only": lambda: Scenario(
+        optim="sgd", configure=_divide_factor_root_only, ref=False),
     "is_last_backward": lambda: Scenario(steps=2, micro=2, before_micro=_is_last_backward),
     # torch 2.13+ (2.11's FSDPModule has no reset_iter_state, nor has cfsdp's there)
     **({"reset_iter_state": lambda: Scenario(steps=3, before_micro=_fail_then_reset)}
