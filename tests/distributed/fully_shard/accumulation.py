@@ -126,6 +126,26 @@ h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32"], "path": ["all", "root"],
           name="accumulation")(accumulation)
 
 
+@h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32", "bf16"], "path": ["all", "all_keep_unsharded"]})
+def accumulation_unit_unreached(ctx, policy: str, path: str):
+    """3 micro-batches a step, sync off for the first two; the synchronising backward does
+    not reach ``blocks[1]`` (the last micro-batch's forward skips it): torch's final callback
+    runs ``post_backward`` for that unit too, reducing what the no-sync backwards
+    accumulated, so its gradients are those of micro-batches 0 and 1 (cfsdp dropped them:
+    ``.grad`` None, the block not stepped).  torch is the oracle (the reference model calls
+    every block)."""
+    pol = ACCUM_POLICIES[policy]
+    kw: dict = {} if pol is None else {"mp_policy": pol}
+    sync = _accum_sync(path, 2)
+
+    def before(impl, model, s, m, notes):
+        sync(impl, model, s, m, notes)
+        model.order = (0,) if m == 2 else (0, 1)
+
+    run_scenario(ctx, Scenario(kind="mlp", steps=2, micro=3, unit_kw=kw, before_micro=before,
+                               after_micro=_accum_notes, ref=False))
+
+
 def _grad_step(s: int, params: list, opt) -> list | None:
     """What the user does with the gradients before step ``s`` of ``grad_lifetimes``; returns
     the gradients the user keeps (step 2)."""

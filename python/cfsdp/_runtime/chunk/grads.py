@@ -160,6 +160,9 @@ class ChunkGrads:
     # synchronising backward adds its own the same way, then reduces the sum.  The unit
     # does exactly that on its flat gradient (elementwise the same ops): ``acc_grad``.
     # So a bf16 gradient accumulated with fp32 reduction is summed in fp32, not in bf16.
+    # A synchronising backward that does not reach the unit still reduces what it
+    # accumulated, at the end of that backward (``reduce_unreached``), as torch's final
+    # callback runs ``post_backward`` for every group it did not reach.
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
         """No gradient sync: accumulate the natural gradient, unreduced, in torch's dtype
@@ -173,6 +176,26 @@ class ChunkGrads:
             return
         self.flat_param.grad = grad
         self.grad_unsharded = True
+
+    def reduce_unreached(self, pending: list) -> None:
+        """End of a synchronising backward that did not reach this unit (it was not
+        called, or its output took no part in the loss): reduce what earlier no-sync
+        backwards accumulated, as torch's FSDP2 does (its final callback runs
+        ``post_backward`` for every parameter group not in ``POST_BACKWARD``, which
+        reduce-scatters an accumulated gradient).  Finishes the reductions in
+        ``pending`` first (one in flight, as ``UnitState._post_backward``) and appends
+        its own; nothing when nothing was accumulated."""
+        acc = self.acc_grad
+        if acc is not None:  # [Note: no-sync accumulation], in reduce_dtype
+            self.acc_grad, grad = None, acc
+        elif self.grad_unsharded and self.flat_param.grad is not None:
+            grad, self.flat_param.grad = self.flat_param.grad, None
+        else:
+            return
+        self.take_grad_for_backward()
+        while pending:
+            pending.pop(0).finish()
+        pending.append(self.reduce_grad(grad))
 
     def _redistribute_partial(self, grad: torch.Tensor) -> None:
         """The TP parameters whose gradient arrived as a partial sum over TP ranks (e.g.

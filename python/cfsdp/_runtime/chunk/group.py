@@ -111,6 +111,10 @@ class ChunkUnitGroup:
         for u in self.units:
             u.publish_grad()
 
+    def reduce_unreached(self, pending: list) -> None:
+        for u in self.units:
+            u.reduce_unreached(pending)
+
     def publish_unsharded_grad(self) -> None:
         for u in self.units:
             u.publish_unsharded_grad()
