@@ -31,7 +31,7 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 
 .PHONY: venv build sanitize test test-unit test-dist demo bench test-torch torch-venv torchtitan-check
 
-# Other torch versions (issue 23): cfsdp supports torch 2.11.x to 2.14.x and mirrors the
+# Other torch versions (issue 23): cfsdp supports torch 2.11.x to 2.15.x and mirrors the
 # installed one.  `make test-torch TORCH=2.11.0` runs TORCH_TESTS (the unit tests and the
 # distributed parity launches of both faces, ZeRO and state dicts, at world size 2) against
 # that torch, in a virtual environment of its own, .venv-torch/<version>, made once and reused
@@ -41,14 +41,14 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 # each run rebuilds it if a C source changed (setup.py build_ext, a no-op otherwise).  The unit
 # tests run with fewer hypothesis examples there (profile `versions`: what differs is torch, not
 # the C core the full pass searched).  Only 2.13.0 has a CPU wheel here; the others are the
-# registry's default (CUDA) builds, which run on a CPU-only machine: ~3 GB of downloads for
-# 2.11.0, 2.14.1 lies on this machine's disk.  Another subset: TORCH_TESTS="tests/...".
+# registry's default (CUDA) builds, which run on a CPU-only machine: ~3 GB of downloads each
+# for 2.11.0 and 2.15.0 (2.14.1 lies on this machine's disk).  Another subset: TORCH_TESTS="tests/...".
 # `make demo TORCH=...` and `make bench TORCH=...` run on that venv the same way.
 TORCH ?=
 TORCH_TESTS ?= tests/unit tests/distributed/test_parity.py tests/distributed/test_fully_shard.py \
 	tests/distributed/test_zero.py tests/distributed/test_state_dict.py
 # the versions `make test` runs TORCH_TESTS against, besides the full suite on 2.13.0
-TORCH_OTHERS := 2.11.0 2.14.1
+TORCH_OTHERS := 2.11.0 2.15.0
 TVENV = .venv-torch/$(TORCH)
 TDEPS := pytest pytest-timeout pytest-xdist==3.6.1 hypothesis numpy matplotlib 'setuptools>=70.1'
 
@@ -96,7 +96,7 @@ build: $(STAMP)
 TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_precision.py \
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
 	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
-# Last, test-torch on each of TORCH_OTHERS (2.11.0, 2.14.1: the unit tests and the parity
+# Last, test-torch on each of TORCH_OTHERS (2.11.0, 2.15.0: the unit tests and the parity
 # launches of both faces, ZeRO and state dicts at world size 2; see test-torch above).
 # Each pass runs through tools/timed, which prints "=== pass NAME: M:SS (exit RC)".
 TIMED := tools/timed

@@ -5,7 +5,7 @@ Switch a training script with one import::
     from cfsdp import FullyShardedDataParallel as FSDP
 
 Public names mirror ``torch.distributed.fsdp.__all__`` of the installed torch (2.11.x to
-2.14.x: ``cfsdp/_torch/``); configs and enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
+2.15.x: ``cfsdp/_torch/``); configs and enums are torch's own objects.  ``cfsdp.backend`` says which core runs: ``"c"``
 (default) or ``"python"`` (``CFSDP_IMPL=python``, the pure-Python twins).
 ``cfsdp.patch_torch()`` (or ``python -m cfsdp.run script.py``) points torch's own FSDP names at
 cfsdp's, for code you cannot edit.  ``cfsdp.ZeroRedundancyOptimizer`` (also
@@ -86,6 +86,9 @@ __all__ = [
     "UnshardHandle",
     "share_comm_ctx",
 ]
+if "GradientReductionHandle" in _api.__all__:  # torch 2.15+: torch's class (cfsdp/_torch/fsdp2.py)
+    GradientReductionHandle = _api.GradientReductionHandle
+    __all__.append("GradientReductionHandle")
 if "DataParallelMeshDims" in _api.__all__:  # torch 2.13+ (cfsdp/_torch/fsdp2.py)
     DataParallelMeshDims = _api.DataParallelMeshDims
 else:

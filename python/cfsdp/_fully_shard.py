@@ -61,6 +61,21 @@ def _nyi(what: str) -> NotImplementedError:
     )
 
 
+def _refuse_grad_dtype(p: torch.Tensor, fqn: str) -> None:
+    """torch 2.15 reduces and accumulates a parameter's gradient in its explicit
+    ``grad_dtype``; cfsdp does not yet (``NotImplementedError`` naming the parameter)."""
+    want = _fsdp2.grad_dtype_override(p)
+    if want is not None:
+        raise NotImplementedError(
+            f"cfsdp.fully_shard: parameter '{fqn}' has grad_dtype={want} set explicitly (its "
+            f"dtype is {p.dtype}); torch {torch.__version__}'s fully_shard reduces and "
+            "accumulates such a gradient in that dtype, which cfsdp does not do yet. Leave "
+            "grad_dtype unset (the gradient follows the parameter's dtype), or set "
+            "MixedPrecisionPolicy(reduce_dtype=...) for the whole module (see the "
+            "compatibility table in README.md)."
+        )
+
+
 class MeshError(AssertionError):
     """A mesh ``fully_shard`` cannot use: torch raises ``AssertionError`` (a 2-D mesh without
     dimension names, ``_fsdp_init``), so this is one."""
@@ -135,6 +150,8 @@ class _FSState:
         for s in states:  # take over parameters materialised or replaced since fully_shard
             if s.unit is not None:
                 s.unit.reset_sharded_params()
+                for q in s.unit.params:  # (torch 2.15 reads grad_dtype until here)
+                    _refuse_grad_dtype(q.sharded, q.fqn)
         for s in states:  # as torch, unit by unit, the root's first
             on_meta = s.unit.meta_param_names(module) if s.unit is not None else []
             if not on_meta:
@@ -425,6 +442,39 @@ class FSDPModule:
             u = s.unit
             if u is not None:
                 u.drop_iteration()
+
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """torch 2.15: keep the unsharded parameters' storage (and its addresses) across
+        reshard and unshard, for CUDA graph capture.  cfsdp frees it at every reshard,
+        torch's default: ``keep=False`` is that, ``True`` is not implemented yet."""
+        _state(self)
+        if keep:
+            raise _nyi("FSDPModule.set_keep_unsharded_storage(True) (cfsdp frees the unsharded "
+                       "storage at every reshard, torch's default)")
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """torch 2.15: the caller finalizes backward (:meth:`finalize_backward`) instead of
+        the end of each backward.  cfsdp finalizes at the end of each backward, torch's
+        default: ``enabled=False`` is that, ``True`` is not implemented yet."""
+        if _state(self).ustate.is_root is False:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root "
+                               "FSDP module")
+        if enabled:
+            raise _nyi("FSDPModule.set_manual_backward_finalization(True) (cfsdp finalizes "
+                       "every backward itself, torch's default)")
+
+    def finalize_backward(self, *, async_op: bool = False) -> Any:
+        """torch 2.15: finish backward by hand, after ``set_manual_backward_finalization(
+        True)``.  As torch's without it: nothing before the first forward (a handle whose
+        ``wait()`` does nothing with ``async_op``), else torch's ``RuntimeError``."""
+        st = _state(self).ustate
+        if st.is_root is None:
+            return _fsdp2.GradientReductionHandle() if async_op else None
+        if not st.is_root:
+            raise RuntimeError("finalize_backward must be called on the root FSDP module")
+        raise RuntimeError("FSDP finalize_backward requires manual backward finalization. Call "
+                           "set_manual_backward_finalization(True) before forward")
 
 
 class UnshardHandle:
@@ -829,6 +879,10 @@ def _validate_call(modules: list, mesh: Optional[DeviceMesh], dp_mesh_dims: Any,
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if _fsdp2.param_dtype_override_fn(mp_policy) is not None:
+        raise _nyi("MixedPrecisionPolicy(param_dtype_override_fn=...) (torch 2.15's "
+                   "per-parameter param_dtype; give the parameters to keep in their own dtype "
+                   "a fully_shard call of their own with its own mp_policy)")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else torch.device(
@@ -953,6 +1007,7 @@ def _discover(modules: list, call: _Call, ignored: set,
     for p, occ in params:
         fqn = fqn_of.get(p, occ[0][1])
         check_plain_param(p, fqn, "fully_shard", tp_ok=True, ext_ok=True)
+        _refuse_grad_dtype(p, fqn)
         if p.device != device and p.device.type != "meta":  # meta: deferred initialisation
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is on {p.device} but the mesh is on "

@@ -26,7 +26,7 @@ module                                                         names pointed at 
 =============================================================  ===========================
 
 (A module gets exactly the names of that list it defines in the installed torch: the same in
-torch 2.11, 2.13 and 2.14.)  Configs, enums and
+torch 2.11 to 2.15.)  Configs, enums and
 policies (``MixedPrecision``, ``ShardingStrategy``, ``StateDictType``, ``wrap.*``, ...) are not
 touched: they are torch's own objects in cfsdp too.  ``unpatch_torch()`` gives every module back
 as it was; both are idempotent.  Names bound *before* the patch (``from torch.distributed.fsdp
@@ -100,7 +100,7 @@ CFSDP_OBJECTS: dict[str, Any] = {
     "_pre_dp_module_transform": pre_dp_module_transform,
 }
 
-# the modules third-party code imports them from (the same in torch 2.11, 2.13 and 2.14)
+# the modules third-party code imports them from (the same in torch 2.11 to 2.15)
 TORCH_MODULES: tuple[str, ...] = (
     "torch.distributed.fsdp",
     "torch.distributed.fsdp.fully_sharded_data_parallel",
@@ -113,7 +113,7 @@ TORCH_MODULES: tuple[str, ...] = (
     "torch.distributed.tensor.parallel.ddp",
 )
 
-# torch's other modules that bind some of these names at import (torch 2.11-2.14; a unit test scans
+# torch's other modules that bind some of these names at import (torch 2.11-2.15; a unit test scans
 # torch's source for them): imported before patching, so they hold torch's objects whenever
 # they are used (see [Note: torch's own modules keep torch's objects])
 TORCH_IMPORTERS: tuple[str, ...] = (
@@ -161,7 +161,7 @@ def patch_torch() -> dict[str, tuple[str, ...]]:
         names = [n for n in CFSDP_OBJECTS if n in vars(mod)]
         if not names:
             raise AssertionError(f"cfsdp.patch_torch: {modname} defines none of "
-                                 f"{sorted(CFSDP_OBJECTS)} (torch 2.11-2.14 do)")
+                                 f"{sorted(CFSDP_OBJECTS)} (torch 2.11-2.15 do)")
         base = type(mod)
         patched = _patched_class(base, {n: CFSDP_OBJECTS[n] for n in names})
         mod.__class__ = patched

@@ -30,6 +30,9 @@ from ._torch import fsdp2 as _fsdp2
 # torch 2.13+ only: on an older torch neither torch.distributed.fsdp nor cfsdp has the name
 if _fsdp2.DataParallelMeshDims is not None:
     DataParallelMeshDims = _fsdp2.DataParallelMeshDims
+# torch 2.15+ only: the handle of an asynchronous FSDPModule.finalize_backward (torch's class)
+if _fsdp2.GradientReductionHandle is not None:
+    GradientReductionHandle = _fsdp2.GradientReductionHandle
 
 __all__ = [
     "BackwardPrefetch",
@@ -50,4 +53,5 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
-] + (["DataParallelMeshDims"] if _fsdp2.DataParallelMeshDims is not None else [])
+] + (["DataParallelMeshDims"] if _fsdp2.DataParallelMeshDims is not None else []) + (
+    ["GradientReductionHandle"] if _fsdp2.GradientReductionHandle is not None else [])

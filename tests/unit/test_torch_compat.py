@@ -1,7 +1,7 @@
 """cfsdp/_torch (torch's private APIs, one module per concern) against the installed torch.
 
-``make test`` runs this file on every tested torch (2.13.0 in the full suite, 2.11.0 and 2.14.1
-through ``make test-torch``; 2.12.0 by hand, ``make test-torch TORCH=2.12.0``).  ``VERSIONS`` is what each tested version has; a torch that is not
+``make test`` runs this file on every tested torch (2.13.0 in the full suite, 2.11.0 and 2.15.0
+through ``make test-torch``; 2.12.0 and 2.14.1 by hand, ``make test-torch TORCH=2.12.0``).  ``VERSIONS`` is what each tested version has; a torch that is not
 in it fails ``test_installed_torch_is_a_tested_one``, which is where a new release starts: add
 its row, then fix the modules of ``cfsdp/_torch`` the other tests point at.
 """
@@ -36,6 +36,9 @@ VERSIONS = {
                   reset_iter_state=True, placements_first=True, containers_with_forward=True),
 }
 VERSIONS[(2, 14)] = VERSIONS[(2, 13)]
+# 2.15: FSDP2's GradientReductionHandle, manual backward finalization, kept unsharded storage,
+# gradients reduced in their grad_dtype (cfsdp/_torch/fsdp2.py)
+VERSIONS[(2, 15)] = dict(VERSIONS[(2, 13)], gradient_reduction_handle=True)
 VERSIONS[(2, 12)] = dict(VERSIONS[(2, 13)], reset_iter_state=False)  # 2.13 added only that
 HAVE = VERSIONS.get(_torch.VERSION[:2])
 
@@ -48,13 +51,14 @@ def test_installed_torch_is_a_tested_one():
 
 
 @pytest.mark.parametrize("version, ok", [("2.10.1", False), ("2.11.0", True), ("2.12.0+cpu", True),
-                                         ("2.14.1+cu130", True), ("2.15.0", False),
-                                         ("2.15.0a0+git1234", False), ("3.0.0", False)])
+                                         ("2.14.1+cu130", True), ("2.15.0", True),
+                                         ("2.16.0", False), ("2.16.0a0+git1234", False),
+                                         ("3.0.0", False)])
 def test_version_range(version, ok):
     if ok:
         _torch.check_supported(version)
         return
-    with pytest.raises(ImportError, match=rf"(?s)supports torch 2\.11\.x to 2\.14\.x.*{re.escape(version)}"):
+    with pytest.raises(ImportError, match=rf"(?s)supports torch 2\.11\.x to 2\.15\.x.*{re.escape(version)}"):
         _torch.check_supported(version)
 
 
@@ -82,6 +86,11 @@ def test_public_names_are_the_installed_torchs():
     else:
         with pytest.raises(ImportError):
             exec("from cfsdp import DataParallelMeshDims", {})
+    if HAVE.get("gradient_reduction_handle", False):
+        assert cfsdp.GradientReductionHandle is tfsdp.GradientReductionHandle
+    else:
+        assert not hasattr(cfsdp, "GradientReductionHandle")
+        assert not hasattr(cfsdp.FSDPModule, "finalize_backward")
 
 
 def _params(fn):

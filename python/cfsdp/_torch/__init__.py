@@ -1,6 +1,6 @@
 """The torch cfsdp runs on: which versions, and every private API of torch cfsdp uses.
 
-cfsdp supports torch 2.11.x to 2.14.x (``OLDEST`` .. ``NEWEST``; ``pyproject.toml`` says the
+cfsdp supports torch 2.11.x to 2.15.x (``OLDEST`` .. ``NEWEST``; ``pyproject.toml`` says the
 same).  On each, cfsdp mirrors *that* torch: its public names, signatures, errors and numbers
 (parity is always against the installed torch).  Importing cfsdp with a torch outside the range
 is an ``ImportError`` naming the version found and the range: a drop-in that might compute
@@ -44,9 +44,9 @@ import re
 import torch
 
 OLDEST: tuple[int, int] = (2, 11)
-NEWEST: tuple[int, int] = (2, 14)
+NEWEST: tuple[int, int] = (2, 15)
 # the versions `make test` runs the suite against (README's version table)
-TESTED: tuple[str, ...] = ("2.11.0", "2.13.0", "2.14.1")
+TESTED: tuple[str, ...] = ("2.11.0", "2.13.0", "2.15.0")
 
 
 def parse(version: str) -> tuple[int, int, int]:

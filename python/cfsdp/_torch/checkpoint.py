@@ -15,7 +15,7 @@
   redirects and how it keeps ``dcp.save``'s old positional form.
 * ``IncompatibleKeys`` (``load_state_dict``'s result type) and ``pytree``.
 
-The same in torch 2.11, 2.13 and 2.14 (the DSD steps' parameters included).
+The same in torch 2.11 to 2.15 (the DSD steps' parameters included).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@
 * ``scalar_dtype()``: the dtype torch's Adam/AdamW keep ``step`` in
   (``torch.optim.optimizer._get_scalar_dtype``).
 * ``muon_adjust_lr(lr, adjust_lr_fn, shape)``: torch's Muon learning-rate adjustment
-  (``torch.optim._muon._adjust_lr``; torch 2.14 adds ``"spectral_unclamped"``).
+  (``torch.optim._muon._adjust_lr``; torch 2.14+ adds ``"spectral_unclamped"``).
 * ``muon_newton_schulz(grad, ns_coefficients, ns_steps, eps)``: torch's Muon orthogonalization
   of one matrix (``torch.optim._muon._zeropower_via_newtonschulz``).
 
-The same in torch 2.11, 2.13 and 2.14.
+The same in torch 2.11 to 2.15.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ cfsdp makes a unit's DTensor parameters, gradients and state-dict entries from l
 a ``DTensorSpec`` built once per (shape, mesh, placements) (torch's FSDP2 does the same through
 ``DTensor``'s private constructor), redistributes tensor-parallel local tensors with
 ``redistribute_local_tensor``, and names FSDP2's placement of a tensor-parallel parameter
-sharded twice on one dim, ``_StridedShard``.  All of them are the same in torch 2.11, 2.13 and
-2.14 (``redistribute_local_tensor(local, current_spec, target_spec, *, async_op=False, ...)``;
+sharded twice on one dim, ``_StridedShard``.  All of them are the same in torch 2.11 to
+2.15 (``redistribute_local_tensor(local, current_spec, target_spec, *, async_op=False, ...)``;
 ``DTensorSpec(mesh, placements, tensor_meta=...)``; ``TensorMeta(shape, stride, dtype)``;
 ``_StridedShard(dim, split_factor=...)``), which ``tests/unit/test_torch_compat.py`` checks on
 each.

@@ -10,7 +10,7 @@
 * ``create_chunk_dtensor``, ``create_chunk_sharded_tensor``: torch's sharded optimizer-state
   entries (dim-0 chunks as a ``DTensor`` or a ``ShardedTensor``).
 
-The same in torch 2.11, 2.13 and 2.14 (``tests/unit/test_torch_compat.py`` checks them on
+The same in torch 2.11 to 2.15 (``tests/unit/test_torch_compat.py`` checks them on
 each).  FSDP1's own numbers (gradient pre/post-divide factors, reduce-scatter and all-reduce ops,
 mixed-precision casts) did not change between these versions either.
 """

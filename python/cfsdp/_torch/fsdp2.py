@@ -4,7 +4,7 @@ cfsdp's ``fully_shard`` face mirrors the installed torch's, not the newest one's
 tested versions differ in, and what cfsdp does on each:
 
 =================================  =============  ==============================================
-                                   torch 2.11     torch 2.12, 2.13, 2.14
+                                   torch 2.11     torch 2.12 to 2.15
 =================================  =============  ==============================================
 ``DataParallelMeshDims``           absent         ``torch.distributed.fsdp.DataParallelMeshDims``
 (``torch.distributed.fsdp``)                      (in ``__all__``; cfsdp re-exports it)
@@ -37,12 +37,32 @@ ModuleDict)``                      or without a   implement ``forward``
                                    ``forward``
 =================================  =============  ==============================================
 
+What torch 2.15 changed (2.11-2.14 as the left column), and what cfsdp does on 2.15:
+
+=================================  ===========================================================
+``MixedPrecisionPolicy`` with      2.11-2.14 reduce the gradients in ``param_dtype``; 2.15 in
+``reduce_dtype=None``              each parameter's ``grad_dtype``, its original dtype unless
+                                   set (fp32 parameters with ``param_dtype=bf16`` reduce in
+                                   fp32), and no longer clamps a ``reduce_dtype`` equal to
+                                   ``param_dtype``: cfsdp does as the installed torch
+                                   (:data:`REDUCES_IN_GRAD_DTYPE`)
+a parameter's explicit             2.15 reduces and accumulates its gradient in that dtype:
+``grad_dtype`` (other than its     cfsdp: ``NotImplementedError`` naming the parameter
+dtype), ``MixedPrecisionPolicy(    (:func:`grad_dtype_override`); 2.15's per-parameter
+param_dtype_override_fn=)``        ``param_dtype``: ``NotImplementedError``
+``GradientReductionHandle``,       new in 2.15: the class is torch's; the methods are cfsdp's,
+``FSDPModule.finalize_backward``,  ``NotImplementedError`` for what cfsdp does not do yet
+``set_manual_backward_final-       (manual finalization, keeping the unsharded storage),
+ization``, ``set_keep_unsharded_   accepted where they ask for the default
+storage``
+=================================  ===========================================================
+
 ``fully_shard`` passes its keyword arguments through :func:`newer_kwargs`: an argument the
 installed torch's ``fully_shard`` does not take is torch's ``TypeError`` ("fully_shard() got an
 unexpected keyword argument ..."), and ``inspect.signature(cfsdp.fully_shard)`` is the installed
 torch's (:func:`fully_shard_signature`).  ``FSDPModule`` drops the methods the installed torch's
 ``FSDPModule`` does not have (:func:`drop_newer_methods`), so they are ``AttributeError`` as on
-that torch.  2.12 is tested like 2.11 and 2.14 (``make test-torch TORCH=2.12.0``); it has
+that torch.  2.12 and 2.14 are tested like 2.11 and 2.15, by hand (``make test-torch TORCH=2.12.0``); it has
 2.13's FSDP2 in every row but ``reset_iter_state``.  Where torch defines a name, cfsdp reads it
 from torch (``getattr``, ``hasattr``) rather than from the version number.
 """
@@ -74,7 +94,34 @@ DDPMeshInfo: type = _fsdp_common.DDPMeshInfo
 # fully_shard's keyword arguments added after the oldest supported torch: name -> (major, minor)
 _FULLY_SHARD_SINCE: dict[str, tuple[int, int]] = {"dp_mesh_dims": (2, 12)}
 # FSDPModule methods cfsdp implements that torch added after the oldest supported torch
-_FSDP_MODULE_SINCE: dict[str, tuple[int, int]] = {"reset_iter_state": (2, 13)}
+_FSDP_MODULE_SINCE: dict[str, tuple[int, int]] = {
+    "reset_iter_state": (2, 13), "finalize_backward": (2, 15),
+    "set_manual_backward_finalization": (2, 15), "set_keep_unsharded_storage": (2, 15)}
+
+# torch 2.15+: with ``reduce_dtype=None`` the gradients are reduced (and accumulated without
+# synchronization) in each parameter's grad_dtype, its original dtype unless set, not in
+# ``param_dtype``; a ``reduce_dtype`` equal to ``param_dtype`` is no longer clamped to None
+REDUCES_IN_GRAD_DTYPE: bool = at_least(2, 15)
+# torch 2.15's handle of an asynchronous finalize_backward, or None where torch has none
+GradientReductionHandle: Optional[type] = getattr(_fsdp, "GradientReductionHandle", None)
+
+
+def grad_dtype_override(param: Any) -> Optional[Any]:
+    """The dtype a parameter's explicit ``grad_dtype`` asks its gradient to have, where it
+    differs from the parameter's dtype and the installed torch's FSDP2 honours it (2.15+:
+    ``param._has_grad_dtype_override``); else None.  An explicit ``grad_dtype=None`` ("any
+    dtype") is returned as the string ``"None"``."""
+    if not REDUCES_IN_GRAD_DTYPE or not getattr(param, "_has_grad_dtype_override", False):
+        return None
+    gd = param.grad_dtype
+    if gd is None:
+        return "None"
+    return None if gd == param.dtype else gd
+
+
+def param_dtype_override_fn(mp_policy: Any) -> Optional[Any]:
+    """``MixedPrecisionPolicy.param_dtype_override_fn`` (2.15+), or None."""
+    return getattr(mp_policy, "param_dtype_override_fn", None)
 
 # dp_mesh_dims naming several shard dims: 2.13+ flattens them into one dim of the sharded
 # parameters' mesh, as cfsdp does; 2.12 leaves its parameters on the SPMD mesh's own dims (other
@@ -175,7 +222,9 @@ def drop_newer_methods(cls: type) -> None:
             delattr(cls, name)
 
 
-__all__ = ["DDPMeshInfo", "DataParallelMeshDims", "FLATTENS_SHARD_DIMS", "FSDPMeshInfo", "HSDPMeshInfo", "REGISTRY_KEY",
+__all__ = ["DDPMeshInfo", "DataParallelMeshDims", "FLATTENS_SHARD_DIMS", "FSDPMeshInfo",
+           "GradientReductionHandle", "HSDPMeshInfo", "REDUCES_IN_GRAD_DTYPE", "REGISTRY_KEY",
+           "grad_dtype_override", "param_dtype_override_fn",
            "RESOLVES_PLACEMENTS_FIRST", "RegistryItem", "STATE_KEY", "ShardPlacementResult",
            "drop_newer_methods", "fully_shard_signature", "get_registry", "has_fully_shard_kwarg",
            "mesh_info", "newer_kwargs", "placement_result_error", "placement_result_types",

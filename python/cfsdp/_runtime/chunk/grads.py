@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ... import _core
+from ..._torch import fsdp2 as _fsdp2
 from ..._torch.dtensor import DTensorSpec, redistribute_local_tensor
 from .. import comm, device
 from ..base import FinishedReduce, PendingReduce, accumulate_sharded, all_none, views_or_none
@@ -163,13 +164,24 @@ class ChunkGrads:
     # A synchronising backward that does not reach the unit still reduces what it
     # accumulated, at the end of that backward (``reduce_unreached``), as torch's final
     # callback runs ``post_backward`` for every group it did not reach.
+    #
+    # torch 2.15 accumulates on the unsharded parameter itself, in its ``grad_dtype``
+    # (``reduce_dtype``, else the parameter's own dtype): autograd casts each backward's
+    # gradient to that dtype, then adds.  For a wider accumulation dtype (fp32 from bf16) that
+    # is the same sum; for a narrower one (``reduce_dtype=bf16`` on fp32 parameters) each
+    # gradient is rounded to bf16 before it is added: ``_accumulate``.
+
+    def _accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
+        if _fsdp2.REDUCES_IN_GRAD_DTYPE and grad.dtype != acc.dtype:
+            grad = grad.to(acc.dtype)
+        acc += grad
 
     def keep_unsharded_grad(self, grad: torch.Tensor) -> None:
         """No gradient sync: accumulate the natural gradient, unreduced, in torch's dtype
         ([Note: no-sync accumulation])."""
         acc = self.acc_grad
         if acc is not None:
-            acc += grad
+            self._accumulate(acc, grad)
             return
         if grad.dtype != self.reduce_dtype:
             self.acc_grad = grad.to(self.reduce_dtype)
@@ -231,7 +243,7 @@ class ChunkGrads:
         to ``reduce_dtype`` and pre-divided in the same C pass) and issue it."""
         acc = self.acc_grad
         if acc is not None:  # [Note: no-sync accumulation]
-            acc += grad
+            self._accumulate(acc, grad)
             grad, self.acc_grad = acc, None
         if self._partial:  # (a partial sum is redistributed once it is complete)
             self._redistribute_partial(grad)
@@ -319,8 +331,13 @@ class ChunkGrads:
         """No gradient sync: the unreduced gradient stays with the unit until a
         synchronising backward.  A unit left unsharded (``reshard_after_backward``
         False) shows it as the full-size gradient of each registered parameter,
-        as torch does; the sharded parameters keep their sharded gradients."""
+        as torch does; the sharded parameters keep their sharded gradients.  On torch 2.15
+        that is the gradient accumulated in ``reduce_dtype`` where it differs from the
+        gradient's (``acc_grad``: the unsharded parameters' own, in their ``grad_dtype``);
+        before 2.15 torch keeps that one off the parameters."""
         g = self.flat_param.grad
+        if _fsdp2.REDUCES_IN_GRAD_DTYPE and self.acc_grad is not None:
+            g = self.acc_grad
         if self._buf is None or g is None:
             return
         if self._all_got_grad:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ... import _core
+from ..._torch import fsdp2 as _fsdp2
 from .. import comm
 from ..base import UnshardStates, alloc_storage, free_storage
 from ..views import changed_mask, hook_flat_grad, split_views, tp_views
@@ -51,6 +52,10 @@ class ChunkLifecycle(UnshardStates):
                     if q.tp_spec is not None:
                         v = q.tp_dtensor(v)
                     q.unsharded = nn.Parameter(v, requires_grad=q.requires_grad)
+                    if _fsdp2.REDUCES_IN_GRAD_DTYPE and v.is_floating_point():
+                        # torch 2.15's unsharded parameters accumulate in this dtype (the
+                        # views forward uses are others: autograd never fills these)
+                        q.unsharded.grad_dtype = self.reduce_dtype
                 elif q.unsharded.requires_grad != q.requires_grad:
                     q.unsharded.requires_grad_(q.requires_grad)
             self._unsharded_t = tuple(q.unsharded for q in self.params)

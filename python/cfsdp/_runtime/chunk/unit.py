@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ... import _core
+from ..._torch import fsdp2 as _fsdp2
 from .. import comm
 from ..replaced import orig_uid
 from .ext import ExtState, has_extension
@@ -204,17 +205,21 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         return ExtState(p.detach(), self.rank, self.world_size, q.chunk_rows, q.local_rows, q.fqn)
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
-        """The shard's dtype and torch's mixed-precision rules for it: a policy
+        """The shard's dtype and the installed torch's mixed-precision rules for it: a policy
         ``param_dtype`` equal to the parameters' dtype (or a non-floating unit) means no
-        cast, and a ``reduce_dtype`` equal to ``param_dtype`` means none either."""
+        cast; without a ``reduce_dtype`` the gradients are reduced in ``param_dtype`` (torch
+        2.11-2.14, which also treat a ``reduce_dtype`` equal to ``param_dtype`` as none) or in
+        the parameters' own dtype, their ``grad_dtype`` (2.15+: fp32 parameters computing in
+        bf16 reduce in fp32)."""
         param_dtype, reduce_dtype = self._mp_dtypes
-        if reduce_dtype == param_dtype:
+        if reduce_dtype == param_dtype and not _fsdp2.REDUCES_IN_GRAD_DTYPE:
             reduce_dtype = None
         if param_dtype == dtype or not dtype.is_floating_point:
             param_dtype = None
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.reduce_dtype = reduce_dtype or (dtype if _fsdp2.REDUCES_IN_GRAD_DTYPE
+                                             else self.param_dtype)
         self.uses_mp = self.param_dtype != dtype
 
     def drop_iteration(self) -> None:
