@@ -94,10 +94,16 @@ def mixed_precision_parity(ctx, config: str, strategy, use_orig_params: bool):
     mm.raise_if_any()
 
 
-def train_steps(model: nn.Module, opt, inputs: list, losses: list, grads: list) -> None:
-    """One optimizer step per input; records each loss and the gradients the optimizer sees."""
+def square_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
+
+
+def train_steps(model: nn.Module, opt, inputs: list, losses: list, grads: list,
+                loss_of=square_loss) -> None:
+    """One optimizer step per input (``loss_of(model, input)``); records each loss and the
+    gradients the optimizer sees."""
     for x in inputs:
-        loss = model(x).float().pow(2).mean()
+        loss = loss_of(model, x)
         loss.backward()
         losses.append(loss.detach().clone())
         grads.append([(n, None if p.grad is None else p.grad.detach().clone())
@@ -201,6 +207,78 @@ def cast_between_steps(ctx, cast: str, strategy, use_orig_params: bool):
         else:
             CASTS[cast](model)
         _train_cast(model, 2, ctx.rank, dtype, losses, grads, first=2)
+        record.append((losses, grads, model.state_dict()))
+    compare_records(mm, record)
+    mm.raise_if_any()
+
+
+class LinearUnit(nn.Linear):
+    """A Linear wrapped as its own unit (``ModuleWrapPolicy({LinearUnit, Block})``)."""
+
+
+class CalledTwice(nn.Module):
+    """Unit ``a`` called twice in one forward, ``out(a(b(a(h))))`` (``out(b(a(h)))`` if not
+    ``twice``).  ``first_on_input``: ``a`` and ``b`` are Linears and ``a``'s first call takes
+    the input, so that call's backward needs no parameter; else ``h = inp(x)`` and ``a``,
+    ``b`` are Blocks, whose backward needs the parameters of both calls."""
+
+    def __init__(self, first_on_input: bool, twice: bool = True):
+        super().__init__()
+        self.twice = twice
+        self.inp = None if first_on_input else nn.Linear(5, 7)
+        self.a, self.b = ((LinearUnit(7, 7), LinearUnit(7, 7)) if first_on_input
+                          else (Block(7), Block(7)))
+        self.out = nn.Linear(7, 1)
+
+    def forward(self, x):
+        h = x if self.inp is None else self.inp(x)
+        h = self.b(self.a(h))
+        return self.out(self.a(h) if self.twice else h)
+
+
+@h.subtest(grid={"case": ["first_on_input", "first_needs_weights", "two_forwards",
+                          "forward_without_backward"],
+                 "strategy": [SS.FULL_SHARD, SS.SHARD_GRAD_OP, SS.NO_SHARD],
+                 "use_orig_params": [False, True]})
+def unit_called_twice(ctx, case: str, strategy, use_orig_params: bool):
+    """A unit used by several forwards before one backward under ``param_dtype=bf16``
+    ([Note: one post-backward per iteration] in cfsdp/_runtime/base.py): torch FSDP1 reduces
+    once per iteration, the bf16 sum of every call's gradient, when the first forward's
+    ``AccumulateGrad`` node has run; FULL_SHARD makes one such node per call (the flat
+    parameter's dtype changes at each unshard and reshard).  ``first_on_input``: ``a`` called
+    twice in one forward, its first call's backward needing no parameter (cfsdp reduced each
+    call's gradient on its own: other gradients from step 0); ``first_needs_weights``: the
+    same with Blocks (cfsdp resharded after the second call's gradient: "setStorage: ... out
+    of bounds for storage of size 0" in the first call's backward); ``two_forwards``: the
+    model (each unit called once) twice, one backward of the sum.  ``forward_without_backward``: a grad-enabled
+    forward whose output is dropped before each step's: torch's hook stays on the node of
+    that forward, never run, and its optimizer step fails on the unreduced gradient
+    (RuntimeError: size mismatch); cfsdp reduces it at the end of backward, so the oracle is
+    torch without that forward (it changes nothing).  Bitwise torch's: losses, the
+    gradients the optimizer sees, the state dict."""
+    mm = Mismatches(ctx)
+    mp = MixedPrecision(param_dtype=BF16, buffer_dtype=BF16)
+    torch.manual_seed(0)
+    base = CalledTwice(first_on_input=case == "first_on_input", twice=case != "two_forwards")
+    d_in = 7 if case == "first_on_input" else 5
+    record = []
+    for w in (TorchFSDP, CFSDP):
+        model = w(copy.deepcopy(base), process_group=ctx.pg, device_id=CPU, mixed_precision=mp,
+                  sharding_strategy=strategy, use_orig_params=use_orig_params,
+                  auto_wrap_policy=ModuleWrapPolicy({LinearUnit, Block}))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + ctx.rank)
+        inputs = [(torch.randn(4, d_in, generator=g), torch.randn(4, d_in, generator=g))
+                  for _ in range(3)]
+
+        def loss_of(model, xs, extra_forward=case == "forward_without_backward" and w is CFSDP):
+            if extra_forward:
+                model(xs[1])
+            loss = square_loss(model, xs[0])
+            return loss + square_loss(model, xs[1]) if case == "two_forwards" else loss
+
+        losses, grads = [], []
+        train_steps(model, opt, inputs, losses, grads, loss_of)
         record.append((losses, grads, model.state_dict()))
     compare_records(mm, record)
     mm.raise_if_any()

@@ -238,6 +238,7 @@ BINDINGS = [
     (checkpoint, "api_bc_check", "torch.distributed.checkpoint.utils", "_api_bc_check"),
     (checkpoint, "IncompatibleKeys", "torch.nn.modules.module", "_IncompatibleKeys"),
     (checkpoint, "StateDictInfo", "torch.distributed.checkpoint.state_dict", "_StateDictInfo"),
+    (core, "current_autograd_node", "torch._C", "_current_autograd_node"),
     (core, "scalar_dtype", "torch.optim.optimizer", "_get_scalar_dtype"),
     (core, "muon_adjust_lr", "torch.optim._muon", "_adjust_lr"),
     (core, "muon_newton_schulz", "torch.optim._muon", "_zeropower_via_newtonschulz"),
@@ -266,6 +267,7 @@ def test_core_and_dynamo_answer():
     assert not core.is_functorch_wrapped(torch.zeros(2))
     assert core.dispatch_mode_active() is False
     assert core.profiler_enabled() is False
+    assert core.current_autograd_node() is None  # outside backward
     assert core.scalar_dtype() in (torch.float32, torch.float64)
     assert dynamo.in_compiled_autograd_region() is False
     assert dynamo.skip is not None  # every supported torch has it (else _compile's fallback)

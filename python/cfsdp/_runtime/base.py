@@ -8,17 +8,21 @@ A *unit* is the set of parameters communicated together: one wrapped module
 in :class:`UnitContract`, and nothing else:
 
 ==========================  ======================================================
-pre-forward                 ``before_forward()``, ``unshard()``, ``use_forward_views()``
+pre-forward                 ``before_forward()``, ``unshard()``, ``use_forward_views()``,
+                            then, with grad enabled, ``record_grad_node()``
 post-forward                ``reshard_after_forward(for_backward)``, or
                             ``end_forward_views()`` for a unit that stays unsharded
                             (the wrapper face: ``UnitState.keeps_views_for_backward``)
 pre-backward                ``unshard()``, ``use_forward_views()``,
                             ``take_grad_for_backward()``
 gradient ready              ``post_backward_fn(unit, grad)`` (set by the hooks, called
-                            by :func:`hook_grad_ready`), then ``keep_unsharded_grad``
+                            by :func:`hook_grad_ready`, once per iteration: [Note: one
+                            post-backward per iteration]), then ``keep_unsharded_grad``
                             (no sync) or ``reduce_grad`` -> :class:`PendingReduce`
 reduction finished          ``PendingReduce.finish()`` -> ``accumulate_reduced``
-end of backward             ``reshard()`` (or ``end_forward_views()`` for a unit kept
+end of backward             ``take_waiting_grad()`` (a gradient that waits goes the way
+                            of a ready one),
+                            ``reshard()`` (or ``end_forward_views()`` for a unit kept
                             unsharded), ``publish_grad()`` or ``publish_unsharded_grad()``
 prefetch                    ``unshard(async_op=True)``
 ==========================  ======================================================
@@ -48,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch.core import current_autograd_node
 from . import comm, device
 from .reduce import scale_cast_add
 
@@ -76,6 +81,10 @@ class UnitContract(Protocol):
     flat_param: nn.Parameter  # the parameter autograd sees; its gradient is the unit's
     saved_grad: Optional[torch.Tensor]  # the sharded gradient being accumulated in backward
     post_backward_fn: Optional[Callable[[Any, torch.Tensor], None]]
+    # [Note: one post-backward per iteration]: the AccumulateGrad node the gradient-ready
+    # hook acts in (None: any), and whether a gradient accumulated in another is waiting
+    first_grad_node: Optional[Any]
+    grad_waiting: bool
 
     @property
     def is_unsharded(self) -> bool: ...
@@ -87,6 +96,8 @@ class UnitContract(Protocol):
     def wait_unshard(self) -> None: ...
 
     def use_forward_views(self) -> None: ...
+
+    def record_grad_node(self) -> None: ...
 
     def end_forward_views(self) -> None: ...
 
@@ -101,6 +112,8 @@ class UnitContract(Protocol):
     def reduce_grad(self, grad: torch.Tensor) -> "PendingReduce": ...
 
     def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None: ...
+
+    def take_waiting_grad(self) -> Optional[torch.Tensor]: ...
 
     def publish_grad(self) -> None: ...
 
@@ -247,10 +260,39 @@ def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool)
         u.saved_grad = g
 
 
+# [Note: one post-backward per iteration]
+# torch's FSDP1 runs a unit's post-backward (reduce, reshard) once per iteration, from a
+# hook on the ``AccumulateGrad`` node of the unit's *first* grad-enabled forward
+# (``_register_post_backward_hook``: registered after that forward's unshard, kept, with
+# the node, to the end of backward).  A flat parameter can have several such nodes in one
+# backward: autograd makes a new accumulator when ``.data`` changes dtype, and the
+# wrapper's mixed precision does just that (the unsharded buffer is in ``param_dtype``,
+# the shard in full precision), so a FULL_SHARD unit called twice in one forward
+# (``a(b(a(x)))``, or two forwards before one backward) and resharded in between gets one
+# node per call.  The later calls' nodes (backward runs them first) only accumulate into
+# ``flat_param.grad``, in ``param_dtype``; the first node's hook reduces that sum.  A
+# post-accumulate-grad hook fires once per node, so a unit that may have several
+# (the wrapper's; ``fully_shard``'s flat parameter keeps its dtype, one node, as torch
+# FSDP2's unsharded parameters) records the node of its first grad-enabled forward
+# (``record_grad_node``, after the pre-forward's unshard, as torch's) in
+# ``first_grad_node``, and the hook acts only inside that node (``current_autograd_node``);
+# in another it leaves the gradient on the parameter, to accumulate, and marks the unit
+# ``grad_waiting``.  (Acting in each node reduced each call's gradient on its own, summed
+# in full precision: other numbers than torch's; and the first reduction resharded the
+# unit before the earlier call's backward, which may need its parameters: a freed-storage
+# error.)  Full precision, SHARD_GRAD_OP and NO_SHARD (no reshard between the calls) have
+# one node: nothing changes.  The end of backward forgets the node.  A grad-enabled forward
+# that no backward follows leaves its node recorded, never to run; torch's unit then never
+# reduces (its optimizer step fails on the unsharded gradient).  cfsdp's end of backward
+# takes a gradient still waiting (``take_waiting_grad``) through the reduction (or
+# no_sync's keep) the hook would have issued: the same gradient, the same numbers.
+
+
 def hook_grad_ready(unit: UnitContract) -> None:
     """When ``unit.flat_param``'s gradient has been accumulated in backward, take it
     off the parameter and hand it to ``unit.post_backward_fn(unit, grad)`` (set by
-    the runtime).
+    the runtime); only in ``unit.first_grad_node`` when one is recorded
+    ([Note: one post-backward per iteration]).
 
     The hook lives in the tensor's C++ hook list, out of the garbage collector's
     sight: it holds the unit weakly, or a unit and its flat parameter would keep
@@ -261,6 +303,11 @@ def hook_grad_ready(unit: UnitContract) -> None:
         u = unit_ref()
         if u is None:
             return
+        first = u.first_grad_node
+        if first is not None and current_autograd_node() is not first:
+            u.grad_waiting = True  # a later call's node: accumulate, reduce once
+            return
+        u.grad_waiting = False
         grad = p.grad
         p.grad = None
         if u.post_backward_fn is None:

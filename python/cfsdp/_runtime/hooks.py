@@ -193,6 +193,8 @@ class UnitState:
             if nxt is not None and nxt.unit is not None:
                 nxt.unit.unshard(async_op=True)
         u.use_forward_views()
+        if torch.is_grad_enabled():  # [Note: one post-backward per iteration] in base.py
+            u.record_grad_node()
 
     @dynamo_disable
     def post_forward(self, output: Any) -> Any:
@@ -299,6 +301,12 @@ class UnitState:
         self.training_state = TrainingState.BACKWARD_POST
         if root.backward_prefetch == BACKWARD_POST:
             self._prefetch_backward()
+        self._reduce_or_keep(root, unit, grad)
+        if not self.keeps_unsharded_after_backward():
+            unit.reshard()
+
+    def _reduce_or_keep(self, root: RootState, unit: UnitContract, grad: torch.Tensor) -> None:
+        """Keep the unit's unsharded gradient (no sync) or issue its reduction."""
         if not self.sync_gradients:
             unit.keep_unsharded_grad(grad)
         else:
@@ -306,8 +314,6 @@ class UnitState:
             while root.pending:
                 root.pending.pop(0).finish()
             root.pending.append(unit.reduce_grad(grad))
-        if not self.keeps_unsharded_after_backward():
-            unit.reshard()
 
     def keeps_unsharded_after_backward(self) -> bool:
         """Whether backward leaves this unit unsharded.  The wrapper face (like
@@ -323,6 +329,12 @@ class UnitState:
         root = self.root
         if root is None:
             raise AssertionError("cfsdp: final callback without root")
+        for st in root.states:  # [Note: one post-backward per iteration] in base.py
+            u = st.unit
+            if u is not None:
+                waiting = u.take_waiting_grad()
+                if waiting is not None:
+                    st._reduce_or_keep(root, u, waiting)
         for st in root.states:
             if (st.reduce_unreached is not None and st.sync_gradients
                     and st.training_state is not TrainingState.BACKWARD_POST):

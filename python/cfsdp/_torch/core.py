@@ -2,6 +2,9 @@
 
 * ``queue_callback(fn)``: run ``fn`` at the end of the current backward
   (``Variable._execution_engine.queue_callback``, as torch's FSDP1/FSDP2 and DDP do).
+* ``current_autograd_node()``: the autograd node backward is running now (None outside
+  backward; ``torch._C._current_autograd_node``), e.g. which ``AccumulateGrad`` node a
+  post-accumulate-grad hook runs in.
 * ``has_storage(t)``, ``is_functorch_wrapped(t)``: whether a tensor's memory may be handed to C
   (``cfsdp._core``).
 * ``dispatch_mode_active()``: a ``TorchDispatchMode`` (e.g. ``CommDebugMode``) is on the stack,
@@ -30,6 +33,7 @@ ENGINE = torch.autograd.Variable._execution_engine
 has_storage: Callable[[torch.Tensor], bool] = torch._C._has_storage
 is_functorch_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
+current_autograd_node: Callable[[], object] = torch._C._current_autograd_node
 
 
 def queue_callback(fn: Callable[[], None]) -> None:
@@ -40,5 +44,5 @@ def dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
-__all__ = ["ENGINE", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
+__all__ = ["ENGINE", "current_autograd_node", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
            "muon_adjust_lr", "muon_newton_schulz", "profiler_enabled", "queue_callback", "scalar_dtype"]

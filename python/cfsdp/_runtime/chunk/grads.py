@@ -294,6 +294,12 @@ class ChunkGrads:
         ctx.hold_reduce_scatter((inp,), rs_event)
         return FinishedReduce()
 
+    def take_waiting_grad(self) -> Optional[torch.Tensor]:
+        """None: the flat parameter keeps its dtype, one node per iteration, and the
+        gradient-ready hook acts in each ([Note: one post-backward per iteration] in
+        base.py)."""
+        return None
+
     def publish_grad(self) -> None:
         """Expose the reduced gradient: each parameter's ``.grad`` is a DTensor
         whose local tensor views this rank's rows of the sharded gradient."""

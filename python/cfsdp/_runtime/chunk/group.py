@@ -91,6 +91,9 @@ class ChunkUnitGroup:
         for u in self.units:
             u.use_forward_views()
 
+    def record_grad_node(self) -> None:
+        pass  # [Note: one post-backward per iteration] in base.py: one node per member
+
     def end_forward_views(self) -> None:
         for u in self.units:
             u.end_forward_views()
@@ -106,6 +109,9 @@ class ChunkUnitGroup:
     def take_grad_for_backward(self) -> None:
         for u in self.units:
             u.take_grad_for_backward()
+
+    def take_waiting_grad(self) -> Optional[torch.Tensor]:
+        return None  # no member's gradient waits: one node each
 
     def publish_grad(self) -> None:
         for u in self.units:

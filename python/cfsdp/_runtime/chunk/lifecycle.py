@@ -34,6 +34,9 @@ class ChunkLifecycle(UnshardStates):
         free_storage(self.natural)
         self.flat_param = nn.Parameter(self.natural, requires_grad=any(q.requires_grad for q in self.params))
         self._hooked = False
+        # [Note: one post-backward per iteration] in base.py: one node, the hook acts in it
+        self.first_grad_node = None
+        self.grad_waiting = False
         for q in self.params:
             q.unsharded = None
         self._unsharded_t = None
@@ -202,6 +205,11 @@ class ChunkLifecycle(UnshardStates):
             _core.attr_set(self._unsharded_t, "grad", None)
         self._bind.register(self._sharded_occ)
         self._unsharded_grads = False
+
+    def record_grad_node(self) -> None:
+        """Nothing: ``flat_param`` keeps its dtype, so every forward of an iteration uses
+        one ``AccumulateGrad`` node, the hook's ([Note: one post-backward per iteration]
+        in base.py), as torch FSDP2's unsharded parameters."""
 
     def use_forward_views(self) -> None:
         """Bind each parameter name to its view of ``flat_param`` (through autograd;

@@ -158,6 +158,19 @@ class FlatGrads:
         self.saved_grad = g if g.dtype == self.dtype else g.to(self.dtype)
         self.flat_param.grad = None
 
+    def take_waiting_grad(self) -> Optional[torch.Tensor]:
+        """At the end of backward: forget the recorded node, and take off the parameter a
+        gradient accumulated in nodes the gradient-ready hook did not act in and that no
+        hook took since (None if none) ([Note: one post-backward per iteration] in
+        base.py)."""
+        self.first_grad_node = None
+        if not self.grad_waiting:
+            return None
+        self.grad_waiting = False
+        grad = self.flat_param.grad
+        self.flat_param.grad = None
+        return grad
+
     # [Note: units outside a backward]
     # The end of every backward visits every unit of the root, also those whose module
     # was not called in that step (a branch not taken) or whose output did not reach the

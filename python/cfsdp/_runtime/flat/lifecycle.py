@@ -234,6 +234,16 @@ class FlatLifecycle(UnshardStates):
             self._bind.register(views)
             self._views_bound = True
 
+    def record_grad_node(self) -> None:
+        """A grad-enabled forward, after its unshard: the first since the last backward
+        records the flat parameter's ``AccumulateGrad`` node, the one node the
+        gradient-ready hook acts in ([Note: one post-backward per iteration] in base.py;
+        torch's ``_register_post_backward_hook``).  Mixed precision swaps ``.data``
+        between dtypes, so a later forward may make another node."""
+        p = self.flat_param
+        if self.first_grad_node is None and p.requires_grad:
+            self.first_grad_node = p.expand_as(p).grad_fn.next_functions[0][0]
+
     def end_forward_views(self) -> None:
         """A unit that stays unsharded after forward or backward: the modules show the
         registered original parameters again, their data views of the shard, and no_sync's

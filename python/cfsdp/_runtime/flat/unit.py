@@ -156,6 +156,9 @@ class Unit(FlatLifecycle, FlatGrads, FlatWriteback, FlatLayout):
         self._init_writeback()
         self._install_initial_views()
         self._hooked = False
+        # [Note: one post-backward per iteration] in base.py
+        self.first_grad_node = None
+        self.grad_waiting = False
         self.refresh_requires_grad()
         # Set by the owning face: called with (unit, unsharded_grad) when the
         # flat gradient is ready in backward.
