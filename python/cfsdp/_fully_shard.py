@@ -29,6 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import torch.distributed.fsdp as _torch_fsdp
+from typing_extensions import deprecated
 
 from ._compile import dynamo_disable
 from ._docs import adopt_class_docs, adopt_function_doc
@@ -443,6 +444,74 @@ class FSDPModule:
             if u is not None:
                 u.drop_iteration()
 
+
+    @deprecated("Use `set_gradient_divide_factor` instead")
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's deprecated name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """torch: reduce zero gradients for parameters no backward reached (ranks that use
+        different parameters).  cfsdp leaves them out (``None``), torch's default: ``False``
+        is that, ``True`` is not implemented yet (it gives unused parameters zero gradients,
+        which an optimizer then steps: weight decay)."""
+        _state(self)
+        if reduce_scatter_unused_params:
+            raise _nyi("FSDPModule.set_reduce_scatter_unused_params(True) (zero gradients "
+                       "for parameters no rank used; make every rank use every parameter, "
+                       "e.g. add 0 * p.sum() to the loss)")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """torch: how many reduce-scatter input buffers may be in flight (a CUDA memory and
+        overlap dial).  cfsdp keeps one, torch's default: ``1`` is that, more is not
+        implemented yet; torch's errors for a value that is no positive int."""
+        if not isinstance(max_input_buffers, int) or isinstance(max_input_buffers, bool):
+            raise TypeError("max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        _state(self)
+        if max_input_buffers != 1:
+            raise _nyi(f"FSDPModule.set_reduce_scatter_max_input_buffers({max_input_buffers}) "
+                       "(cfsdp keeps one reduce-scatter input in flight, torch's default)")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """torch: run the reduce-scatters on a process group of their own (overlap with the
+        all-gathers).  cfsdp issues both on one group, torch's default: ``False`` is that,
+        ``True`` is not implemented yet."""
+        _state(self)
+        if enable:
+            raise _nyi("FSDPModule.set_separate_reduce_scatter_group(True) (cfsdp issues "
+                       "reduce-scatters and all-gathers on one group, torch's default)")
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """torch: a user-defined all-gather (``AllGather``).  Not implemented yet."""
+        _state(self)
+        raise _nyi("FSDPModule.set_custom_all_gather (cfsdp's all-gather is its own C pass "
+                   "over shared memory or the process group)")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """torch: a user-defined reduce-scatter (``ReduceScatter``).  Not implemented yet."""
+        _state(self)
+        raise _nyi("FSDPModule.set_custom_reduce_scatter (cfsdp's reduce-scatter is its own "
+                   "C pass over shared memory or the process group)")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """torch: the collectives' staging buffers from the process group's allocator (NCCL
+        zero-copy).  cfsdp allocates them itself, torch's default: ``False`` is that,
+        ``True`` is not implemented yet."""
+        _state(self)
+        if enable:
+            raise _nyi("FSDPModule.set_allocate_memory_from_process_group_for_comm(True)")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """torch: NCCL symmetric memory for the all-gathers' staging buffers.  Not
+        implemented yet (an NCCL feature; cfsdp has not run on a GPU)."""
+        _state(self)
+        raise _nyi(f"FSDPModule.set_symm_mem_for_comm({backend!r})")
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """torch 2.15: keep the unsharded parameters' storage (and its addresses) across

@@ -138,3 +138,52 @@ def test_grad_dtype_equal_to_the_dtype_is_taken():
     cfsdp.fully_shard(m)
     m(torch.randn(3, 4)).sum().backward()
     assert m.b.weight.grad is not None
+
+
+# FSDPModule's communication knobs (torch 2.11+, the last four 2.13+): what cfsdp does is
+# torch's default; asking for it is accepted, asking for anything else NotImplementedError
+KNOBS = [  # (method, the default's arguments, other arguments)
+    ("set_reduce_scatter_unused_params", (False,), (True,)),
+    ("set_reduce_scatter_max_input_buffers", (1,), (2,)),
+    ("set_separate_reduce_scatter_group", (False,), (True,)),
+    ("set_allocate_memory_from_process_group_for_comm", (False,), (True,)),
+    ("set_custom_all_gather", None, (object(),)),
+    ("set_custom_reduce_scatter", None, (object(),)),
+    ("set_symm_mem_for_comm", None, ()),
+]
+
+
+@pytest.mark.parametrize("name, default, other", KNOBS, ids=[k[0] for k in KNOBS])
+def test_communication_knobs(name, default, other):
+    assert hasattr(cfsdp.FSDPModule, name) == hasattr(tfsdp.FSDPModule, name)
+    if not hasattr(tfsdp.FSDPModule, name):
+        return
+    m = _model("cfsdp")
+    if default is not None:
+        getattr(m, name)(*default)
+    with pytest.raises(NotImplementedError, match=name):
+        getattr(m, name)(*other)
+
+
+def test_max_input_buffers_errors_are_torchs():
+    if not hasattr(tfsdp.FSDPModule, "set_reduce_scatter_max_input_buffers"):
+        return
+    ours, theirs = _model("cfsdp"), _model("torch")
+    for bad in (0, 1.5):
+        assert _error(ours.set_reduce_scatter_max_input_buffers, bad) == \
+            _error(theirs.set_reduce_scatter_max_input_buffers, bad)
+
+
+def test_reduce_scatter_divide_factor_is_the_deprecated_name():
+    """torch's deprecated alias of set_gradient_divide_factor (every supported torch): the same
+    warning, and the factor set on the module's own unit."""
+    ours, theirs = _model("cfsdp"), _model("torch")
+    with pytest.warns(DeprecationWarning, match="Use `set_gradient_divide_factor` instead"):
+        ours.set_reduce_scatter_divide_factor(2.0)
+    with pytest.warns(DeprecationWarning, match="Use `set_gradient_divide_factor` instead"):
+        theirs.set_reduce_scatter_divide_factor(2.0)
+    x = torch.randn(3, 4)
+    for m in (ours, theirs):
+        m(x).sum().backward()
+    for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert torch.equal(a.grad.to_local(), b.grad.to_local()), n

@@ -119,6 +119,9 @@ def test_fsdp_module_methods_are_the_installed_torchs():
     ours = {n for n in vars(cfsdp.FSDPModule) if not n.startswith("_")}
     missing = sorted(ours - {n for n in dir(tfsdp.FSDPModule) if not n.startswith("_")})
     assert not missing, f"cfsdp's FSDPModule has methods this torch's does not: {missing}"
+    absent = sorted({n for n in dir(tfsdp.FSDPModule) if not n.startswith("_")}
+                    - {n for n in dir(cfsdp.FSDPModule) if not n.startswith("_")})
+    assert not absent, f"this torch's FSDPModule has methods cfsdp's does not: {absent}"
     assert hasattr(cfsdp.FSDPModule, "reset_iter_state") == HAVE["reset_iter_state"]
 
 

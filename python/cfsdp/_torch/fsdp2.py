@@ -95,7 +95,9 @@ DDPMeshInfo: type = _fsdp_common.DDPMeshInfo
 _FULLY_SHARD_SINCE: dict[str, tuple[int, int]] = {"dp_mesh_dims": (2, 12)}
 # FSDPModule methods cfsdp implements that torch added after the oldest supported torch
 _FSDP_MODULE_SINCE: dict[str, tuple[int, int]] = {
-    "reset_iter_state": (2, 13), "finalize_backward": (2, 15),
+    "reset_iter_state": (2, 13), "set_symm_mem_for_comm": (2, 12),
+    "set_reduce_scatter_unused_params": (2, 13), "set_reduce_scatter_max_input_buffers": (2, 13),
+    "set_separate_reduce_scatter_group": (2, 13), "finalize_backward": (2, 15),
     "set_manual_backward_finalization": (2, 15), "set_keep_unsharded_storage": (2, 15)}
 
 # torch 2.15+: with ``reduce_dtype=None`` the gradients are reduced (and accumulated without
