@@ -26,6 +26,13 @@ def hybrid_mesh():
     return _MESH["mesh"]
 
 
+def one_rank_shard_mesh():
+    """A (replicate=W, shard=1) mesh over all ranks, made once per spawn."""
+    if "one_rank_shards" not in _MESH:
+        _MESH["one_rank_shards"] = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    return _MESH["one_rank_shards"]
+
+
 def groups_kw(ctx, strategy, how: str) -> dict:
     if strategy not in HYBRID:
         return {"process_group": ctx.pg}
