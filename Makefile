@@ -33,7 +33,7 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 
 # Other torch versions (issue 23): cfsdp supports torch 2.11.x to 2.15.x and mirrors the
 # installed one.  `make test-torch TORCH=2.11.0` runs TORCH_TESTS (the unit tests and the
-# distributed parity launches of both faces, ZeRO and state dicts, at world size 2) against
+# distributed parity launches of both faces, ZeRO, state dicts and tensor parallelism, at world size 2) against
 # that torch, in a virtual environment of its own, .venv-torch/<version>, made once and reused
 # (gitignored): torch==<version> pinned and the test tools in one pip command, then cfsdp
 # installed into it in editable mode (no dependencies: torch is already there).  The C
@@ -46,7 +46,8 @@ SAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-nam
 # `make demo TORCH=...` and `make bench TORCH=...` run on that venv the same way.
 TORCH ?=
 TORCH_TESTS ?= tests/unit tests/distributed/test_parity.py tests/distributed/test_fully_shard.py \
-	tests/distributed/test_zero.py tests/distributed/test_state_dict.py
+	tests/distributed/test_zero.py tests/distributed/test_state_dict.py \
+	tests/distributed/test_tp.py::test_tensor_parallel
 # the versions `make test` runs TORCH_TESTS against, besides the full suite on 2.13.0
 TORCH_OTHERS := 2.11.0 2.15.0
 TVENV = .venv-torch/$(TORCH)
@@ -97,7 +98,7 @@ TWIN_DIST := tests/distributed/test_parity.py tests/distributed/test_mixed_preci
 	tests/distributed/test_strategies.py tests/distributed/test_clip.py \
 	tests/distributed/test_fully_shard.py tests/distributed/test_optim.py
 # Last, test-torch on each of TORCH_OTHERS (2.11.0, 2.15.0: the unit tests and the parity
-# launches of both faces, ZeRO and state dicts at world size 2; see test-torch above).
+# launches of both faces, ZeRO, state dicts and tensor parallelism at world size 2; see test-torch above).
 # Each pass runs through tools/timed, which prints "=== pass NAME: M:SS (exit RC)".
 TIMED := tools/timed
 # Unit tests run in one process each but on 1 core of 2: pytest-xdist runs them on two

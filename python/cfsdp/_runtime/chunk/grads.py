@@ -246,6 +246,12 @@ class ChunkGrads:
             self._accumulate(acc, grad)
             grad, self.acc_grad = acc, None
         if self._partial:  # (a partial sum is redistributed once it is complete)
+            if _fsdp2.REDUCES_IN_GRAD_DTYPE and grad.dtype != self.reduce_dtype:
+                # torch 2.15: such a gradient reaches its grad_dtype (reduce_dtype, else
+                # the parameter's dtype) in autograd, before its reduction over the TP
+                # ranks, which then runs in that dtype (the other parameters' cast at the
+                # copy-in gives the same values)
+                grad = grad.to(self.reduce_dtype)
             self._redistribute_partial(grad)
         ctx = self._comm
         if ctx is not None and ctx.streams:
