@@ -32,6 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import _harness as h
@@ -250,6 +251,59 @@ def summon_with_grads(ctx):
             seen.append(snapshot(m, grads=True))
     compare_snaps(mm, "with_grads, no rank with grads", seen[1], seen[0])
     mm.check(all(r[4] is None for r in seen[1]), "with_grads: .grad is not None with no gradients")
+    mm.raise_if_any()
+
+
+@h.subtest
+def summon_with_grads_low_precision_no_shard(ctx):
+    """with_grads=True under NO_SHARD with keep_low_precision_grads: each parameter's .grad is
+    a low-precision view of the flat gradient (torch's ``_use_unsharded_grad_views`` side-steps
+    autograd's dtype check, as cfsdp's ``set_grad``); writes to it are what SGD steps with.
+    cfsdp raised torch's dtype error (assigning a bf16 gradient to an fp32 parameter). The
+    sharded strategies' all-gathered low-precision gradient is refused by both (same error)."""
+    mm = Mismatches(ctx)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                        buffer_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    base = pc.build("odd")
+    batches = pc.make_batches("odd", ctx.world_size, steps=3)
+    seen, losses = [], []
+    for w in WRAPPERS:
+        m = pc.wrap_odd(w, copy.deepcopy(base), **kw(ctx, True, sharding_strategy=ShardingStrategy.NO_SHARD,
+                                                       mixed_precision=mp))
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        got, lw = [], []
+        for chunks in batches:
+            x, y = chunks[ctx.rank]
+            opt.zero_grad(set_to_none=True)
+            loss = pc.mse_loss(m(x), y)
+            loss.backward()
+            lw.append(loss.detach())
+            with w.summon_full_params(m, with_grads=True):
+                got.append(snapshot(m, grads=True))
+                mm.check(all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in m.parameters()),
+                         f"{who(w)}: a gradient inside summon is not bf16")
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(2.0)
+            opt.step()
+        got.append(local_snapshot(m))
+        seen.append(got)
+        losses.append(lw)
+    for i, (c, t) in enumerate(zip(seen[1], seen[0])):
+        compare_snaps(mm, f"step {i}", c, t)
+    for i, (a, b) in enumerate(zip(losses[1], losses[0])):
+        mm.tensors(f"loss at step {i}", a, b)
+
+    def sharded(w):
+        m = pc.wrap_odd(w, copy.deepcopy(base), **kw(ctx, True, mixed_precision=mp))
+        x, y = batches[0][ctx.rank]
+        pc.mse_loss(m(x), y).backward()
+        enter(w, m, with_grads=True)
+
+    expect_same_error(mm, "FULL_SHARD with_grads, keep_low_precision_grads",
+                      {"torch": lambda: sharded(TorchFSDP), "cfsdp": lambda: sharded(CFSDP)},
+                      RuntimeError, "attempting to assign a gradient with dtype")
     mm.raise_if_any()
 
 

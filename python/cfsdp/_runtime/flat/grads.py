@@ -256,15 +256,23 @@ class FlatGrads:
 
     def grads_as_full(self, full: Optional[torch.Tensor]) -> None:
         """use_orig_params=True, after :meth:`params_as_full`: each original
-        parameter's ``.grad`` is a view of ``full`` (None when ``full`` is)."""
+        parameter's ``.grad`` is a view of ``full`` (None when ``full`` is).
+
+        NO_SHARD shows the flat gradient itself, in its own dtype through
+        ``set_grad``'s side-step (keep_low_precision_grads), as torch's
+        ``_use_unsharded_grad_views``; a sharded strategy's low-precision
+        gradient is refused by autograd's dtype check, as torch's
+        ``flat_param.grad =`` in ``unshard_grad`` refuses it."""
         for i, (off, info) in enumerate(zip(self.layout.offsets, self.infos)):
             g = (None if full is None or not info.param.requires_grad
                  else info.view(full[off : off + info.numel]))
             shown = self._shown_tp.get(i)
             if shown is not None:  # a TP parameter shown as a DTensor: a DTensor gradient
                 shown.grad = None if g is None else as_tp(g, info.tp_spec)
-            else:
+            elif self.sharded:
                 info.param.grad = g
+            else:
+                set_grad(info.param, g)
 
     def grads_as_sharded(self, full: Optional[torch.Tensor], writeback: bool) -> None:
         """Undo :meth:`grads_as_full` (call before :meth:`params_as_sharded`).
