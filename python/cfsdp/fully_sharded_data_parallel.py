@@ -1208,10 +1208,11 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
-        """``nn.Module.apply`` with this unit's full parameters visible (as torch)."""
-        uninitialized = self._state.is_root is None
-        ctx = _summoned([self], writeback=True) if uninitialized else contextlib.nullcontext()
-        with ctx:
+        """``nn.Module.apply`` with this unit's full parameters visible and written back,
+        before and after the first forward (as torch: each nested wrapper's ``apply``, called
+        by ``nn.Module.apply``, summons its own unit). torch lazily initialises ``self`` for
+        it and resets that if ``self`` was not yet initialised; cfsdp summons without it."""
+        with _summoned([self], writeback=True):
             return super().apply(fn)
 
     def _apply(self, *args, **kwargs):

@@ -307,6 +307,56 @@ def summon_with_grads_low_precision_no_shard(ctx):
     mm.raise_if_any()
 
 
+def _init_linear(mod: nn.Module) -> None:
+    """An initialiser that depends on each weight's full shape (as nn.init's do)."""
+    if isinstance(mod, nn.Linear):
+        with torch.no_grad():
+            mod.weight.copy_(torch.linspace(-0.2, 0.2, mod.weight.numel()).view_as(mod.weight))
+            if mod.bias is not None:
+                mod.bias.mul_(0.5)
+
+
+@h.subtest(grid={"strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD],
+                 "use_orig_params": [True, False]})
+def apply_between_steps(ctx, strategy, use_orig_params: bool):
+    """FSDP.apply(fn) sees every unit's full parameters and writes them back, before the
+    first forward and between steps (torch: each wrapper's apply summons its own unit);
+    then training goes on bitwise as torch's, and an uninitialised model stays so (torch
+    resets the lazy initialisation apply needed). cfsdp summoned only before the first
+    forward: after it, fn saw use_orig_params=True's 1-D shard views (a shape-dependent
+    initialiser silently wrote other values) and use_orig_params=False's views of the freed
+    unsharded buffer (SIGSEGV on the write)."""
+    mm = Mismatches(ctx)
+    base = pc.build("odd")
+    batches = pc.make_batches("odd", ctx.world_size, steps=4)
+    results = []
+    for w in WRAPPERS:
+        m = pc.wrap_odd(w, copy.deepcopy(base), **kw(ctx, use_orig_params, sharding_strategy=strategy))
+        m.apply(_init_linear)
+        mm.check(m._is_root is None, f"{who(w)}: apply before the first forward left _is_root={m._is_root}")
+        after = [full_snapshot(m, w)]
+        opt = pc.make_optim("sgd", m.parameters())
+        losses = []
+        for i, chunks in enumerate(batches):
+            if i == 2:
+                m.apply(_init_linear)
+                m.seq.apply(_init_linear)  # a nested unit alone
+                after.append(full_snapshot(m, w))
+            x, y = chunks[ctx.rank]
+            opt.zero_grad(set_to_none=True)
+            losses.append(pc.mse_loss(m(x), y))
+            losses[-1].backward()
+            opt.step()
+        after.append(full_snapshot(m, w))
+        results.append((after, losses))
+    (c_after, c_losses), (t_after, t_losses) = results[1], results[0]
+    for i, (c, t) in enumerate(zip(c_after, t_after)):
+        compare_snaps(mm, f"full parameters after apply #{i}", c, t)
+    for i, (a, b) in enumerate(zip(c_losses, t_losses)):
+        mm.tensors(f"loss at step {i}", a, b)
+    mm.raise_if_any()
+
+
 class Probe(nn.Module):
     """Calls ``probe()`` inside its forward and, through a tensor hook, inside backward."""
 
