@@ -103,6 +103,18 @@ def _no_reshard_after_backward(impl, model, s, m, notes):
     model.set_reshard_after_backward(m == 1)
 
 
+def _note_state_and_grads(impl, model, s, m, notes):
+    notes.extend([(f"after backward {m} of step {s}", reg_state(model)),
+                  (f"gradient values after backward {m} of step {s}",
+                   [None if p.grad is None else local(p.grad).detach().clone()
+                    for p in model.parameters()])])
+
+
+def _no_reshard_after_backward_ever(impl, model, s, m, notes):
+    model.set_requires_gradient_sync(m == 2)
+    model.set_reshard_after_backward(False)
+
+
 def _divide_factor(factor_of_w: Callable[[int], float]):
     def configure(impl, model):
         k = factor_of_w(WORLD)
@@ -211,11 +223,14 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "prefetch_lists": lambda: Scenario(configure=_prefetch),
     "reshard_after_backward_false": lambda: Scenario(
         steps=2, micro=2, before_micro=_no_reshard_after_backward,
-        after_micro=lambda impl, model, s, m, notes: notes.extend([
-            (f"after backward {m} of step {s}", reg_state(model)),
-            (f"gradient values after backward {m} of step {s}",
-             [None if p.grad is None else local(p.grad).detach().clone()
-              for p in model.parameters()])])),
+        after_micro=_note_state_and_grads),
+    # unsharded through the synchronising backward too: torch drops the full-size gradients
+    # the no-sync backwards showed (the root's unit, not resharded after forward, kept them).
+    # torch is the only oracle: never resharded, the next step's forward uses the unsharded
+    # parameters of before the optimizer step (and the gradients shown are None)
+    "reshard_after_backward_false_sync": lambda: Scenario(ref=False,
+        steps=2, micro=3, before_micro=_no_reshard_after_backward_ever,
+        after_micro=_note_state_and_grads),
     "gradient_divide_factor_1": lambda: Scenario(
         optim="sgd", configure=_divide_factor(lambda w: 1.0), ref_grad_scale=float(WORLD)),
     "gradient_divide_factor_2w": lambda: Scenario(

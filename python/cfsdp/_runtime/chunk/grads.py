@@ -308,10 +308,17 @@ class ChunkGrads:
 
     def publish_grad(self) -> None:
         """Expose the reduced gradient: each parameter's ``.grad`` is a DTensor
-        whose local tensor views this rank's rows of the sharded gradient."""
+        whose local tensor views this rank's rows of the sharded gradient.  A unit left
+        unsharded (``reshard_after_backward`` False) drops the full-size gradients that
+        earlier no-sync backwards showed on its registered parameters: torch's
+        ``FSDPParamGroup.post_backward`` sets each unsharded parameter's ``.grad`` to None
+        once it takes it for the reduction, and they stay registered."""
         g = self.saved_grad
         self.saved_grad = None
         self.grad_unsharded = False
+        if self._unsharded_grads:
+            _core.attr_set(self._unsharded_t, "grad", None)
+            self._unsharded_grads = False
         if g is None:
             return
         pub = self._pub
