@@ -146,6 +146,22 @@ def accumulation_unit_unreached(ctx, policy: str, path: str):
                                after_micro=_accum_notes, ref=False))
 
 
+@h.subtest(grid={"policy": ["fp32", "bf16_reduce_fp32", "bf16", "fp32_reduce_bf16"],
+                 "path": ["all", "root", "block", "all_keep_unsharded"]})
+def accumulation_trailing_no_sync(ctx, policy: str, path: str):
+    """3 micro-batches a step (3 steps), sync on the middle one only: the last backward's
+    gradient stays unreduced past ``opt.step()`` and ``zero_grad()`` and joins the next step's
+    synchronising backward, which adds its reduction to the sharded gradient the parameters
+    hold then (None after ``zero_grad()``), as torch's.  cfsdp added it to the gradient of the
+    step before (the buffer the trailing backward took and kept): other training.  torch is
+    the oracle (the reference has no carried gradient)."""
+    pol = ACCUM_POLICIES[policy]
+    kw: dict = {} if pol is None else {"mp_policy": pol}
+    run_scenario(ctx, Scenario(kind="mlp", optim="adamw", steps=3, micro=3, unit_kw=kw,
+                               before_micro=_accum_sync(path, 1), after_micro=_accum_notes,
+                               ref=False))
+
+
 def _grad_step(s: int, params: list, opt) -> list | None:
     """What the user does with the gradients before step ``s`` of ``grad_lifetimes``; returns
     the gradients the user keeps (step 2)."""

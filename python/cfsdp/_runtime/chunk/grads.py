@@ -353,7 +353,15 @@ class ChunkGrads:
         as torch does; the sharded parameters keep their sharded gradients.  On torch 2.15
         that is the gradient accumulated in ``reduce_dtype`` where it differs from the
         gradient's (``acc_grad``: the unsharded parameters' own, in their ``grad_dtype``);
-        before 2.15 torch keeps that one off the parameters."""
+        before 2.15 torch keeps that one off the parameters.
+
+        The sharded gradient this backward's pre-hook took to add to (``saved_grad``) is let
+        go: nothing was added to it, and the synchronising backward adds to whatever the
+        parameters hold then, as torch's post-backward adds to ``sharded_param.grad`` as it
+        finds it.  Kept, a ``zero_grad()`` between this backward and that one went unseen
+        (``_forget_dropped_grads`` spares the buffer it holds): the reduction was added to
+        the gradient of the step before."""
+        self.saved_grad = None
         g = self.flat_param.grad
         if _fsdp2.REDUCES_IN_GRAD_DTYPE and self.acc_grad is not None:
             g = self.acc_grad
