@@ -128,6 +128,7 @@ class ChunkGrads:
         """Before backward: collect the sharded gradients the user's parameters hold
         (they may have been cleared or replaced since they were published) into one
         shard-sized buffer that the reduced gradient is added to."""
+        self._follow_unsharded_grads()
         if self.saved_grad is not None:
             return
         grads = _core.attr_get(self._sharded_t, "grad")
@@ -197,6 +198,7 @@ class ChunkGrads:
         reduce-scatters an accumulated gradient).  Finishes the reductions in
         ``pending`` first (one in flight, as ``UnitState._post_backward``) and appends
         its own; nothing when nothing was accumulated."""
+        self._follow_unsharded_grads()
         acc = self.acc_grad
         if acc is not None:  # [Note: no-sync accumulation], in reduce_dtype
             self.acc_grad, grad = None, acc
@@ -387,7 +389,37 @@ class ChunkGrads:
                 q.tp_dtensor(v)
                 for i, (v, q) in enumerate(zip(views, self.params)))
         _core.attr_set(self._unsharded_t, "grad", views)
-        self._unsharded_grads = True
+        self._unsharded_grads = views
+
+    def _follow_unsharded_grads(self) -> None:
+        """Before a backward adds to the no-sync gradient (or the end of a synchronising one
+        reduces it): a unit left unsharded shows it on its registered parameters
+        (``publish_unsharded_grad``), where torch's FSDP2 keeps it, so what the user did to
+        those ``.grad`` counts, as in torch: cleared (``model.zero_grad()``) drops that
+        parameter's part (all cleared: the whole gradient), assigned replaces it.  In-place
+        changes already went to the gradient (the views share it)."""
+        shown = self._unsharded_grads
+        if not shown:
+            return
+        cur = _core.attr_get(self._unsharded_t, "grad")
+        if all(map(operator.is_, cur, shown)):
+            return
+        self._unsharded_grads = False
+        if all_none(cur):  # what was shown: publish_unsharded_grad's g
+            if _fsdp2.REDUCES_IN_GRAD_DTYPE and self.acc_grad is not None:
+                self.acc_grad = None
+            else:
+                self.flat_param.grad = None
+                self.grad_unsharded = False
+            return
+        with torch.no_grad():
+            for c, v in zip(cur, shown):
+                if v is None or c is v:
+                    continue
+                if c is None:
+                    v.zero_()
+                else:
+                    v.copy_(c)
 
 
 

@@ -201,6 +201,7 @@ class ChunkLifecycle(UnshardStates):
             q.ext.free()
         self._buf = None
         self._bind.unshow()
+        self._follow_unsharded_grads()  # what the user did to them while shown counts
         if self._unsharded_grads:
             _core.attr_set(self._unsharded_t, "grad", None)
         self._bind.register(self._sharded_occ)

@@ -158,7 +158,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self._pub: Optional[_Published] = None
         self.grad_unsharded = False
         self._init_binding()
-        self._unsharded_grads = False  # publish_unsharded_grad gave the full-size params grads
+        self._unsharded_grads = False  # publish_unsharded_grad's views, shown on the full-size params
         # which parameters received a gradient in the backwards since the last publish
         # (see [Note: unused parameters])
         self._all_got_grad = True
