@@ -639,6 +639,39 @@ def test_torch_kernel_options_take_torchs_step(cls, option):
             assert_bits(sd["state"][i][k], v, f"{cls} {option} state {k}")
 
 
+@pytest.mark.parametrize("cls, kw", [("Adam", dict(foreach=True)), ("AdamW", dict(fused=True)),
+                                     ("SGD", dict(foreach=True, momentum=0.9))])
+def test_torch_kernel_groups_run_step_hooks_once(cls, kw):
+    """A group on torch's kernels once a torch optimizer of the same class exists (which
+    wraps the torch class's ``step`` in torch's hook runner): the step pre/post hooks, this
+    optimizer's and the global ones, run once per ``step()``, as torch's.  They ran twice
+    (cfsdp's step, then torch's wrapped one): a pre-hook scaling the gradients scaled them
+    twice and training silently went elsewhere."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    gen = torch.Generator().manual_seed(6)
+    init = torch.randn(17, generator=gen)
+    grads = [torch.randn(17, generator=gen) for _ in range(3)]
+    out = []
+    for make in (getattr(torch.optim, cls), getattr(co, cls)):  # torch's first: wraps its step
+        p = torch.nn.Parameter(init.clone())
+        opt = make([p], lr=0.01, **kw)
+        calls = []
+        opt.register_step_pre_hook(lambda o, a, k: (calls.append("pre"), p.grad.mul_(0.5))[0])
+        opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+        handle = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global"))
+        try:
+            for g in grads:
+                p.grad = g.clone()
+                opt.step()
+        finally:
+            handle.remove()
+        out.append((p.detach().clone(), calls))
+    (want, want_calls), (got, got_calls) = out
+    assert got_calls == want_calls == ["global", "pre", "post"] * 3, got_calls
+    assert_bits(got, want, f"{cls} {kw}")
+
+
 def test_groups_pick_their_step(monkeypatch):
     """One group with ``fused=True`` (torch's fused kernel) and one without (cfsdp's C
     step): each group is stepped by its own path (torch's step sees the first group only);

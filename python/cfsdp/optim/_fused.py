@@ -224,11 +224,20 @@ class _FusedStep:
     def _cf_torch_step(self, groups: list) -> None:
         """torch's own step on ``groups`` only ([Note: torch's kernels]): the torch class's
         ``step`` sees just those groups (the state is keyed by parameter, so it reads and
-        writes theirs); the step hooks ran once, around this optimizer's ``step``."""
+        writes theirs); the step hooks ran once, around this optimizer's ``step``.
+
+        The torch class's ``step`` is called without torch's hook wrapper: a torch
+        optimizer of that class made anywhere in the process wraps the class's ``step``
+        (``Optimizer._patch_step_function``), and through it the step pre/post hooks (this
+        optimizer's and the global ones) ran a second time, on this optimizer, e.g. a
+        gradient-scaling pre-hook scaled twice."""
+        step = super().step.__func__  # type: ignore[misc]  (the torch class: next in the MRO)
+        while getattr(step, "hooked", False):  # torch's profile_hook_step wrapper
+            step = step.__wrapped__
         every = self.param_groups
         self.param_groups = groups
         try:
-            super().step()  # type: ignore[misc]  (the torch class: next in the MRO)
+            step(self)
         finally:
             self.param_groups = every
 
