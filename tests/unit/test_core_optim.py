@@ -672,6 +672,39 @@ def test_torch_kernel_groups_run_step_hooks_once(cls, kw):
     assert_bits(got, want, f"{cls} {kw}")
 
 
+@pytest.mark.parametrize("cls", ["Adam", "AdamW", "SGD"])
+@pytest.mark.parametrize("second", [dict(), dict(fused=False)])
+def test_grad_scaler_fused_step(cls, second):
+    """``torch.amp.GradScaler`` on an optimizer built with ``fused=True``: it hands the step
+    its scale (``grad_scale`` / ``found_inf``) instead of unscaling.  Every group fused:
+    torch's fused kernels, torch's bits.  A second group with ``fused=False``: torch's
+    ``AssertionError`` (its non-fused paths do not unscale), as torch; the C step stepped
+    that group with the scaled gradients (1024 x for SGD), silently."""
+    gen = torch.Generator().manual_seed(8)
+    init = [torch.randn(9, generator=gen), torch.randn(5, generator=gen)]
+    out = []
+    for mod in (co, torch.optim):
+        a, b = (torch.nn.Parameter(t.clone()) for t in init)
+        opt = getattr(mod, cls)([{"params": [a]}, {"params": [b], **second}], lr=0.1,
+                                fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        res = None
+        for _ in range(2):
+            opt.zero_grad()
+            scaler.scale((a * a).sum() + (b * 3).sum()).backward()
+            res = _outcome(lambda: scaler.step(opt))[1]
+            if res is not None:
+                break
+            scaler.update()
+        out.append((res, a.detach().clone(), b.detach().clone()))
+    (err, a1, b1), (want_err, a2, b2) = out
+    assert err == want_err, (err, want_err)
+    if second:
+        assert want_err is not None and want_err[0] is AssertionError
+    assert_bits(a1, a2, "fused group")
+    assert_bits(b1, b2, "second group")
+
+
 def test_groups_pick_their_step(monkeypatch):
     """One group with ``fused=True`` (torch's fused kernel) and one without (cfsdp's C
     step): each group is stepped by its own path (torch's step sees the first group only);

@@ -80,7 +80,11 @@ construction or later, e.g. by ``load_state_dict`` from a torch optimizer built
 with them) or holds a parameter on an accelerator (CUDA: torch's default there
 is its multi-tensor kernels, the GPU idiom; cfsdp's C step is for CPU memory).
 The other groups take cfsdp's fused C step.  Both keep torch's state format,
-so a group may switch between them (state dicts load either way).
+so a group may switch between them (state dicts load either way).  A
+``GradScaler`` hands an optimizer built with ``fused=True`` its scale
+(``grad_scale`` / ``found_inf``) to unscale in the step: torch's fused kernels
+take it, its other paths raise torch's ``AssertionError``, and so does a group
+on the C step (it stepped the scaled gradients, silently).
 
 Options cfsdp's C step does not honour raise ``NotImplementedError`` naming
 them at ``step()`` of a group on that path: Tensor ``lr`` / ``betas`` / SGD
@@ -218,6 +222,11 @@ class _FusedStep:
             for gi, group in enumerate(self.param_groups):
                 if not _torch_kernels(group):
                     self._cf_check_group(group)
+                    if (getattr(self, "grad_scale", None) is not None
+                            or getattr(self, "found_inf", None) is not None):
+                        # a GradScaler's unscale-in-step ([Note: torch's kernels]): only
+                        # torch's fused kernels take it; its other paths raise this
+                        raise AssertionError("Expected grad_scale and found_inf to be None")
                     self._cf_step_group(gi, group)
         return loss
 
