@@ -181,9 +181,9 @@ def accumulation_keep_unsharded_user_grads(ctx, policy: str, what: str):
             model.zero_grad()
         elif what == "zero_in_place":
             model.zero_grad(set_to_none=False)
-        else:  # assign
+        else:  # assign, in the dtype the parameter's gradient has (torch 2.15: its grad_dtype)
             for p in model.parameters():
-                p.grad = torch.full_like(p, 0.01)
+                p.grad = torch.full_like(p, 0.01, dtype=getattr(p, "grad_dtype", None) or p.dtype)
 
     run_scenario(ctx, Scenario(kind="mlp", steps=2, micro=3, unit_kw=kw,
                                before_micro=_accum_sync("all_keep_unsharded", 2), after_micro=after,
