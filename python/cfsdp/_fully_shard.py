@@ -65,10 +65,9 @@ def _nyi(what: str) -> NotImplementedError:
 def _refuse_grad_dtype(p: torch.Tensor, fqn: str) -> None:
     """torch 2.15 reduces and accumulates a parameter's gradient in its explicit
     ``grad_dtype``; cfsdp does not yet (``NotImplementedError`` naming the parameter)."""
-    want = _fsdp2.grad_dtype_override(p)
-    if want is not None:
+    if _fsdp2.has_grad_dtype_override(p):
         raise NotImplementedError(
-            f"cfsdp.fully_shard: parameter '{fqn}' has grad_dtype={want} set explicitly (its "
+            f"cfsdp.fully_shard: parameter '{fqn}' has grad_dtype={p.grad_dtype} set explicitly (its "
             f"dtype is {p.dtype}); torch {torch.__version__}'s fully_shard reduces and "
             "accumulates such a gradient in that dtype, which cfsdp does not do yet. Leave "
             "grad_dtype unset (the gradient follows the parameter's dtype), or set "
@@ -99,8 +98,6 @@ class _FSState:
         self.auto_reshard = reshard_after_forward is None
         self.ustate = UnitState(unit, name, True if reshard_after_forward is None else reshard_after_forward)
         self.ustate.reshard_after_backward = True
-        if unit is not None:
-            self.ustate.reduce_unreached = unit.reduce_unreached
         self.ustate.root_reshards_after_forward = not self.auto_reshard
         self.post_optim_event = None
         self._to_run: set[int] = set()  # modules of this call yet to run forward in this pass
@@ -444,6 +441,12 @@ class FSDPModule:
             if u is not None:
                 u.drop_iteration()
 
+    def _only_default(self, is_default: bool, what: str) -> None:
+        """A setting of torch's where cfsdp does only the default: checked on a module
+        ``fully_shard`` was applied to, ``NotImplementedError`` naming ``what`` otherwise."""
+        _state(self)
+        if not is_default:
+            raise _nyi(what)
 
     @deprecated("Use `set_gradient_divide_factor` instead")
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -456,11 +459,10 @@ class FSDPModule:
         different parameters).  cfsdp leaves them out (``None``), torch's default: ``False``
         is that, ``True`` is not implemented yet (it gives unused parameters zero gradients,
         which an optimizer then steps: weight decay)."""
-        _state(self)
-        if reduce_scatter_unused_params:
-            raise _nyi("FSDPModule.set_reduce_scatter_unused_params(True) (zero gradients "
-                       "for parameters no rank used; make every rank use every parameter, "
-                       "e.g. add 0 * p.sum() to the loss)")
+        self._only_default(not reduce_scatter_unused_params,
+                           "FSDPModule.set_reduce_scatter_unused_params(True) (zero gradients "
+                           "for parameters no rank used; make every rank use every parameter, "
+                           "e.g. add 0 * p.sum() to the loss)")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
@@ -472,55 +474,48 @@ class FSDPModule:
                             f"{type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        _state(self)
-        if max_input_buffers != 1:
-            raise _nyi(f"FSDPModule.set_reduce_scatter_max_input_buffers({max_input_buffers}) "
-                       "(cfsdp keeps one reduce-scatter input in flight, torch's default)")
+        self._only_default(max_input_buffers == 1,
+                           f"FSDPModule.set_reduce_scatter_max_input_buffers({max_input_buffers}) "
+                           "(cfsdp keeps one reduce-scatter input in flight, torch's default)")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
         """torch: run the reduce-scatters on a process group of their own (overlap with the
         all-gathers).  cfsdp issues both on one group, torch's default: ``False`` is that,
         ``True`` is not implemented yet."""
-        _state(self)
-        if enable:
-            raise _nyi("FSDPModule.set_separate_reduce_scatter_group(True) (cfsdp issues "
-                       "reduce-scatters and all-gathers on one group, torch's default)")
+        self._only_default(not enable, "FSDPModule.set_separate_reduce_scatter_group(True) "
+                           "(cfsdp issues reduce-scatters and all-gathers on one group, torch's "
+                           "default)")
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """torch: a user-defined all-gather (``AllGather``).  Not implemented yet."""
-        _state(self)
-        raise _nyi("FSDPModule.set_custom_all_gather (cfsdp's all-gather is its own C pass "
-                   "over shared memory or the process group)")
+        self._only_default(False, "FSDPModule.set_custom_all_gather (cfsdp's all-gather is "
+                           "its own C pass over shared memory or the process group)")
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """torch: a user-defined reduce-scatter (``ReduceScatter``).  Not implemented yet."""
-        _state(self)
-        raise _nyi("FSDPModule.set_custom_reduce_scatter (cfsdp's reduce-scatter is its own "
-                   "C pass over shared memory or the process group)")
+        self._only_default(False, "FSDPModule.set_custom_reduce_scatter (cfsdp's "
+                           "reduce-scatter is its own C pass over shared memory or the process "
+                           "group)")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """torch: the collectives' staging buffers from the process group's allocator (NCCL
         zero-copy).  cfsdp allocates them itself, torch's default: ``False`` is that,
         ``True`` is not implemented yet."""
-        _state(self)
-        if enable:
-            raise _nyi("FSDPModule.set_allocate_memory_from_process_group_for_comm(True)")
+        self._only_default(not enable,
+                           "FSDPModule.set_allocate_memory_from_process_group_for_comm(True)")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """torch: NCCL symmetric memory for the all-gathers' staging buffers.  Not
         implemented yet (an NCCL feature; cfsdp has not run on a GPU)."""
-        _state(self)
-        raise _nyi(f"FSDPModule.set_symm_mem_for_comm({backend!r})")
+        self._only_default(False, f"FSDPModule.set_symm_mem_for_comm({backend!r})")
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """torch 2.15: keep the unsharded parameters' storage (and its addresses) across
         reshard and unshard, for CUDA graph capture.  cfsdp frees it at every reshard,
         torch's default: ``keep=False`` is that, ``True`` is not implemented yet."""
-        _state(self)
-        if keep:
-            raise _nyi("FSDPModule.set_keep_unsharded_storage(True) (cfsdp frees the unsharded "
-                       "storage at every reshard, torch's default)")
+        self._only_default(not keep, "FSDPModule.set_keep_unsharded_storage(True) (cfsdp "
+                           "frees the unsharded storage at every reshard, torch's default)")
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """torch 2.15: the caller finalizes backward (:meth:`finalize_backward`) instead of
@@ -529,9 +524,8 @@ class FSDPModule:
         if _state(self).ustate.is_root is False:
             raise RuntimeError("set_manual_backward_finalization must be called on the root "
                                "FSDP module")
-        if enabled:
-            raise _nyi("FSDPModule.set_manual_backward_finalization(True) (cfsdp finalizes "
-                       "every backward itself, torch's default)")
+        self._only_default(not enabled, "FSDPModule.set_manual_backward_finalization(True) "
+                           "(cfsdp finalizes every backward itself, torch's default)")
 
     def finalize_backward(self, *, async_op: bool = False) -> Any:
         """torch 2.15: finish backward by hand, after ``set_manual_backward_finalization(

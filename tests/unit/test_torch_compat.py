@@ -272,6 +272,10 @@ def test_core_and_dynamo_answer():
     assert core.profiler_enabled() is False
     assert core.current_autograd_node() is None  # outside backward
     assert core.scalar_dtype() in (torch.float32, torch.float64)
+    torch.optim.Adagrad([nn.Parameter(torch.zeros(1))])  # torch wraps Adagrad.step, hooks and all
+    assert torch.optim.Adagrad.step.hooked
+    plain = core.unhooked_step(torch.optim.Adagrad.step)
+    assert not getattr(plain, "hooked", False) and plain is torch.optim.Adagrad.step.__wrapped__
     assert dynamo.in_compiled_autograd_region() is False
     assert dynamo.skip is not None  # every supported torch has it (else _compile's fallback)
     with torch.profiler.profile():

@@ -21,7 +21,8 @@ gradient ready              ``post_backward_fn(unit, grad)`` (set by the hooks, 
                             (no sync) or ``reduce_grad`` -> :class:`PendingReduce`
 reduction finished          ``PendingReduce.finish()`` -> ``accumulate_reduced``
 end of backward             ``take_waiting_grad()`` (a gradient that waits goes the way
-                            of a ready one),
+                            of a ready one), ``reduce_unreached(pending)`` for a unit
+                            a synchronising backward did not reach,
                             ``reshard()`` (or ``end_forward_views()`` for a unit kept
                             unsharded), ``publish_grad()`` or ``publish_unsharded_grad()``
 prefetch                    ``unshard(async_op=True)``
@@ -114,6 +115,8 @@ class UnitContract(Protocol):
     def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None: ...
 
     def take_waiting_grad(self) -> Optional[torch.Tensor]: ...
+
+    def reduce_unreached(self, pending: list) -> None: ...
 
     def publish_grad(self) -> None: ...
 

@@ -23,7 +23,7 @@ Order of events in one training step (FULL_SHARD):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -152,10 +152,6 @@ class UnitState:
         # backward will follow (SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 keep the forward's views
         # for backward, as torch's).  None: the views stay bound (the composable face).
         self.keeps_views_for_backward: Optional[bool] = None
-        # The composable face: at the end of a synchronising backward that did not reach
-        # the unit, reduce what no-sync backwards accumulated (``reduce_unreached(pending)``
-        # of a chunk unit, torch's FSDP2 final callback); None: leave it (the wrapper face)
-        self.reduce_unreached: Optional[Callable[[list], None]] = None
         if unit is not None:
             unit.post_backward_fn = self._post_backward
 
@@ -329,16 +325,15 @@ class UnitState:
         root = self.root
         if root is None:
             raise AssertionError("cfsdp: final callback without root")
-        for st in root.states:  # [Note: one post-backward per iteration] in base.py
-            u = st.unit
-            if u is not None:
-                waiting = u.take_waiting_grad()
-                if waiting is not None:
-                    st._reduce_or_keep(root, u, waiting)
         for st in root.states:
-            if (st.reduce_unreached is not None and st.sync_gradients
-                    and st.training_state is not TrainingState.BACKWARD_POST):
-                st.reduce_unreached(root.pending)
+            u = st.unit
+            if u is None:
+                continue
+            waiting = u.take_waiting_grad()  # [Note: one post-backward per iteration] in base.py
+            if waiting is not None:
+                st._reduce_or_keep(root, u, waiting)
+            if st.sync_gradients and st.training_state is not TrainingState.BACKWARD_POST:
+                u.reduce_unreached(root.pending)  # a synchronising backward did not reach it
         while root.pending:
             root.pending.pop(0).finish()
         if root.streams is not None:

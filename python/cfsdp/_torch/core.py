@@ -10,6 +10,9 @@
 * ``dispatch_mode_active()``: a ``TorchDispatchMode`` (e.g. ``CommDebugMode``) is on the stack,
   so collectives take the process group, where the mode sees them.
 * ``profiler_enabled()``: an autograd profiler is recording (collectives get named ranges).
+* ``unhooked_step(step)``: an optimizer class's ``step`` without the wrapper that runs the
+  step hooks (``Optimizer._patch_step_function``'s ``profile_hook_step``: ``hooked``,
+  ``__wrapped__``), for a subclass calling its torch class's step inside its own.
 * ``scalar_dtype()``: the dtype torch's Adam/AdamW keep ``step`` in
   (``torch.optim.optimizer._get_scalar_dtype``).
 * ``muon_adjust_lr(lr, adjust_lr_fn, shape)``: torch's Muon learning-rate adjustment
@@ -44,5 +47,16 @@ def dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
+def unhooked_step(step: Callable) -> Callable:
+    """An optimizer class's ``step`` function without the hook wrapper torch puts around
+    it once any optimizer of that class exists (``Optimizer._patch_step_function``:
+    ``profile_hook_step``, marked ``hooked``, the function under ``__wrapped__``), which
+    runs the step pre/post hooks."""
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
 __all__ = ["ENGINE", "current_autograd_node", "dispatch_mode_active", "has_storage", "is_functorch_wrapped",
-           "muon_adjust_lr", "muon_newton_schulz", "profiler_enabled", "queue_callback", "scalar_dtype"]
+           "muon_adjust_lr", "muon_newton_schulz", "profiler_enabled", "queue_callback", "scalar_dtype",
+           "unhooked_step"]

@@ -48,7 +48,7 @@ What torch 2.15 changed (2.11-2.14 as the left column), and what cfsdp does on 2
                                    (:data:`REDUCES_IN_GRAD_DTYPE`)
 a parameter's explicit             2.15 reduces and accumulates its gradient in that dtype:
 ``grad_dtype`` (other than its     cfsdp: ``NotImplementedError`` naming the parameter
-dtype), ``MixedPrecisionPolicy(    (:func:`grad_dtype_override`); 2.15's per-parameter
+dtype), ``MixedPrecisionPolicy(    (:func:`has_grad_dtype_override`); 2.15's per-parameter
 param_dtype_override_fn=)``        ``param_dtype``: ``NotImplementedError``
 ``GradientReductionHandle``,       new in 2.15: the class is torch's; the methods are cfsdp's,
 ``FSDPModule.finalize_backward``,  ``NotImplementedError`` for what cfsdp does not do yet
@@ -108,17 +108,12 @@ REDUCES_IN_GRAD_DTYPE: bool = at_least(2, 15)
 GradientReductionHandle: Optional[type] = getattr(_fsdp, "GradientReductionHandle", None)
 
 
-def grad_dtype_override(param: Any) -> Optional[Any]:
-    """The dtype a parameter's explicit ``grad_dtype`` asks its gradient to have, where it
-    differs from the parameter's dtype and the installed torch's FSDP2 honours it (2.15+:
-    ``param._has_grad_dtype_override``); else None.  An explicit ``grad_dtype=None`` ("any
-    dtype") is returned as the string ``"None"``."""
-    if not REDUCES_IN_GRAD_DTYPE or not getattr(param, "_has_grad_dtype_override", False):
-        return None
-    gd = param.grad_dtype
-    if gd is None:
-        return "None"
-    return None if gd == param.dtype else gd
+def has_grad_dtype_override(param: Any) -> bool:
+    """Whether the installed torch's FSDP2 reduces and accumulates ``param``'s gradient in
+    an explicit ``grad_dtype`` other than the parameter's dtype (2.15+:
+    ``param._has_grad_dtype_override``; ``grad_dtype=None`` is "any dtype")."""
+    return (REDUCES_IN_GRAD_DTYPE and getattr(param, "_has_grad_dtype_override", False)
+            and param.grad_dtype != param.dtype)
 
 
 def param_dtype_override_fn(mp_policy: Any) -> Optional[Any]:
@@ -226,7 +221,7 @@ def drop_newer_methods(cls: type) -> None:
 
 __all__ = ["DDPMeshInfo", "DataParallelMeshDims", "FLATTENS_SHARD_DIMS", "FSDPMeshInfo",
            "GradientReductionHandle", "HSDPMeshInfo", "REDUCES_IN_GRAD_DTYPE", "REGISTRY_KEY",
-           "grad_dtype_override", "param_dtype_override_fn",
+           "has_grad_dtype_override", "param_dtype_override_fn",
            "RESOLVES_PLACEMENTS_FIRST", "RegistryItem", "STATE_KEY", "ShardPlacementResult",
            "drop_newer_methods", "fully_shard_signature", "get_registry", "has_fully_shard_kwarg",
            "mesh_info", "newer_kwargs", "placement_result_error", "placement_result_types",

@@ -103,6 +103,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _core
 from .._torch.core import scalar_dtype as _get_scalar_dtype
+from .._torch.core import unhooked_step
 
 __all__ = ["Adam", "AdamW", "SGD"]
 
@@ -240,9 +241,7 @@ class _FusedStep:
         (``Optimizer._patch_step_function``), and through it the step pre/post hooks (this
         optimizer's and the global ones) ran a second time, on this optimizer, e.g. a
         gradient-scaling pre-hook scaled twice."""
-        step = super().step.__func__  # type: ignore[misc]  (the torch class: next in the MRO)
-        while getattr(step, "hooked", False):  # torch's profile_hook_step wrapper
-            step = step.__wrapped__
+        step = unhooked_step(super().step.__func__)  # type: ignore[misc]  (the torch class)
         every = self.param_groups
         self.param_groups = groups
         try:

@@ -318,9 +318,7 @@ class ChunkGrads:
         g = self.saved_grad
         self.saved_grad = None
         self.grad_unsharded = False
-        if self._unsharded_grads:
-            _core.attr_set(self._unsharded_t, "grad", None)
-            self._unsharded_grads = False
+        self._drop_shown_unsharded_grads()
         if g is None:
             return
         pub = self._pub
@@ -364,9 +362,7 @@ class ChunkGrads:
         (``_forget_dropped_grads`` spares the buffer it holds): the reduction was added to
         the gradient of the step before."""
         self.saved_grad = None
-        g = self.flat_param.grad
-        if _fsdp2.REDUCES_IN_GRAD_DTYPE and self.acc_grad is not None:
-            g = self.acc_grad
+        g = self.acc_grad if self._shows_acc_grad() else self.flat_param.grad
         if self._buf is None or g is None:
             return
         if self._all_got_grad:
@@ -391,6 +387,19 @@ class ChunkGrads:
         _core.attr_set(self._unsharded_t, "grad", views)
         self._unsharded_grads = views
 
+    def _shows_acc_grad(self) -> bool:
+        """Whether the no-sync gradient shown on the unsharded parameters is ``acc_grad``
+        (torch 2.15: accumulated there, in their ``grad_dtype``) rather than
+        ``flat_param.grad``."""
+        return _fsdp2.REDUCES_IN_GRAD_DTYPE and self.acc_grad is not None
+
+    def _drop_shown_unsharded_grads(self) -> None:
+        """The registered full-size parameters show no gradient any more (as torch's, once
+        post-backward takes it, or at reshard)."""
+        if self._unsharded_grads:
+            _core.attr_set(self._unsharded_t, "grad", None)
+            self._unsharded_grads = False
+
     def _follow_unsharded_grads(self) -> None:
         """Before a backward adds to the no-sync gradient (or the end of a synchronising one
         reduces it): a unit left unsharded shows it on its registered parameters
@@ -406,7 +415,7 @@ class ChunkGrads:
             return
         self._unsharded_grads = False
         if all_none(cur):  # what was shown: publish_unsharded_grad's g
-            if _fsdp2.REDUCES_IN_GRAD_DTYPE and self.acc_grad is not None:
+            if self._shows_acc_grad():
                 self.acc_grad = None
             else:
                 self.flat_param.grad = None

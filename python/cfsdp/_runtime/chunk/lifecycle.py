@@ -202,10 +202,8 @@ class ChunkLifecycle(UnshardStates):
         self._buf = None
         self._bind.unshow()
         self._follow_unsharded_grads()  # what the user did to them while shown counts
-        if self._unsharded_grads:
-            _core.attr_set(self._unsharded_t, "grad", None)
+        self._drop_shown_unsharded_grads()
         self._bind.register(self._sharded_occ)
-        self._unsharded_grads = False
 
     def record_grad_node(self) -> None:
         """Nothing: ``flat_param`` keeps its dtype, so every forward of an iteration uses

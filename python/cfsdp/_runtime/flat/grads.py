@@ -171,6 +171,10 @@ class FlatGrads:
         self.flat_param.grad = None
         return grad
 
+    def reduce_unreached(self, pending: list) -> None:
+        """Nothing: torch's FSDP1 leaves a unit a synchronising backward did not reach as
+        it is (what ``no_sync()`` accumulated stays unsharded on ``flat_param``)."""
+
     # [Note: units outside a backward]
     # The end of every backward visits every unit of the root, also those whose module
     # was not called in that step (a branch not taken) or whose output did not reach the
