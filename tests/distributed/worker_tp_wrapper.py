@@ -518,9 +518,13 @@ def muon_resume(ctx, layout, uop: bool):
     matrices (``FSDP.optim_state_dict`` / ``optim_state_dict_to_load``, FULL and SHARDED): the
     momentum buffers come out under the original FQNs with the parameters' shapes, and a fresh
     model with other weights that loads model and optimizer after two steps trains on with
-    bitwise the losses and parameters of the uninterrupted run.  No torch oracle: torch's Muon
-    refuses the flat parameters and its FSDP1 loads no optimizer state dict with tp > 1 (see
-    the module docstring); the uninterrupted cfsdp run is the oracle."""
+    bitwise the losses and parameters of torch's Muon run uninterrupted on the same wrapper
+    (``WrapperAllGatherMuon``: ``torch.optim.Muon`` on the gathered matrices; torch's Muon
+    refuses the flat parameters itself, and torch's FSDP1 loads no optimizer state dict with
+    tp > 1, see the module docstring)."""
+    from cfsdp.optim import _muon
+    from muon_oracle import WrapperAllGatherMuon
+
     mesh = tc.mesh_2d(*layout)
     xs = _mat_inputs(mesh, 4)
     loss_of = lambda out, _: out.square().mean()  # noqa: E731
@@ -542,8 +546,15 @@ def muon_resume(ctx, layout, uop: bool):
         fresh = _mat_model(mesh, uop, seed=1)
         fresh_opt = cfsdp.optim.Muon(fresh.parameters(), lr=0.02)
         load(fresh, fresh_opt, t, msd, osd)
-        want = _muon_steps(model, opt, [(x, None) for x in xs[2:]], loss_of)
         got = _muon_steps(fresh, fresh_opt, [(x, None) for x in xs[2:]], loss_of)
+        oracle = _mat_model(mesh, uop)
+        oracle_opt = WrapperAllGatherMuon(
+            [(u, k) for u in (_muon._wrapped(m._handle.flat_param)[0] for m in oracle.modules()
+                              if isinstance(m, cfsdp.FullyShardedDataParallel)
+                              and m._handle is not None)
+             for k in range(len(u.infos))], lr=0.02)
+        want = _muon_steps(oracle, oracle_opt, [(x, None) for x in xs], loss_of)
+        want = (want[0][2:], want[1])
         compare(mm, f"{t.name} resumed losses", got[0], want[0])
         compare(mm, f"{t.name} resumed parameters", got[1], want[1])
     mm.raise_if_any()
