@@ -171,6 +171,19 @@ class ChunkGrads:
     # gradient to that dtype, then adds.  For a wider accumulation dtype (fp32 from bf16) that
     # is the same sum; for a narrower one (``reduce_dtype=bf16`` on fp32 parameters) each
     # gradient is rounded to bf16 before it is added: ``_accumulate``.
+    #
+    # What torch keeps on a unit's unsharded parameters' ``.grad`` is the gradient the next
+    # backward's autograd adds to, in place, and what the user does to it counts (a unit left
+    # unsharded shows them: ``publish_unsharded_grad``, followed by ``_follow_unsharded_grads``).
+    # Its home here is ``_unsharded_grad_buffer``: ``flat_param.grad`` (compute dtype), or on
+    # 2.15, where ``reduce_dtype`` differs from the compute dtype, ``acc_grad`` (their
+    # ``grad_dtype``).  2.11-2.14 keep ``acc_grad`` off the parameters, so a ``.grad`` the user
+    # assigns there sits in ``flat_param.grad`` beside ``acc_grad``, as in torch
+    # (``unsharded_param.grad`` beside ``unsharded_accumulated_grad``): the next backward adds
+    # its gradient to it in the compute dtype, and post-backward adds the sum to ``acc_grad``
+    # (``accumulate_unsharded_grad_if_needed``; ``keep_unsharded_grad`` / ``reduce_grad``).  A
+    # backward that does not reach the unit does the same at its end (torch's final callback
+    # runs that post-backward): ``_join_unsharded_grad``.
 
     def _accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
         if _fsdp2.REDUCES_IN_GRAD_DTYPE and grad.dtype != acc.dtype:
@@ -199,6 +212,7 @@ class ChunkGrads:
         ``pending`` first (one in flight, as ``UnitState._post_backward``) and appends
         its own; nothing when nothing was accumulated."""
         self._follow_unsharded_grads()
+        self._join_unsharded_grad()
         acc = self.acc_grad
         if acc is not None:  # [Note: no-sync accumulation], in reduce_dtype
             self.acc_grad, grad = None, acc
@@ -353,7 +367,10 @@ class ChunkGrads:
         as torch does; the sharded parameters keep their sharded gradients.  On torch 2.15
         that is the gradient accumulated in ``reduce_dtype`` where it differs from the
         gradient's (``acc_grad``: the unsharded parameters' own, in their ``grad_dtype``);
-        before 2.15 torch keeps that one off the parameters.
+        before 2.15 torch keeps that one off the parameters, which show no gradient, but a
+        ``.grad`` the user assigns them still counts ([Note: no-sync accumulation]).  A unit
+        this backward did not reach follows what the user did since the last publish first,
+        as torch's final callback runs its post-backward.
 
         The sharded gradient this backward's pre-hook took to add to (``saved_grad``) is let
         go: nothing was added to it, and the synchronising backward adds to whatever the
@@ -362,8 +379,14 @@ class ChunkGrads:
         (``_forget_dropped_grads`` spares the buffer it holds): the reduction was added to
         the gradient of the step before."""
         self.saved_grad = None
+        self._follow_unsharded_grads()
+        self._join_unsharded_grad()
+        if self._buf is None:
+            return
         g = self.acc_grad if self._shows_acc_grad() else self.flat_param.grad
-        if self._buf is None or g is None:
+        if g is None:  # nothing shown; followed from there (a .grad assigned counts)
+            _core.attr_set(self._unsharded_t, "grad", None)
+            self._unsharded_grads = (None,) * len(self.params)
             return
         if self._all_got_grad:
             plan = self._grad_view_plan
@@ -401,12 +424,15 @@ class ChunkGrads:
             self._unsharded_grads = False
 
     def _follow_unsharded_grads(self) -> None:
-        """Before a backward adds to the no-sync gradient (or the end of a synchronising one
-        reduces it): a unit left unsharded shows it on its registered parameters
-        (``publish_unsharded_grad``), where torch's FSDP2 keeps it, so what the user did to
-        those ``.grad`` counts, as in torch: cleared (``model.zero_grad()``) drops that
-        parameter's part (all cleared: the whole gradient), assigned replaces it.  In-place
-        changes already went to the gradient (the views share it)."""
+        """Before a backward adds to the no-sync gradient (or the end of a backward reduces it
+        or folds it in for a unit it did not reach): a unit left unsharded shows it on its
+        registered parameters (``publish_unsharded_grad``), where torch's FSDP2 keeps it, so
+        what the user did to those ``.grad`` counts, as in torch: cleared
+        (``model.zero_grad()``) drops that parameter's part (all cleared: the whole gradient),
+        assigned replaces it.  In-place changes already went to the gradient (the views share
+        it).  A ``.grad`` assigned where nothing was shown (a parameter without a gradient yet;
+        on torch 2.11-2.14 every parameter where ``reduce_dtype`` differs from the compute
+        dtype) goes where torch keeps it: ``_unsharded_grad_buffer``."""
         shown = self._unsharded_grads
         if not shown:
             return
@@ -421,15 +447,85 @@ class ChunkGrads:
                 self.flat_param.grad = None
                 self.grad_unsharded = False
             return
+        buf = None
         with torch.no_grad():
-            for c, v in zip(cur, shown):
-                if v is None or c is v:
+            for i, (c, v) in enumerate(zip(cur, shown)):
+                if c is v:
                     continue
-                if c is None:
-                    v.zero_()
-                else:
-                    v.copy_(c)
+                if v is not None:
+                    if c is None:
+                        v.zero_()
+                    else:
+                        v.copy_(c)
+                    continue
+                q = self.params[i]
+                self._check_assigned_grad(q, c)
+                if buf is None:
+                    buf = self._unsharded_grad_buffer()
+                buf[q.nat_off : q.nat_off + q.numel].view(q.shape).copy_(c)
+                if not self._all_got_grad:  # torch reduces it: [Note: unused parameters]
+                    self._got_grad[i] = 1
 
+    def _check_assigned_grad(self, q: Any, c: torch.Tensor) -> None:
+        """A ``.grad`` the user assigned to ``q``'s unsharded parameter where nothing was shown
+        (``_follow_unsharded_grads``): what cfsdp cannot hold as torch does is an error
+        naming the parameter."""
+        dtype = self._unsharded_grad_dtype()
+        if not q.requires_grad:
+            why = ("it does not require grad (torch's FSDP2 would reduce that gradient into "
+                   "its sharded parameter's .grad)")
+        elif q.tp_spec is not None:
+            why = "it is a tensor-parallel (DTensor) parameter"
+        elif q.ext is not None:
+            why = "it uses the all-gather extensions"
+        elif isinstance(c, DTensor) or c.dtype != dtype or tuple(c.shape) != tuple(q.shape):
+            why = (f"the gradient is a {type(c).__name__} of {c.dtype} and shape "
+                   f"{tuple(c.shape)}, not a tensor of {dtype} and shape {tuple(q.shape)}")
+        else:
+            return
+        raise NotImplementedError(
+            f"fully_shard: a .grad was assigned to the unsharded parameter '{q.fqn}' of a unit "
+            "left unsharded during gradient accumulation without sync, where it showed no "
+            f"gradient; cfsdp cannot add it to the accumulation as torch does: {why}. Assign "
+            "gradients to the sharded parameters after the synchronising backward instead.")
+
+    def _unsharded_grad_dtype(self) -> torch.dtype:
+        """The dtype of what torch keeps on the unsharded parameters' ``.grad``
+        (``_unsharded_grad_buffer``'s)."""
+        if _fsdp2.REDUCES_IN_GRAD_DTYPE:
+            return self.reduce_dtype
+        return self.param_dtype
+
+    def _unsharded_grad_buffer(self) -> torch.Tensor:
+        """The flat gradient that holds what torch keeps on the unsharded parameters' ``.grad``
+        ([Note: no-sync accumulation]), made (zero) if there is none: ``acc_grad`` on torch
+        2.15 where ``reduce_dtype`` differs from the compute dtype, else ``flat_param.grad``,
+        to which the next backward's autograd adds its gradient."""
+        if _fsdp2.REDUCES_IN_GRAD_DTYPE and self.reduce_dtype != self.param_dtype:
+            if self.acc_grad is None:
+                self.acc_grad = torch.zeros(self.natural_numel, dtype=self.reduce_dtype,
+                                            device=self.flat_param.device)
+            return self.acc_grad
+        g = self.flat_param.grad
+        if g is None:
+            g = torch.zeros(self.natural_numel, dtype=self.param_dtype,
+                            device=self.flat_param.device)
+            self.flat_param.grad = g
+            self.grad_unsharded = True
+        return g
+
+    def _join_unsharded_grad(self) -> None:
+        """torch 2.11-2.14's post-backward for a unit the backward did not reach (its final
+        callback runs it): a gradient in the compute dtype on the unsharded parameters where
+        ``reduce_dtype`` differs (one the user assigned: ``_follow_unsharded_grads``) is added
+        to the accumulation in ``reduce_dtype``, or becomes it, cast
+        (``accumulate_unsharded_grad_if_needed``, ``to_accumulated_grad_if_needed``)."""
+        g = self.flat_param.grad
+        if g is None or g.dtype == self.reduce_dtype:
+            return
+        self.flat_param.grad = None
+        self.grad_unsharded = False
+        self.keep_unsharded_grad(g)
 
 
 def _weak_note_grads(unit: ChunkGrads):
