@@ -455,14 +455,18 @@ class FSDPModule:
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
-        """torch: reduce zero gradients for parameters no backward reached (ranks that use
-        different parameters).  cfsdp leaves them out (``None``), torch's default: ``False``
-        is that, ``True`` is not implemented yet (it gives unused parameters zero gradients,
-        which an optimizer then steps: weight decay)."""
-        self._only_default(not reduce_scatter_unused_params,
-                           "FSDPModule.set_reduce_scatter_unused_params(True) (zero gradients "
-                           "for parameters no rank used; make every rank use every parameter, "
-                           "e.g. add 0 * p.sum() to the loss)")
+        """torch 2.13+: ``True`` reduces zero gradients for this module's (and, with
+        ``recurse``, its FSDP submodules') trainable parameters that got none in a
+        backward, so ranks whose control flow left a parameter unused take part in the
+        reduction and get the other ranks' gradients; each such parameter's ``.grad`` is
+        then a tensor (zeros where no rank used it), as torch's, which an optimizer steps
+        (weight decay).  ``False`` (the default): a parameter no rank used keeps ``.grad``
+        as it was (None after ``zero_grad()``).  See [Note: unused parameters] in
+        ``_runtime/chunk/grads.py``."""
+        for m in _fs_modules(self, recurse):
+            u = _state(m).unit
+            if u is not None:
+                u.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:

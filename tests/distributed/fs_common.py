@@ -123,6 +123,52 @@ class MLP(nn.Module):
         return list(self.blocks)
 
 
+def _branch(lin: nn.Linear, h: torch.Tensor, use: bool, zero_use: bool) -> torch.Tensor:
+    """``h + tanh(lin(h))`` where used; where not, ``h`` (``lin`` gets no gradient), or with
+    ``zero_use`` ``h + 0 * tanh(lin(h))``: the same values (adding zeros), and ``lin`` gets
+    a zero gradient, as ``0 * p.sum()`` in the loss gives one."""
+    if use:
+        return h + torch.tanh(_linear(lin, h))
+    if zero_use:
+        return h + 0 * torch.tanh(_linear(lin, h))
+    return h
+
+
+class BranchBlock(MLPBlock):
+    """An ``MLPBlock`` with a (9, 9) ``branch`` its forward uses where ``use_branch``."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.branch = nn.Linear(d, d)
+        self.use_branch = True
+        self.zero_use = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _branch(self.branch, super().forward(x), self.use_branch, self.zero_use)
+
+
+class BranchMLP(MLP):
+    """``mlp_branch``: the mlp with a (9, 9) ``branch`` in the root's unit and one in block
+    1's, each used only where the scenario says (``use_branch``, set before each micro-batch,
+    possibly per rank), and ``order`` (the blocks forward calls) settable per step: parameters
+    that get no gradient in some steps, on some ranks, or in a whole unit. ``zero_use``: the
+    branches not used are used times 0 (a zero gradient, same values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks[1] = BranchBlock(9)
+        self.branch = nn.Linear(9, 9)
+        self.use_branch = True
+        self.zero_use = False
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        hid = F.gelu(_linear(self.in_proj, torch.tanh(x - self.shift)))
+        hid = _branch(self.branch, hid, self.use_branch, self.zero_use)
+        for i in self.order:
+            hid = self.blocks[i](hid)
+        return _linear(self.out, hid)
+
+
 VOCAB, SEQ, D_MODEL, HEADS = 19, 6, 12, 2
 
 
@@ -157,6 +203,8 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return model
     if kind in ("lm", "lm1"):
         return TiedLM(n_blocks=2 if kind == "lm" else 1)
+    if kind == "mlp_branch":
+        return BranchMLP()
     if kind == "mlp_unused":  # parameters forward never uses: in the root's unit and a block's
         model = MLP()
         model.unused = nn.Linear(9, 9)
@@ -290,6 +338,8 @@ class Scenario:
     # (rtol, atol as a fraction of the reference's largest |value|) against the reference;
     # None: pc.REF_RTOL, pc.REF_ATOL (MP_TOL with mixed precision)
     ref_tol: tuple[float, float] | None = None
+    # each step starts with ``opt.zero_grad(set_to_none=...)`` (False: zeroed in place)
+    set_to_none: bool = True
 
 
 @dataclass
@@ -331,7 +381,7 @@ def run_steps(impl: Impl, sc: Scenario, model: nn.Module, opt, data, rank: int, 
               record: dict | None = None) -> list[torch.Tensor]:
     losses = []
     for s, step_data in enumerate(data):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=sc.set_to_none)
         for m, chunks in enumerate(step_data):
             x, y = chunks[rank]
             if sc.before_micro:
@@ -393,7 +443,7 @@ def train_ref(sc: Scenario, data, world: int) -> tuple[list[list[torch.Tensor]],
     grads: dict = {}
     trainable = [p for p in ref.parameters() if p.requires_grad]
     for s, step_data in enumerate(data):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=sc.set_to_none)
         if sc.mp is None:
             total = 0.0
             for chunks in step_data:

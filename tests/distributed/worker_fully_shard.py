@@ -32,7 +32,11 @@ give rank 3 nothing, ``scale`` (1,) leaves ranks 1-3 empty):
   output head (one parameter, two state-dict keys) and a (6, 12) position parameter; ``lm1``
   has one Block (the checkpoint subtests: DSD gathers tensor by tensor, which is the slow part);
 * ``frozen``: the mlp with block 0 frozen (a unit without gradients) and ``in_proj.weight``
-  frozen (frozen and trainable parameters in the root unit).
+  frozen (frozen and trainable parameters in the root unit);
+* ``mlp_branch``: the mlp with a branch layer in the root's unit and in block 1's, used only
+  in the steps, micro-batches and ranks a scenario says, and block 1 left out of some
+  forwards (parameters without gradients: ``unused_*`` and ``reduce_scatter_unused_params*``
+  in fully_shard/features.py).
 
 What is compared, and with which tolerance:
 

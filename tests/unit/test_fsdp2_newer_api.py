@@ -140,10 +140,9 @@ def test_grad_dtype_equal_to_the_dtype_is_taken():
     assert m.b.weight.grad is not None
 
 
-# FSDPModule's communication knobs (torch 2.11+, the last four 2.13+): what cfsdp does is
+# FSDPModule's communication knobs (torch 2.11+, the first three 2.13+): what cfsdp does is
 # torch's default; asking for it is accepted, asking for anything else NotImplementedError
 KNOBS = [  # (method, the default's arguments, other arguments)
-    ("set_reduce_scatter_unused_params", (False,), (True,)),
     ("set_reduce_scatter_max_input_buffers", (1,), (2,)),
     ("set_separate_reduce_scatter_group", (False,), (True,)),
     ("set_allocate_memory_from_process_group_for_comm", (False,), (True,)),
@@ -163,6 +162,35 @@ def test_communication_knobs(name, default, other):
         getattr(m, name)(*default)
     with pytest.raises(NotImplementedError, match=name):
         getattr(m, name)(*other)
+
+
+@pytest.mark.parametrize("recurse", [True, False])
+def test_reduce_scatter_unused_params(recurse):
+    """torch 2.13+: zero gradients for parameters backward left without one, in the units
+    the setter reached (``recurse=False``: the root's only), as torch's (the ranks that
+    use other parameters: tests/distributed/fully_shard/features.py)."""
+    assert hasattr(cfsdp.FSDPModule, "set_reduce_scatter_unused_params") == \
+        hasattr(tfsdp.FSDPModule, "set_reduce_scatter_unused_params")
+    if not hasattr(tfsdp.FSDPModule, "set_reduce_scatter_unused_params"):
+        return
+    grads = {}
+    for impl, shard in (("cfsdp", cfsdp.fully_shard), ("torch", tfsdp.fully_shard)):
+        torch.manual_seed(0)
+        m = Net()
+        m.spare = nn.Linear(4, 3)  # never used: the root's unit
+        m.a.spare = nn.Linear(4, 3)  # never used: a's unit
+        shard(m.a)
+        shard(m)
+        m.set_reduce_scatter_unused_params(True, recurse=recurse)
+        m(torch.randn(3, 4)).sum().backward()
+        grads[impl] = {n: None if p.grad is None else p.grad.to_local() for n, p in m.named_parameters()}
+    assert grads["cfsdp"].keys() == grads["torch"].keys()
+    for n, g in grads["torch"].items():
+        assert (grads["cfsdp"][n] is None) == (g is None), n
+        assert g is None or torch.equal(grads["cfsdp"][n], g), n
+    assert grads["torch"]["a.spare.weight"] is None if not recurse else \
+        not grads["torch"]["a.spare.weight"].any()
+    assert not grads["torch"]["spare.weight"].any()
 
 
 def test_max_input_buffers_errors_are_torchs():

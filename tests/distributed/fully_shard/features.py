@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import distribute_tensor
@@ -165,6 +167,102 @@ def _halve_in_hook(impl, model):
         mod.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
 
 
+def _branches(root: Callable[[int, int, int], bool], block: Callable[[int, int, int], bool],
+              order: Callable[[int, int], tuple] = lambda s, m: (0, 1),
+              sync: Callable[[int, int], bool] = lambda s, m: True):
+    """``mlp_branch``: before micro-batch m of step s, which branches this rank uses (the
+    root's, block 1's: ``(s, m, rank) -> bool``), which blocks forward calls, and whether the
+    backward syncs gradients."""
+
+    def before(impl, model, s, m, notes):
+        r = dist.get_rank()
+        model.use_branch = root(s, m, r)
+        model.blocks[1].use_branch = block(s, m, r)
+        model.order = order(s, m)
+        model.set_requires_gradient_sync(sync(s, m))
+
+    return before
+
+
+def _reduce_scatter_unused(on: Callable[[Impl], bool], freeze: bool = False,
+                           zero_use: Callable[[Impl], bool] = lambda impl: False):
+    """``set_reduce_scatter_unused_params(True)`` on the contenders ``on`` picks (on the root,
+    recursing); ``zero_use``: those whose branches not used are used times 0 (a zero
+    gradient, the same values: [Note: unused parameters] in chunk/grads.py); ``freeze``:
+    ``in_proj.weight`` frozen (torch reduces no zeros for it: ``.grad`` stays None)."""
+
+    def configure(impl, model):
+        if on(impl):
+            model.set_reduce_scatter_unused_params(True)
+        model.zero_use = model.blocks[1].zero_use = zero_use(impl)
+        if freeze:
+            model.in_proj.weight.requires_grad_(False)
+
+    return configure
+
+
+def _on_rank(*ranks):
+    return lambda s, m, r: r in ranks
+
+
+_BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _rs_unused_scenarios() -> dict[str, Callable[[], Scenario]]:
+    """``set_reduce_scatter_unused_params(True)`` (torch 2.13+): torch reduces zeros for every
+    trainable parameter that got no gradient, in every unit unsharded before, a unit that
+    backward did not reach included (its final callback), so ranks whose control flow left a
+    parameter unused still take part.  Each after every backward: the registered gradients
+    (None or a tensor) and their values, bitwise torch's; torch is the oracle (the branches
+    depend on the rank: no single-process reference)."""
+    # the root's branch on rank 0 in steps 0 and 1, on none in step 2 (zeros for it, in a
+    # unit backward reached), block 1's on rank 1; block 1 not called in step 0 (never
+    # unsharded: no zeros, torch's ``hasattr(_unsharded_param)``) nor in step 2 (zeros)
+    rank_dependent = _branches(root=lambda s, m, r: r == 0 and s < 2, block=_on_rank(1),
+                               order=lambda s, m: (0, 1) if s == 1 else (0,))
+    # 3 micro-batches, the last synchronising: the root's branch on rank 0 in micro-batch
+    # 0 and on rank 1 in the last, block 1's on rank 0 in the middle one
+    accumulating = dict(root=lambda s, m, r: (m + r) % 3 == 0 and r < 2,
+                        block=lambda s, m, r: m == 1 and r == 0, sync=lambda s, m: m == 2)
+    both = lambda impl: True  # noqa: E731
+    return {
+        "reduce_scatter_unused_params": lambda: Scenario(
+            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=True),
+            before_micro=rank_dependent, after_micro=_note_state_and_grads),
+        "reduce_scatter_unused_params_mp": lambda: Scenario(
+            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=True),
+            unit_kw={"mp_policy": _BF16_FP32}, before_micro=rank_dependent,
+            after_micro=_note_state_and_grads),
+        # the unit not reached by the synchronising backward (step 1) reduces what the
+        # no-sync ones accumulated, with zeros for what they left without a gradient
+        "reduce_scatter_unused_params_accumulate": lambda: Scenario(
+            kind="mlp_branch", ref=False, micro=3, configure=_reduce_scatter_unused(both),
+            before_micro=_branches(**accumulating,
+                                   order=lambda s, m: (0,) if (s, m) in ((1, 2), (2, 0), (2, 1), (2, 2))
+                                   else (0, 1)),
+            after_micro=_note_state_and_grads),
+        # torch 2.13 fails here (AssertionError "FSDP reduce-scatter expects uniform gradient
+        # dtype": bf16 zeros beside fp32 accumulated gradients; 2.15 casts the zeros). The
+        # oracle is torch without the flag on the same model whose branches not used are
+        # used times 0: every parameter gets a gradient, zeros where the flag reduces zeros
+        "reduce_scatter_unused_params_accumulate_mp": lambda: Scenario(
+            kind="mlp_branch", ref=False, micro=3, unit_kw={"mp_policy": _BF16_FP32},
+            configure=_reduce_scatter_unused(lambda impl: impl is CFSDP and not SELFTEST,
+                                             zero_use=lambda impl: impl is TORCH or SELFTEST),
+            before_micro=_branches(**accumulating), after_micro=_note_state_and_grads),
+        # without the flag: torch aborts (gloo: a reduce-scatter of another size on each
+        # rank); cfsdp reduces the whole unit, and each parameter some rank used gets its
+        # gradient on every rank, None only where no rank used it: torch with the flag is
+        # the oracle where every branch is used by some rank (rank s % W uses none in step s)
+        "unused_on_some_ranks": lambda: Scenario(
+            kind="mlp_branch", ref=False,
+            configure=_reduce_scatter_unused(lambda impl: impl is TORCH or SELFTEST),
+            before_micro=_branches(root=lambda s, m, r: r != s % WORLD,
+                                   block=lambda s, m, r: r != s % WORLD),
+            after_micro=_note_state_and_grads),
+    }
+
+
 def _compile_body(blk):
     # aot_eager: the compiled graph runs the same aten ops as eager (inductor would
     # fuse differently and takes minutes to compile on 2 cores)
@@ -248,6 +346,14 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     # torch leaves .grad None for a parameter forward never used (AdamW then skips it)
     "unused_params": lambda: Scenario(kind="mlp_unused"),
     "unused_params_accumulate": lambda: Scenario(kind="mlp_unused", steps=2, micro=2),
+    # a parameter unused in a step keeps the gradient it held (zeros after
+    # zero_grad(set_to_none=False)), which AdamW steps (weight decay), as torch's: torch
+    # leaves it out of its reduce-scatter, so its sharded .grad is left as it was
+    "unused_params_kept_grads": lambda: Scenario(
+        kind="mlp_branch", ref=False, set_to_none=False, after_micro=_note_state_and_grads,
+        before_micro=_branches(root=lambda s, m, r: s != 1, block=lambda s, m, r: s != 2)),
+    **(_rs_unused_scenarios() if hasattr(torch_fsdp.FSDPModule, "set_reduce_scatter_unused_params")
+       else {}),
     "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),
     "compiled_block": lambda: Scenario(prepare=_every_block(_compile_body)),
     "force_sum_reduction": lambda: Scenario(configure=_force_sum),

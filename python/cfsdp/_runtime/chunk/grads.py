@@ -80,14 +80,27 @@ class ChunkGrads:
     # [Note: unused parameters]
     # Every forward binds the parameters to views of one ``torch.split`` of the flat
     # parameter, so backward produces one flat gradient with zeros where a parameter took
-    # no part in the forward.  torch's FSDP2 leaves such a parameter's ``.grad`` None
-    # (optimizers then skip it: no weight decay, no step).  The split node's pre-hook sees
-    # a None gradient for each view that received none (``note_grads``; one check per
-    # backward when every view got one).  At publish, a trainable parameter that got no
-    # gradient on this rank keeps ``.grad`` None if its reduced rows here are all zero,
-    # i.e. no rank's gradient reached them; otherwise (another rank used it) its gradient
-    # is published, so no gradient value is ever dropped.  The reduce-scatter itself is
-    # unchanged (the zeros take part, as torch's padding does).
+    # no part in the forward.  torch's FSDP2 leaves such a parameter out of its
+    # reduce-scatter, so its sharded ``.grad`` stays as it was: None after
+    # ``zero_grad()`` (optimizers then skip it: no weight decay, no step), the tensor it
+    # held otherwise (zeros after ``zero_grad(set_to_none=False)``, or the gradient of an
+    # earlier backward), which the optimizer steps.  The split node's pre-hook sees a None
+    # gradient for each view that received none (``note_grads``; one check per backward
+    # when every view got one).  At publish, a trainable parameter that got no gradient on
+    # this rank and held none before this backward (``_had_grad``, taken with the
+    # gradients the reduction adds to) keeps ``.grad`` None if its reduced rows here are
+    # all zero, i.e. no rank's gradient reached them; otherwise (it held one: the zeros
+    # added left it as it was; or another rank used it) its gradient is published, so no
+    # gradient value is ever dropped.  The reduce-scatter itself is unchanged (the zeros
+    # take part, as torch's padding does).
+    #
+    # ``set_reduce_scatter_unused_params(True)`` (torch 2.13+) makes torch reduce zeros
+    # for every trainable parameter without a gradient, in every unit whose parameters
+    # were ever unsharded (``hasattr(fsdp_param, "_unsharded_param")``), also a unit a
+    # synchronising backward did not reach (its final callback's ``post_backward``): every
+    # such parameter's ``.grad`` is then a tensor, zeros where no rank used it.  The unit
+    # publishes every trainable parameter then, and ``reduce_unreached`` reduces a zero
+    # gradient for a unit that got none (``reduces_unused``).
 
     def note_grads(self, grad_outputs: tuple) -> None:
         """The split node's pre-hook: record which parameters' views got a gradient."""
@@ -102,15 +115,26 @@ class ChunkGrads:
 
     def _unused(self, grad: torch.Tensor) -> list[int]:
         """Indices of trainable parameters that got no gradient on this rank since the
-        last publish and whose reduced rows here are all zero (no rank's gradient
-        reached them): their ``.grad`` stays None, as torch's FSDP2 leaves it."""
+        last publish, held none before (``_had_grad``) and whose reduced rows here are
+        all zero (no rank's gradient reached them): their ``.grad`` stays None, as
+        torch's FSDP2 leaves it.  None with ``reduce_scatter_unused_params`` (torch
+        reduced zeros for them)."""
+        had, self._had_grad = self._had_grad, None
         if self._all_got_grad:
             return []
-        out = [i for i, q in enumerate(self.params)
-               if q.requires_grad and not self._got_grad[i]
-               and not bool(q.local_view(grad).any())]
         self._all_got_grad = True
-        return out
+        if self.reduce_scatter_unused_params:
+            return []
+        return [i for i, q in enumerate(self.params)
+                if q.requires_grad and not self._got_grad[i] and not (had and had[i])
+                and not bool(q.local_view(grad).any())]
+
+    def reduces_unused(self) -> bool:
+        """Whether a synchronising backward that gave this unit no gradient reduces zeros
+        for it (torch's ``reduce_scatter_unused_params``, for a unit unsharded before and
+        holding a trainable parameter: [Note: unused parameters])."""
+        return (self.reduce_scatter_unused_params and self.ever_unsharded
+                and any(q.requires_grad for q in self.params))
 
     def _forget_dropped_grads(self) -> None:
         """The parameters no longer hold the published gradients: they are the user's
@@ -131,15 +155,18 @@ class ChunkGrads:
         self._follow_unsharded_grads()
         if self.saved_grad is not None:
             return
+        self._had_grad = None
         grads = _core.attr_get(self._sharded_t, "grad")
         pub = self._pub
         if pub is not None and all(map(operator.is_, grads, pub.shown)):
             if not all_none(grads):
                 self.saved_grad = pub.buf  # the gradients as published: add to them
+                self._had_grad = tuple(g is not None for g in grads)  # [Note: unused parameters]
             return
         self._pub = None  # dropped or replaced: the user's ([Note: gradient ownership])
         if all_none(grads):
             return
+        self._had_grad = tuple(g is not None for g in grads)
         # gradients the user assigned: copied into a new buffer the reduction adds to
         buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -208,9 +235,10 @@ class ChunkGrads:
         called, or its output took no part in the loss): reduce what earlier no-sync
         backwards accumulated, as torch's FSDP2 does (its final callback runs
         ``post_backward`` for every parameter group not in ``POST_BACKWARD``, which
-        reduce-scatters an accumulated gradient).  Finishes the reductions in
-        ``pending`` first (one in flight, as ``UnitState._post_backward``) and appends
-        its own; nothing when nothing was accumulated."""
+        reduce-scatters an accumulated gradient, or with ``reduce_scatter_unused_params``
+        zeros: [Note: unused parameters]).  Finishes the reductions in ``pending`` first
+        (one in flight, as ``UnitState._post_backward``) and appends its own; nothing when
+        there is nothing to reduce."""
         self._follow_unsharded_grads()
         self._join_unsharded_grad()
         acc = self.acc_grad
@@ -218,6 +246,8 @@ class ChunkGrads:
             self.acc_grad, grad = None, acc
         elif self.grad_unsharded and self.flat_param.grad is not None:
             grad, self.flat_param.grad = self.flat_param.grad, None
+        elif self.reduces_unused():  # zeros for every trainable parameter: [Note: unused parameters]
+            grad = torch.zeros(self.natural_numel, dtype=self.param_dtype, device=self.device)
         else:
             return
         self.take_grad_for_backward()

@@ -29,7 +29,7 @@ from .unit import ChunkUnit
 # settings the call's API sets on "the unit": every member takes them
 _SHARED_SETTINGS = frozenset((
     "post_backward_fn", "all_reduce_hook", "gradient_divide_factor", "force_sum_reduction",
-    "post_forward_group", "requires_all_reduce", "_comm",
+    "post_forward_group", "requires_all_reduce", "_comm", "reduce_scatter_unused_params",
 ))
 
 

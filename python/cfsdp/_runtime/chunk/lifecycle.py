@@ -187,6 +187,7 @@ class ChunkLifecycle(UnshardStates):
             _core.chunk_unpack(self.natural.data, gathered, self._plan, self.world_size,
                                self.shard_numel)
         self._buf = self.natural
+        self.ever_unsharded = True  # [Note: unused parameters] in grads.py
         if self._ext_params and type(gathered) is not tuple:  # [Note: all-gather extensions]
             gather(self._ext_params, self.group, self.mesh, self.mp_policy, self.param_dtype)
         self._register_unsharded()

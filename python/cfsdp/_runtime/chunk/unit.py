@@ -163,6 +163,12 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         # (see [Note: unused parameters])
         self._all_got_grad = True
         self._got_grad = bytearray(len(self.params))
+        # which parameters held a sharded gradient the reduction adds to (None: none did)
+        self._had_grad: Optional[tuple] = None
+        # set_reduce_scatter_unused_params; whether the unit was ever unsharded (torch
+        # reduces zeros only for parameters that have their unsharded parameter)
+        self.reduce_scatter_unused_params = False
+        self.ever_unsharded = False
         self._note_grads_hook = _weak_note_grads(self)
         self.post_backward_fn = None
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
@@ -226,6 +232,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         """reset_iter_state: reshard and drop what the failed iteration accumulated."""
         self.reshard()
         self.saved_grad = None
+        self._had_grad = None
         self.flat_param.grad = None
         self.acc_grad = None
         self.grad_unsharded = False
