@@ -7,6 +7,8 @@ import contextlib
 import copy
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -138,6 +140,105 @@ def _no_sync_parity(ctx, strategy, use_orig_params: bool, kind: str, config: str
             if k.rsplit(".", 1)[-1] not in ("running_mean", "running_var", "num_batches_tracked"):
                 mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False,
                            b_name="ref")
+    mm.raise_if_any()
+
+
+class _Sided(nn.Module):
+    """A root unit around a ``side`` unit that forward calls only where ``use_side``
+    (``zero_side``: otherwise called and added times 0, so it gets a zero gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(5, 6)
+        self.side = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+        self.use_side = True
+        self.zero_side = False
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        if self.use_side:
+            h = h + torch.tanh(self.side(h))
+        elif self.zero_side:
+            h = h + 0 * torch.tanh(self.side(h))
+        return self.head(h)
+
+
+@h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True],
+                 "config": ["fp32", "bf16_reduce_fp32"]})
+def no_sync_unit_not_reached(ctx, strategy, use_orig_params: bool, config: str):
+    """A unit that no_sync() micro-batches use and the synchronising backward does not reach
+    (steps 0 and 1; step 2 uses it in every micro-batch): cfsdp reduces what no_sync()
+    accumulated at the end of that backward, as torch's FSDP2 does ([Note: no_sync() then a
+    backward that does not reach the unit] in _runtime/flat/grads.py). torch's FSDP1 leaves it
+    unreduced: with a sharded strategy its end of backward fails ("All sharded parameters that
+    received a gradient in the post-backward should use `_saved_grad_shard`"), with NO_SHARD
+    every rank steps its own local sum (the replicas drift apart). So the oracles are torch's
+    FSDP1 on the same model whose synchronising micro-batch adds the unit's output times 0
+    (the unit is reached and gets a zero gradient: the same sums; bitwise: losses, the
+    gradients the optimizer sees, the parameters) and the single process on every rank's
+    micro-batches (fp32: the full parameters at the end, within REF_RTOL/REF_ATOL)."""
+    if strategy in HYBRID and ctx.world_size < 4:
+        return
+    mm = Mismatches(ctx)
+    torch.manual_seed(0)
+    base = _Sided()
+    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=use_orig_params, device_id=CPU,
+              sharding_strategy=strategy, **NO_SYNC_CONFIGS[config])
+    W, r, micro = ctx.world_size, ctx.rank, 2
+    g = torch.Generator().manual_seed(7)
+    batches = [[(torch.randn(3, 5, generator=g), torch.randn(3, 2, generator=g))
+                for _ in range(micro * W)] for _ in range(3)]
+
+    def side_in(step: int, m: int) -> bool:
+        return step == 2 or m < micro - 1
+
+    record = []
+    for wrapper in (TorchFSDP, CFSDP):
+        model = copy.deepcopy(base)
+        model.side = wrapper(model.side, **kw)
+        model = wrapper(model, **kw)
+        model.module.zero_side = wrapper is TorchFSDP  # the oracle reaches the unit
+        opt = make_optim("sgd", model.parameters())
+        losses, grads = [], []
+        for step, chunks in enumerate(batches):
+            opt.zero_grad(set_to_none=True)
+            for m in range(micro):
+                model.module.use_side = side_in(step, m)
+                with model.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    x, y = chunks[micro * r + m]
+                    loss = F.mse_loss(model(x), y)
+                    loss.backward()
+                losses.append(loss.detach().clone())
+            grads.append([None if p.grad is None else p.grad.detach().clone()
+                          for p in model.parameters()])
+            opt.step()
+        record.append((losses, grads, [p.detach().clone() for p in model.parameters()],
+                       model.state_dict()))
+    (tl, tg, tp, tsd), (cl, cg, cp, csd) = record
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss of micro-batch {i}", a, b)
+    for s, (ga, gb) in enumerate(zip(cg, tg)):
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            mm.tensors(f"step {s}: grad of parameter #{i} the optimizer sees", a, b)
+    for i, (a, b) in enumerate(zip(cp, tp)):
+        mm.tensors(f"local parameter #{i} at the end", a, b)
+    if config != "fp32":
+        mm.raise_if_any()
+        return
+    ref = copy.deepcopy(base)
+    opt = make_optim("sgd", ref.parameters())
+    for step, chunks in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        total = 0
+        for k, (x, y) in enumerate(chunks):
+            ref.use_side = side_in(step, k % micro)
+            total = total + F.mse_loss(ref(x), y)
+        (total / W).backward()
+        opt.step()
+    for k, v in ref.state_dict().items():
+        mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False,
+                   b_name="ref")
     mm.raise_if_any()
 
 

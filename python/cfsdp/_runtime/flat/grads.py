@@ -171,9 +171,34 @@ class FlatGrads:
         self.flat_param.grad = None
         return grad
 
+    # [Note: no_sync() then a backward that does not reach the unit]
+    # A unit whose module ``no_sync()`` micro-batches used but the synchronising backward
+    # did not reach (not called, or its output not in the loss): torch's FSDP1 runs no
+    # post-backward for it, so what ``no_sync()`` accumulated stays unsharded and
+    # unreduced on ``flat_param``.  With a sharded strategy torch then fails at the end of
+    # that backward (``prepare_gradient_for_optim``: "All sharded parameters that received a
+    # gradient in the post-backward should use `_saved_grad_shard`"); with NO_SHARD each
+    # rank steps its own local sum, so the replicas silently drift apart.  cfsdp reduces it
+    # at the end of that backward, as torch's FSDP2 does (its final callback runs
+    # ``post_backward`` for every parameter group not reached), with the reduction the
+    # unit's post-backward would have issued: the gradients are those of the same
+    # micro-batches with the unit in the synchronising one's loss at weight 0 (a
+    # single-process run is the oracle: ``no_sync_unit_not_reached`` in
+    # tests/distributed/strategies/no_sync.py).
+
     def reduce_unreached(self, pending: list) -> None:
-        """Nothing: torch's FSDP1 leaves a unit a synchronising backward did not reach as
-        it is (what ``no_sync()`` accumulated stays unsharded on ``flat_param``)."""
+        """End of a synchronising backward that did not reach this unit: reduce what
+        ``no_sync()`` accumulated (nothing when it accumulated nothing); see [Note: no_sync()
+        then a backward that does not reach the unit].  Finishes the reductions in
+        ``pending`` first (one in flight, as ``UnitState._post_backward``) and appends its
+        own."""
+        grad = self.flat_param.grad
+        if not self.grad_unsharded or grad is None:
+            return
+        self.flat_param.grad = None
+        while pending:
+            pending.pop(0).finish()
+        pending.append(self.reduce_grad(grad))
 
     # [Note: units outside a backward]
     # The end of every backward visits every unit of the root, also those whose module
