@@ -33,7 +33,7 @@ from ._runtime.hooks import (
     check_can_summon,
     lazy_init_root,
 )
-from ._runtime.replaced import check_plain_param, replaced_fqn
+from ._runtime.replaced import check_plain_param, replaced_fqn, taken_by_wrapper
 from ._runtime.base import TrainingState, wrappers_in
 from ._runtime.flat.layout import flatten_error, scalar_param_message
 from ._runtime.flat.streams import FlatStreams
@@ -471,22 +471,28 @@ def _materialize(module, param_init_fn, ignored_params, ignored_mods, device,
 def _check_not_shared_with_other_units(module: nn.Module, ignored: set) -> None:
     """A parameter already managed by another (earlier-wrapped) unit that this
     unit's own modules also use: torch's FSDP supports tied parameters only
-    within one unit, so say which and what to do rather than train wrongly."""
+    within one unit, so say which and what to do rather than train wrongly (torch's
+    FSDP1 fails in forward: a shape error, or freed storage)."""
     stack = [("", module)]
     while stack:
         prefix, mod = stack.pop()
+        # use_orig_params=False: the other unit left views of its flat parameter in the
+        # module's __dict__ where its parameters were
+        shared = taken_by_wrapper(mod)
         for name, p in mod._parameters.items():
             if p is None or p in ignored or name == "_flat_param":
                 continue
             if replaced_fqn(p) is not None or getattr(p, "_cfsdp_flattened", False):
-                raise ValueError(
-                    f"Parameter '{clean_tensor_name(join_fqn(prefix, name))}' of {type(mod).__name__} "
-                    f"(in the {type(module).__name__} being wrapped) is shared with a module "
-                    "that another FullyShardedDataParallel unit already manages (tied weights "
-                    "across units). Tied parameters must live in one unit: wrap their lowest "
-                    "common ancestor instead (e.g. leave the embedding and the output head to "
-                    "the root unit)."
-                )
+                shared.append(name)
+        if shared:
+            raise ValueError(
+                f"Parameter '{clean_tensor_name(join_fqn(prefix, shared[0]))}' of "
+                f"{type(mod).__name__} (in the {type(module).__name__} being wrapped) is shared "
+                "with a module that another FullyShardedDataParallel unit already manages (tied "
+                "weights across units). Tied parameters must live in one unit: wrap their "
+                "lowest common ancestor instead (e.g. leave the embedding and the output head "
+                "to the root unit)."
+            )
         for cname, child in mod._modules.items():
             if child is not None and not isinstance(child, FullyShardedDataParallel):
                 stack.append((join_fqn(prefix, cname), child))

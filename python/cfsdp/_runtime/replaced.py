@@ -45,6 +45,9 @@ _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.We
 # replaced parameter -> (a weak reference to the module that held it, its name there); not an
 # attribute of the parameter, which must stay picklable
 _holders: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# module -> the names of its parameters the wrapper (use_orig_params=False) replaced by views
+# of a flat parameter: another unit using that module shares those parameters
+_taken: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 _uids = itertools.count()
 
 # how -> (what replaced it, when to build the optimizer)
@@ -68,6 +71,8 @@ def mark_replaced(param: torch.Tensor, fqn: str, how: tuple[str, str], module: n
     setattr(param, _FQN_ATTR, fqn)
     _holders[param] = (weakref.ref(module), name)
     setattr(param, _HOW_ATTR, how)
+    if how is WRAPPER:
+        _taken.setdefault(module, {})[name] = None  # (in registration order)
     _generation += 1
     _install()
 
@@ -76,6 +81,14 @@ def replaced_fqn(param: torch.Tensor) -> Optional[str]:
     """The FQN ``param`` had when a unit replaced it (relative to the unit's module), or
     None."""
     return getattr(param, _FQN_ATTR, None)
+
+
+def taken_by_wrapper(module: nn.Module) -> list[str]:
+    """The names in ``module`` of parameters a wrapper unit (``use_orig_params=False``)
+    replaced by views of its flat parameter and that ``module`` still shows as such (not
+    registered parameters again)."""
+    return [n for n in _taken.get(module, ())
+            if n not in module._parameters and isinstance(module.__dict__.get(n), torch.Tensor)]
 
 
 def _model_fqn(param: torch.Tensor, fqn: str) -> str:
@@ -154,5 +167,6 @@ def _install() -> None:
         _hook_installed = True
 
 
-__all__ = ["check_plain_param", "mark_replaced", "replaced_fqn", "orig_uid", "WRAPPER", "WRAPPER_TP",
+__all__ = ["check_plain_param", "mark_replaced", "replaced_fqn", "taken_by_wrapper", "orig_uid",
+           "WRAPPER", "WRAPPER_TP",
            "FULLY_SHARD", "ADOPTED"]

@@ -1,4 +1,5 @@
-"""Tied parameters: within the root unit (as torch allows) and across two units (refused)."""
+"""Tied parameters: within the root unit (as torch allows) and across two units, also as one
+submodule in both (refused)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from strategies.common import TiedBlock, TiedLM
 def tied_parameters(ctx, use_orig_params: bool, policy: str):
     """Tied embedding/head in the root unit (the way torch allows): losses, names and the
     full state dict (both FQNs present, as torch) bitwise equal to torch FSDP1. Tying across
-    two units is refused with a ValueError naming the parameter (torch trains it wrongly)."""
+    two units (a parameter, or a whole submodule in both) is refused with a ValueError naming
+    the parameter (torch trains it wrongly, or fails in forward)."""
     mm = Mismatches(ctx)
     torch.manual_seed(0)
     base = TiedLM()
@@ -53,4 +55,17 @@ def tied_parameters(ctx, use_orig_params: bool, policy: str):
         mm.check("weight" in str(e) and "common ancestor" in str(e), f"tied across units: {e}")
     else:
         mm.add("tied parameters across two units did not raise")
+    # one submodule in two units (each block's ``lin`` is the same Linear): refused the same
+    # way, also with use_orig_params=False, where the second unit finds the first unit's views
+    # in that module's __dict__ (torch's FSDP1 wraps it and fails in the first forward: a shape
+    # error, or "setStorage ... out of bounds" on the freed storage of those views)
+    shared = nn.Sequential(TiedBlock(), TiedBlock())
+    shared[1].lin = shared[0].lin
+    try:
+        CFSDP(shared, process_group=ctx.pg, use_orig_params=use_orig_params,
+              auto_wrap_policy=ModuleWrapPolicy({TiedBlock}))
+    except ValueError as e:
+        mm.check("'lin.weight'" in str(e) and "common ancestor" in str(e), f"shared submodule: {e}")
+    else:
+        mm.add("a submodule shared by two units did not raise")
     mm.raise_if_any()
