@@ -201,6 +201,15 @@ def _reduce_scatter_unused(on: Callable[[Impl], bool], freeze: bool = False,
     return configure
 
 
+def _toggle_requires_grad(impl, model, s, m, notes):
+    """``mlp_branch``, before each step: block 1 frozen as a whole in step 1, block 0's weight
+    in step 2, the root's branch trainable in step 1 only (frozen from the start, then again
+    with a gradient it got)."""
+    model.blocks[1].requires_grad_(s != 1)
+    model.blocks[0].lin.weight.requires_grad_(s != 2)
+    model.branch.requires_grad_(s == 1)
+
+
 def _on_rank(*ranks):
     return lambda s, m, r: r in ranks
 
@@ -352,6 +361,16 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "unused_params_kept_grads": lambda: Scenario(
         kind="mlp_branch", ref=False, set_to_none=False, after_micro=_note_state_and_grads,
         before_micro=_branches(root=lambda s, m, r: s != 1, block=lambda s, m, r: s != 2)),
+    # requires_grad changed between steps (a whole unit, and parameters of units that keep
+    # trainable ones); kept grads: a parameter frozen with a gradient keeps it (zeros after
+    # zero_grad(set_to_none=False)) and AdamW steps it, as torch's, which never touches a
+    # frozen parameter's .grad
+    "requires_grad_toggled": lambda: Scenario(
+        kind="mlp_branch", ref=False, before_micro=_toggle_requires_grad,
+        after_micro=_note_state_and_grads),
+    "requires_grad_toggled_kept_grads": lambda: Scenario(
+        kind="mlp_branch", ref=False, set_to_none=False, before_micro=_toggle_requires_grad,
+        after_micro=_note_state_and_grads),
     **(_rs_unused_scenarios() if hasattr(torch_fsdp.FSDPModule, "set_reduce_scatter_unused_params")
        else {}),
     "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),

@@ -92,7 +92,10 @@ class ChunkGrads:
     # all zero, i.e. no rank's gradient reached them; otherwise (it held one: the zeros
     # added left it as it was; or another rank used it) its gradient is published, so no
     # gradient value is ever dropped.  The reduce-scatter itself is unchanged (the zeros
-    # take part, as torch's padding does).
+    # take part, as torch's padding does).  A frozen parameter (``requires_grad`` False)
+    # keeps whatever ``.grad`` it holds, as torch's FSDP2 never touches it: a gradient it
+    # got before it was frozen stays (zeroed in place by ``zero_grad(set_to_none=False)``),
+    # and optimizers step it, as torch's.
     #
     # ``set_reduce_scatter_unused_params(True)`` (torch 2.13+) makes torch reduce zeros
     # for every trainable parameter without a gradient, in every unit whose parameters
@@ -369,10 +372,15 @@ class ChunkGrads:
         if pub is None or pub.buf is not g:
             pub = self._pub = self._new_published(g)
         unused = self._unused(g)
-        if unused:
+        frozen = pub.frozen
+        if unused or frozen:
             shown = list(pub.dts_all)
             for i in unused:
                 shown[i] = None
+            if frozen:  # a frozen parameter keeps the .grad it holds ([Note: unused parameters])
+                held = _core.attr_get(self._sharded_t, "grad")
+                for i in frozen:
+                    shown[i] = held[i]
             pub.shown = tuple(shown)
         else:
             pub.shown = pub.dts_all
@@ -577,13 +585,15 @@ class _Published:
     DTensor gradients over them (None for a frozen parameter) and what the parameters
     were given; see [Note: gradient ownership]."""
 
-    __slots__ = ("buf", "locals", "dts_all", "shown")
+    __slots__ = ("buf", "locals", "dts_all", "shown", "frozen")
 
     def __init__(self, buf: torch.Tensor, locals_: tuple, dts_all: tuple):
         self.buf = buf
         self.locals = locals_
         self.dts_all = dts_all
-        self.shown = dts_all  # what the parameters were given: dts_all, None where unused
+        # what the parameters were given: dts_all, None where unused, what a frozen one held
+        self.shown = dts_all
+        self.frozen = tuple(i for i, d in enumerate(dts_all) if d is None)  # their indices
 
 
 __all__ = ["ChunkGrads", "gradient_divide"]
