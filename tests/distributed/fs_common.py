@@ -123,15 +123,17 @@ class MLP(nn.Module):
         return list(self.blocks)
 
 
-def _branch(lin: nn.Linear, h: torch.Tensor, use: bool, zero_use: bool) -> torch.Tensor:
-    """``h + tanh(lin(h))`` where used; where not, ``h`` (``lin`` gets no gradient), or with
-    ``zero_use`` ``h + 0 * tanh(lin(h))``: the same values (adding zeros), and ``lin`` gets
-    a zero gradient, as ``0 * p.sum()`` in the loss gives one."""
-    if use:
-        return h + torch.tanh(_linear(lin, h))
-    if zero_use:
-        return h + 0 * torch.tanh(_linear(lin, h))
-    return h
+def _branch(lin: nn.Linear, h: torch.Tensor, use: bool, zero_use: bool,
+            gain: torch.Tensor | None = None) -> torch.Tensor:
+    """``h + gain * tanh(lin(h))`` where used; where not, ``h`` (``lin`` and ``gain`` get no
+    gradient), or with ``zero_use`` ``h + 0 * gain * tanh(lin(h))``: the same values (adding
+    zeros), and they get a zero gradient, as ``0 * p.sum()`` in the loss gives one."""
+    if not (use or zero_use):
+        return h
+    t = torch.tanh(_linear(lin, h))
+    if gain is not None:
+        t = gain.to(t.dtype) * t
+    return h + t if use else h + 0 * t
 
 
 class BranchBlock(MLPBlock):
@@ -151,19 +153,21 @@ class BranchMLP(MLP):
     """``mlp_branch``: the mlp with a (9, 9) ``branch`` in the root's unit and one in block
     1's, each used only where the scenario says (``use_branch``, set before each micro-batch,
     possibly per rank), and ``order`` (the blocks forward calls) settable per step: parameters
-    that get no gradient in some steps, on some ranks, or in a whole unit. ``zero_use``: the
-    branches not used are used times 0 (a zero gradient, same values)."""
+    that get no gradient in some steps, on some ranks, or in a whole unit. The root's branch
+    has a 1-element ``gain`` (only rank 0 holds a row of it). ``zero_use``: the branches not
+    used are used times 0 (a zero gradient, same values)."""
 
     def __init__(self):
         super().__init__()
         self.blocks[1] = BranchBlock(9)
         self.branch = nn.Linear(9, 9)
+        self.gain = nn.Parameter(torch.tensor([0.75]))
         self.use_branch = True
         self.zero_use = False
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         hid = F.gelu(_linear(self.in_proj, torch.tanh(x - self.shift)))
-        hid = _branch(self.branch, hid, self.use_branch, self.zero_use)
+        hid = _branch(self.branch, hid, self.use_branch, self.zero_use, self.gain)
         for i in self.order:
             hid = self.blocks[i](hid)
         return _linear(self.out, hid)

@@ -184,19 +184,19 @@ def _branches(root: Callable[[int, int, int], bool], block: Callable[[int, int, 
     return before
 
 
-def _reduce_scatter_unused(on: Callable[[Impl], bool], freeze: bool = False,
+def _reduce_scatter_unused(on: Callable[[Impl], bool], freeze: tuple[str, ...] = (),
                            zero_use: Callable[[Impl], bool] = lambda impl: False):
     """``set_reduce_scatter_unused_params(True)`` on the contenders ``on`` picks (on the root,
     recursing); ``zero_use``: those whose branches not used are used times 0 (a zero
     gradient, the same values: [Note: unused parameters] in chunk/grads.py); ``freeze``:
-    ``in_proj.weight`` frozen (torch reduces no zeros for it: ``.grad`` stays None)."""
+    the parameters frozen (torch reduces no zeros for them: ``.grad`` stays None)."""
 
     def configure(impl, model):
         if on(impl):
             model.set_reduce_scatter_unused_params(True)
         model.zero_use = model.blocks[1].zero_use = zero_use(impl)
-        if freeze:
-            model.in_proj.weight.requires_grad_(False)
+        for name in freeze:
+            model.get_parameter(name).requires_grad_(False)
 
     return configure
 
@@ -236,10 +236,10 @@ def _rs_unused_scenarios() -> dict[str, Callable[[], Scenario]]:
     both = lambda impl: True  # noqa: E731
     return {
         "reduce_scatter_unused_params": lambda: Scenario(
-            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=True),
+            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=("in_proj.weight",)),
             before_micro=rank_dependent, after_micro=_note_state_and_grads),
         "reduce_scatter_unused_params_mp": lambda: Scenario(
-            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=True),
+            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=("in_proj.weight",)),
             unit_kw={"mp_policy": _BF16_FP32}, before_micro=rank_dependent,
             after_micro=_note_state_and_grads),
         # the unit not reached by the synchronising backward (step 1) reduces what the
@@ -262,10 +262,13 @@ def _rs_unused_scenarios() -> dict[str, Callable[[], Scenario]]:
         # without the flag: torch aborts (gloo: a reduce-scatter of another size on each
         # rank); cfsdp reduces the whole unit, and each parameter some rank used gets its
         # gradient on every rank, None only where no rank used it: torch with the flag is
-        # the oracle where every branch is used by some rank (rank s % W uses none in step s)
+        # the oracle where every branch is used by some rank (rank s % W uses none in step s).
+        # ``gain`` frozen: a rank holding no row of it that did not use it cannot tell that
+        # from no rank using it (None; torch with the flag: an empty gradient)
         "unused_on_some_ranks": lambda: Scenario(
             kind="mlp_branch", ref=False,
-            configure=_reduce_scatter_unused(lambda impl: impl is TORCH or SELFTEST),
+            configure=_reduce_scatter_unused(lambda impl: impl is TORCH or SELFTEST,
+                                             freeze=("gain",)),
             before_micro=_branches(root=lambda s, m, r: r != s % WORLD,
                                    block=lambda s, m, r: r != s % WORLD),
             after_micro=_note_state_and_grads),
@@ -361,6 +364,14 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "unused_params_kept_grads": lambda: Scenario(
         kind="mlp_branch", ref=False, set_to_none=False, after_micro=_note_state_and_grads,
         before_micro=_branches(root=lambda s, m, r: s != 1, block=lambda s, m, r: s != 2)),
+    # 3 micro-batches, the last synchronising: the root's branch used in the middle one only
+    # (after one that left it without a gradient; its gain has no row on rank 1), block 1's in
+    # the first only: each gets the sum of what it got, as torch's (which reduces what a
+    # parameter accumulated), also where this rank's rows of it are empty or zero
+    "unused_params_accumulate_middle": lambda: Scenario(
+        kind="mlp_branch", ref=False, micro=3, after_micro=_note_state_and_grads,
+        before_micro=_branches(root=lambda s, m, r: m == 1, block=lambda s, m, r: m == 0,
+                               sync=lambda s, m: m == 2)),
     # requires_grad changed between steps (a whole unit, and parameters of units that keep
     # trainable ones); kept grads: a parameter frozen with a gradient keeps it (zeros after
     # zero_grad(set_to_none=False)) and AdamW steps it, as torch's, which never touches a

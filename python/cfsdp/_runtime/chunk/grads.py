@@ -106,15 +106,29 @@ class ChunkGrads:
     # gradient for a unit that got none (``reduces_unused``).
 
     def note_grads(self, grad_outputs: tuple) -> None:
-        """The split node's pre-hook: record which parameters' views got a gradient."""
-        if not any(g is None for g in grad_outputs):
+        """The split node's pre-hook: record which parameters' views got a gradient, over
+        every backward (and every forward's split node) since the last publish: once a node
+        gave every view one (``_got_all``), nothing more to record."""
+        if self._got_all:
             return
-        if self._all_got_grad:
-            self._all_got_grad = False
-            self._got_grad[:] = bytes(len(self.params))
+        if not any(g is None for g in grad_outputs):
+            self._got_all = True
+            return
+        self._got_some = True
         for i, g in enumerate(grad_outputs):
             if g is not None:
                 self._got_grad[i] = 1
+
+    def _got_every_grad(self) -> bool:
+        """Whether every parameter got a gradient since the last publish, as far as the
+        unit knows (nothing recorded: the unit publishes every trainable parameter)."""
+        return self._got_all or not self._got_some
+
+    def _forget_got_grads(self) -> None:
+        self._got_all = False
+        if self._got_some:
+            self._got_some = False
+            self._got_grad[:] = bytes(len(self.params))
 
     def _unused(self, grad: torch.Tensor) -> list[int]:
         """Indices of trainable parameters that got no gradient on this rank since the
@@ -123,14 +137,14 @@ class ChunkGrads:
         torch's FSDP2 leaves it.  None with ``reduce_scatter_unused_params`` (torch
         reduced zeros for them)."""
         had, self._had_grad = self._had_grad, None
-        if self._all_got_grad:
+        if self._got_every_grad() or self.reduce_scatter_unused_params:
+            self._forget_got_grads()
             return []
-        self._all_got_grad = True
-        if self.reduce_scatter_unused_params:
-            return []
-        return [i for i, q in enumerate(self.params)
-                if q.requires_grad and not self._got_grad[i] and not (had and had[i])
-                and not bool(q.local_view(grad).any())]
+        out = [i for i, q in enumerate(self.params)
+               if q.requires_grad and not self._got_grad[i] and not (had and had[i])
+               and not bool(q.local_view(grad).any())]
+        self._forget_got_grads()
+        return out
 
     def reduces_unused(self) -> bool:
         """Whether a synchronising backward that gave this unit no gradient reduces zeros
@@ -367,6 +381,8 @@ class ChunkGrads:
         self.grad_unsharded = False
         self._drop_shown_unsharded_grads()
         if g is None:
+            self._had_grad = None
+            self._forget_got_grads()
             return
         pub = self._pub
         if pub is None or pub.buf is not g:
@@ -426,7 +442,7 @@ class ChunkGrads:
             _core.attr_set(self._unsharded_t, "grad", None)
             self._unsharded_grads = (None,) * len(self.params)
             return
-        if self._all_got_grad:
+        if self._got_every_grad():
             plan = self._grad_view_plan
             if plan is None or plan[0] != self._rg_mask:
                 plan = self._grad_view_plan = (
@@ -501,7 +517,7 @@ class ChunkGrads:
                 if buf is None:
                     buf = self._unsharded_grad_buffer()
                 buf[q.nat_off : q.nat_off + q.numel].view(q.shape).copy_(c)
-                if not self._all_got_grad:  # torch reduces it: [Note: unused parameters]
+                if not self._got_every_grad():  # torch reduces it: [Note: unused parameters]
                     self._got_grad[i] = 1
 
     def _check_assigned_grad(self, q: Any, c: torch.Tensor) -> None:

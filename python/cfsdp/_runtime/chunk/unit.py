@@ -161,7 +161,8 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self._unsharded_grads = False  # publish_unsharded_grad's views, shown on the full-size params
         # which parameters received a gradient in the backwards since the last publish
         # (see [Note: unused parameters])
-        self._all_got_grad = True
+        self._got_all = False  # some backward gave every parameter a gradient
+        self._got_some = False  # _got_grad records a backward that gave some none
         self._got_grad = bytearray(len(self.params))
         # which parameters held a sharded gradient the reduction adds to (None: none did)
         self._had_grad: Optional[tuple] = None
@@ -233,6 +234,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self.reshard()
         self.saved_grad = None
         self._had_grad = None
+        self._forget_got_grads()
         self.flat_param.grad = None
         self.acc_grad = None
         self.grad_unsharded = False
