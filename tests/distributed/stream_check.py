@@ -389,16 +389,19 @@ def check(log: list[tuple]) -> None:
 
 def train(rec: Optional[RecordingDevice], mesh: Any = None, reshard_after_forward: bool = True,
           hook: bool = True, hook_stream: Any = None, steps: int = 2, seed: int = 0,
-          mp_policy: Any = None) -> tuple:
+          mp_policy: Any = None, frozen: bool = False) -> tuple:
     """A 3-unit ``cfsdp.fully_shard`` model (two children and the root) on ``mesh``, ``steps``
     steps of SGD with momentum, with an all-reduce hook on one unit (``hook``; on
-    ``hook_stream(rec)`` if given) and ``mp_policy`` (if given); under ``rec`` if given.  Returns (losses, parameters'
-    full tensors)."""
+    ``hook_stream(rec)`` if given) and ``mp_policy`` (if given), that unit's weight frozen
+    with ``frozen`` (its bias alone reduced); under ``rec`` if given.  Returns (losses,
+    parameters' full tensors)."""
     import cfsdp
     from cfsdp._runtime import device
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    if frozen:
+        model[2].weight.requires_grad_(False)
     kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     for i in (0, 2):
         cfsdp.fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)

@@ -29,7 +29,9 @@ LAUNCH_TIMEOUT_S = 600
 # mixed precision, the bad-input table, visible collectives, two extension kinds, Muon on HSDP
 # and in small buckets),
 # Muon's parity cases (experts_shard2: torch's fully_shard refuses Shard(2) of 6 over 4 ranks),
-# the stream protocol with reshard_after_forward=2 (a post-forward group of 2).
+# the stream protocol with reshard_after_forward=2 (a post-forward group of 2), frozen parameters
+# beside trainable ones in a unit (gloo's sums depend on the reduce-scatter's layout from 3
+# ranks on: torch's, the trainable parameters only).
 # ``parity[kind=...`` is spelled per kind: ``extension_parity[kind=...`` contains ``parity[kind=``.
 AT_4 = ("structure|parity[kind=mlp|parity[kind=lm|parity[kind=frozen|hsdp|shard_dims_parity"
         "|shard_dims_checkpoint[how=dcp]|dcp_roundtrip|state_dict_load|grad_accum"
@@ -37,7 +39,7 @@ AT_4 = ("structure|parity[kind=mlp|parity[kind=lm|parity[kind=frozen|hsdp|shard_
         "|extension_parity[kind=bf16,reshard_after_forward=True,mp=None]"
         "|extension_parity[kind=rowscale,reshard_after_forward=False,mp=torch.bfloat16]"
         "|muon_hsdp|muon_parity[case=lm|muon_parity[case=mlp|muon_parity[case=experts_shard0"
-        "|recorded_streams_post_forward_group|muon_buckets")
+        "|recorded_streams_post_forward_group|muon_buckets|features[feature=requires_grad_toggled")
 WORKER = SplitWorker("worker_fully_shard.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
                      timeout=LAUNCH_TIMEOUT_S, tmp_env="CFSDP_CKPT_DIR")
 

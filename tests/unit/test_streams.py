@@ -76,6 +76,17 @@ def test_recorded_training_is_ordered_and_bitwise_equal(transport, reshard_after
     assert any(e[0] == "free" for e in rec.log)  # held buffers released
 
 
+def test_frozen_parameter_reduces_the_trainable_layout(transport):
+    """A unit with a frozen weight reduce-scatters its trainable bias alone, as torch's
+    FSDP2 ([Note: trainable layout] in chunk/grads.py), on the streams' path too: ordered,
+    and bitwise the run without the recorder."""
+    want = sc.train(None, frozen=True)
+    rec = RecordingDevice()
+    got = sc.train(rec, frozen=True)
+    check(rec.log)
+    sc.assert_same(want, got)
+
+
 def test_mixed_precision_casts_on_the_copy_in_stream(transport):
     """bf16 parameters, fp32 reductions: the copy-in cast runs on the copy-in stream, the
     cast of the reduced gradient with the fold on the reduce-scatter (or hook) stream."""

@@ -228,10 +228,14 @@ class FinishedReduce:
         pass
 
 
-def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool) -> None:
+def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool,
+                       expand: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
     """Fold a reduce-scattered gradient shard ``out`` into ``u.saved_grad``: HSDP's
     all-reduce across replicas, the all-reduce hook, then torch's order: post-divide in
-    the reduction dtype, cast to the gradient dtype, accumulate (one C pass).
+    the reduction dtype, cast to the gradient dtype, accumulate (one C pass).  ``expand``:
+    ``out`` holds some of the unit's parameters only (a ``fully_shard`` unit's trainable
+    ones: [Note: trainable layout] in chunk/grads.py); it makes the shard-sized tensor
+    (zeros elsewhere) after the all-reduce and the hook, which see what torch's see.
 
     HSDP with ``requires_all_reduce`` False (``set_requires_all_reduce(False)``): as
     torch's FSDP2, the shard is only added to ``u.partial_reduce`` (in the reduction
@@ -250,6 +254,8 @@ def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool)
         comm.all_reduce(out, u.replicate_group, False, op=u.replicate_op).wait()
     if u.all_reduce_hook is not None:  # fully_shard's set_all_reduce_hook
         u.all_reduce_hook(out)
+    if expand is not None:
+        out = expand(out)
     div = u.post_divide if (u.post_divide > 1 and not divided) else 1.0
     if u.saved_grad is not None:
         scale_cast_add(u.saved_grad, out, div, True)

@@ -21,6 +21,7 @@ from ..._torch.dtensor import DTensorSpec, redistribute_local_tensor
 from .. import comm, device
 from ..base import FinishedReduce, PendingReduce, accumulate_sharded, all_none, views_or_none
 from ..reduce import divide_factors
+from .launch import Launches
 
 
 def gradient_divide(
@@ -193,7 +194,68 @@ class ChunkGrads:
         self.saved_grad = buf
 
     def accumulate_reduced(self, out: torch.Tensor, divided: bool) -> None:
-        accumulate_sharded(self, out, divided)
+        accumulate_sharded(self, out, divided, self._expander(out))
+
+    # [Note: trainable layout]
+    # torch's FSDP2 reduce-scatters the gradients of the parameters that require one only
+    # (``foreach_reduce`` over ``fsdp_params_with_grad``: a frozen parameter never has a
+    # gradient, nor gets zeros from ``reduce_scatter_unused_params``), each rank's chunks back
+    # to back.  The collective's summation order depends on that layout (gloo sums an
+    # element in another order when the elements before it change, from 3 ranks on), so a
+    # unit holding frozen parameters reduce-scatters its trainable ones only, in torch's
+    # layout (``_reduce_layout``: the plan over them, its shard size, the spans to copy
+    # back, made once per requires_grad mask), and the result is copied into a shard-sized
+    # tensor (zeros for the frozen ones) after the HSDP all-reduce and the all-reduce hook
+    # (``_expander``), which see torch's layout too.  A trainable parameter that got no
+    # gradient stays in (zeros: [Note: unused parameters]), so every rank reduces the same
+    # layout whatever its control flow; torch leaves such a parameter out unless
+    # ``reduce_scatter_unused_params``, so without that flag the other parameters' gradients
+    # may differ from torch's in the last bit from 3 ranks on (README).
+
+    def _reduce_layout(self) -> Optional[tuple]:
+        """``(mask, plan, plan_bytes, shard_numel, spans, rows)`` of the trainable parameters
+        ([Note: trainable layout]); None when every parameter is trainable (the unit's
+        own plan) or none is."""
+        mask = self._rg_mask
+        if mask is None or all(mask) or not any(mask):
+            return None
+        lay = self._sub_layout
+        if lay is not None and lay[0] == mask:
+            return lay
+        plan, spans, rows, off = [], [], [], 0
+        for q, rg in zip(self.params, mask):
+            if not rg:
+                continue
+            plan.append((q.nat_off, q.numel, q.chunk_numel, off, max(q.outer, 1)))
+            rows.append(max(q.rows, 1))
+            if spans and spans[-1][0] + spans[-1][2] == q.shard_off and spans[-1][1] + spans[-1][2] == off:
+                dst, src, n = spans[-1]
+                spans[-1] = (dst, src, n + q.chunk_numel)  # adjacent: one copy
+            else:
+                spans.append((q.shard_off, off, q.chunk_numel))
+            off += q.chunk_numel
+        lay = self._sub_layout = (mask, plan, comm.pack_plan(plan), off, tuple(spans), rows)
+        return lay
+
+    def _expander(self, out: torch.Tensor):
+        """For a reduced shard of the trainable layout: the function that copies it into a
+        shard-sized tensor ([Note: trainable layout]); None for the unit's own layout."""
+        if out.numel() == self.shard_numel:
+            return None
+        lay = self._sub_layout
+        if lay is None or lay[3] != out.numel():
+            raise AssertionError(
+                f"cfsdp: a reduced shard of {out.numel()} elements, expected {self.shard_numel} "
+                "or the trainable layout's")
+        spans = lay[4]
+
+        def expand(part: torch.Tensor) -> torch.Tensor:
+            full = torch.zeros(self.shard_numel, dtype=part.dtype, device=part.device)
+            for dst, src, n in spans:
+                full[dst : dst + n].copy_(part[src : src + n])
+            return full
+
+        return expand
 
     # [Note: no-sync accumulation]
     # With gradient sync off, torch's FSDP2 keeps a backward's unsharded gradient where
@@ -317,13 +379,18 @@ class ChunkGrads:
                 grad = grad.to(self.reduce_dtype)
             self._redistribute_partial(grad)
         ctx = self._comm
+        lay = self._reduce_layout()  # the trainable parameters only: [Note: trainable layout]
         if ctx is not None and ctx.streams:
-            return self._reduce_on_streams(ctx, grad)
-        out = self._reduce_out()
+            return self._reduce_on_streams(ctx, grad, lay)
+        if lay is None:
+            out, plan, plan_bytes = self._reduce_out(), self._plan, self._plan_bytes
+        else:
+            out = torch.empty(lay[3], dtype=self.reduce_dtype, device=self.device)
+            plan, plan_bytes = lay[1], lay[2]
         self.grad_unsharded = False
         # on shared memory the pack runs piece by piece into the shared slots (no
         # rank-major buffer); on the process group it is chunk_pack, then the collective
-        pending = comm.reduce_scatter_pack(out, grad.contiguous(), self._plan, self._plan_bytes,
+        pending = comm.reduce_scatter_pack(out, grad.contiguous(), plan, plan_bytes,
                                            self.pre_divide, self.group, True, op=self.reduce_op)
         return PendingReduce(self, pending, out)
 
@@ -332,7 +399,7 @@ class ChunkGrads:
             return self.new_grad_buffer()  # reduce straight into the gradient
         return torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
-    def _reduce_on_streams(self, ctx, grad: torch.Tensor) -> FinishedReduce:
+    def _reduce_on_streams(self, ctx, grad: torch.Tensor, lay: Optional[tuple]) -> FinishedReduce:
         """[Note: stream protocol] in streams.py: pack, reduce-scatter (``async_op=False``)
         and fold in on the reduce-scatter stream (HSDP's all-reduce and an all-reduce hook
         on the all-reduce stream, which the fold then follows); finished when it returns,
@@ -343,12 +410,20 @@ class ChunkGrads:
         ctx.release_reduce_scatter()
         ctx.reduce_scatter_waits_current(rs, cur)
         W, S = self.world_size, self.shard_numel
+        launches = self.launches()
+        if lay is not None:  # [Note: trainable layout]
+            S = lay[3]
+            launches = self._sub_launches = (
+                self._sub_launches if self._sub_launches is not None and self._sub_launches[0] is lay
+                else (lay, Launches(lay[1], lay[5], W, S)))
+            launches = launches[1]
         grad = grad.contiguous()
         layer.record_stream(grad, rs)  # made on the current stream, read on this one
         with layer.on(rs):
             inp = torch.empty(W * S, dtype=self.reduce_dtype, device=self.device)
-            self.launches().pack(inp, grad, divisor=self.pre_divide)  # one _chunk_cat
-            out = self._reduce_out()
+            launches.pack(inp, grad, divisor=self.pre_divide)  # one _chunk_cat
+            out = (self._reduce_out() if lay is None
+                   else torch.empty(S, dtype=self.reduce_dtype, device=self.device))
             comm.reduce_scatter(out, inp, self.group, False, op=self.reduce_op)
             rs_event = rs.record_event()
         self.grad_unsharded = False
@@ -357,8 +432,10 @@ class ChunkGrads:
                 self.replicate_group is None and self.all_reduce_hook is not None):
             post = layer.stream(device.ALL_REDUCE)
             post.wait_stream(rs)
+        if lay is not None and post is not rs:  # read there by the copy into the shard-sized
+            layer.record_stream(out, post)  # tensor, then dropped ([Note: trainable layout])
         with layer.on(post):
-            accumulate_sharded(self, out, False)
+            accumulate_sharded(self, out, False, self._expander(out))
             ctx.post_reduce_events[post] = post.record_event()
         ctx.hold_reduce_scatter((inp,), rs_event)
         return FinishedReduce()

@@ -127,6 +127,10 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
                       for q in self.params]
         self._plan_bytes = comm.pack_plan(self._plan)
         self._launches: Optional[Launches] = None  # made by launches(): the streams' path
+        # the trainable parameters' reduce-scatter layout, and its launches (the streams'
+        # path), when some are frozen ([Note: trainable layout] in grads.py)
+        self._sub_layout: Optional[tuple] = None
+        self._sub_launches: Optional[tuple] = None
         self._split_sizes = [q.numel for q in self.params]
 
         # This rank's shard, straight from the original parameters (on the meta
