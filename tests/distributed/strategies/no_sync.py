@@ -145,18 +145,23 @@ def _no_sync_parity(ctx, strategy, use_orig_params: bool, kind: str, config: str
 
 class _Sided(nn.Module):
     """A root unit around a ``side`` unit that forward calls only where ``use_side``
-    (``zero_side``: otherwise called and added times 0, so it gets a zero gradient)."""
+    (``zero_side``: otherwise called and added times 0, so it gets a zero gradient), and an
+    ``extra`` layer of the root's unit used only where ``use_extra``."""
 
     def __init__(self):
         super().__init__()
         self.pre = nn.Linear(5, 6)
         self.side = nn.Linear(6, 6)
+        self.extra = nn.Linear(6, 6)
         self.head = nn.Linear(6, 2)
         self.use_side = True
         self.zero_side = False
+        self.use_extra = True
 
     def forward(self, x):
         h = torch.tanh(self.pre(x))
+        if self.use_extra:
+            h = h + torch.tanh(self.extra(h))
         if self.use_side:
             h = h + torch.tanh(self.side(h))
         elif self.zero_side:
@@ -207,7 +212,7 @@ def no_sync_unit_not_reached(ctx, strategy, use_orig_params: bool, config: str):
                 model.module.use_side = side_in(step, m)
                 with model.no_sync() if m < micro - 1 else contextlib.nullcontext():
                     x, y = chunks[micro * r + m]
-                    loss = F.mse_loss(model(x), y)
+                    loss = F.mse_loss(model(x).float(), y)  # (bf16 outputs: torch 2.11 wants one dtype)
                     loss.backward()
                 losses.append(loss.detach().clone())
             grads.append([None if p.grad is None else p.grad.detach().clone()
@@ -239,6 +244,59 @@ def no_sync_unit_not_reached(ctx, strategy, use_orig_params: bool, config: str):
     for k, v in ref.state_dict().items():
         mm.tensors(f"cfsdp-vs-ref state_dict[{k}] at the end", csd.get(k), v, exact=False,
                    b_name="ref")
+    mm.raise_if_any()
+
+
+@h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True]})
+def params_unused_on_some_ranks(ctx, strategy, use_orig_params: bool):
+    """Parameters without gradients in the wrapper, against torch's FSDP1 bitwise (losses,
+    the gradients the optimizer sees, the parameters): ``extra`` (in the root's unit) used
+    on every other rank, alternating by step, and by no rank in step 3; the ``side`` unit
+    not called in step 2; zero_grad(set_to_none=False) before steps 1 and 3 (kept, zeroed
+    gradients: AdamW steps them); with use_orig_params=True ``extra.weight`` frozen from
+    step 3 on (keeping its gradient). Both reduce each unit's whole flat gradient (zeros where
+    a rank did not use a parameter), so every rank gets the others' gradients."""
+    if strategy in HYBRID and ctx.world_size < 4:
+        return
+    mm = Mismatches(ctx)
+    torch.manual_seed(0)
+    base = _Sided()
+    kw = dict(groups_kw(ctx, strategy, "tuple"), use_orig_params=use_orig_params, device_id=CPU,
+              sharding_strategy=strategy)
+    r, W = ctx.rank, ctx.world_size
+    g = torch.Generator().manual_seed(11)
+    batches = [[(torch.randn(3, 5, generator=g), torch.randn(3, 2, generator=g)) for _ in range(W)]
+               for _ in range(4)]
+    record = []
+    for wrapper in (TorchFSDP, CFSDP):
+        model = copy.deepcopy(base)
+        model.side = wrapper(model.side, **kw)
+        model = wrapper(model, **kw)
+        opt = make_optim("adamw", model.parameters())
+        losses, grads = [], []
+        for step, chunks in enumerate(batches):
+            opt.zero_grad(set_to_none=step not in (1, 3))
+            if use_orig_params and step == 3:
+                model.module.extra.weight.requires_grad_(False)
+            model.module.use_extra = (r + step) % 2 == 0 and step != 3
+            model.module.use_side = step != 2
+            x, y = chunks[r]
+            loss = F.mse_loss(model(x).float(), y)  # (bf16 outputs: torch 2.11 wants one dtype)
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append([None if p.grad is None else p.grad.detach().clone()
+                          for p in model.parameters()])
+            opt.step()
+        record.append((losses, grads, [p.detach().clone() for p in model.parameters()]))
+    (tl, tg, tp), (cl, cg, cp) = record
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"loss at step {i}", a, b)
+    for s, (ga, gb) in enumerate(zip(cg, tg)):
+        mm.check(len(ga) == len(gb), f"step {s}: {len(ga)} grads vs torch {len(gb)}")
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            mm.tensors(f"step {s}: grad of parameter #{i} the optimizer sees", a, b)
+    for i, (a, b) in enumerate(zip(cp, tp)):
+        mm.tensors(f"local parameter #{i} at the end", a, b)
     mm.raise_if_any()
 
 
