@@ -217,62 +217,26 @@ def _on_rank(*ranks):
 _BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _rs_unused_scenarios() -> dict[str, Callable[[], Scenario]]:
-    """``set_reduce_scatter_unused_params(True)`` (torch 2.13+): torch reduces zeros for every
-    trainable parameter that got no gradient, in every unit unsharded before, a unit that
-    backward did not reach included (its final callback), so ranks whose control flow left a
-    parameter unused still take part.  Each after every backward: the registered gradients
-    (None or a tensor) and their values, bitwise torch's; torch is the oracle (the branches
-    depend on the rank: no single-process reference)."""
-    # the root's branch on rank 0 in steps 0 and 1, on none in step 2 (zeros for it, in a
-    # unit backward reached), block 1's on rank 1; block 1 not called in step 0 (never
-    # unsharded: no zeros, torch's ``hasattr(_unsharded_param)``) nor in step 2 (zeros)
-    rank_dependent = _branches(root=lambda s, m, r: r == 0 and s < 2, block=_on_rank(1),
+# set_reduce_scatter_unused_params(True) (torch 2.13+): torch reduces zeros for every trainable
+# parameter that got no gradient, in every unit unsharded before, a unit that backward did not
+# reach included (its final callback), so ranks whose control flow left a parameter unused still
+# take part.  Each after every backward: the registered gradients (None or a tensor) and their
+# values, bitwise torch's; torch is the oracle (the branches depend on the rank: no
+# single-process reference).  (Module-level values: subtest_items.py reads FEATURES' keys from
+# the source.)
+# The root's branch on rank 0 in steps 0 and 1, on none in step 2 (zeros for it, in a unit
+# backward reached), block 1's on rank 1; block 1 not called in step 0 (never unsharded: no
+# zeros, torch's ``hasattr(_unsharded_param)``) nor in step 2 (zeros)
+_RS_RANK_DEPENDENT = _branches(root=lambda s, m, r: r == 0 and s < 2, block=_on_rank(1),
                                order=lambda s, m: (0, 1) if s == 1 else (0,))
-    # 3 micro-batches, the last synchronising: the root's branch on rank 0 in micro-batch
-    # 0 and on rank 1 in the last, block 1's on rank 0 in the middle one
-    accumulating = dict(root=lambda s, m, r: (m + r) % 3 == 0 and r < 2,
+# 3 micro-batches, the last synchronising: the root's branch on rank 0 in micro-batch 0 and on
+# rank 1 in the last, block 1's on rank 0 in the middle one
+_RS_ACCUMULATING = dict(root=lambda s, m, r: (m + r) % 3 == 0 and r < 2,
                         block=lambda s, m, r: m == 1 and r == 0, sync=lambda s, m: m == 2)
-    both = lambda impl: True  # noqa: E731
-    return {
-        "reduce_scatter_unused_params": lambda: Scenario(
-            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=("in_proj.weight",)),
-            before_micro=rank_dependent, after_micro=_note_state_and_grads),
-        "reduce_scatter_unused_params_mp": lambda: Scenario(
-            kind="mlp_branch", ref=False, configure=_reduce_scatter_unused(both, freeze=("in_proj.weight",)),
-            unit_kw={"mp_policy": _BF16_FP32}, before_micro=rank_dependent,
-            after_micro=_note_state_and_grads),
-        # the unit not reached by the synchronising backward (step 1) reduces what the
-        # no-sync ones accumulated, with zeros for what they left without a gradient
-        "reduce_scatter_unused_params_accumulate": lambda: Scenario(
-            kind="mlp_branch", ref=False, micro=3, configure=_reduce_scatter_unused(both),
-            before_micro=_branches(**accumulating,
-                                   order=lambda s, m: (0,) if (s, m) in ((1, 2), (2, 0), (2, 1), (2, 2))
-                                   else (0, 1)),
-            after_micro=_note_state_and_grads),
-        # torch 2.13 fails here (AssertionError "FSDP reduce-scatter expects uniform gradient
-        # dtype": bf16 zeros beside fp32 accumulated gradients; 2.15 casts the zeros). The
-        # oracle is torch without the flag on the same model whose branches not used are
-        # used times 0: every parameter gets a gradient, zeros where the flag reduces zeros
-        "reduce_scatter_unused_params_accumulate_mp": lambda: Scenario(
-            kind="mlp_branch", ref=False, micro=3, unit_kw={"mp_policy": _BF16_FP32},
-            configure=_reduce_scatter_unused(lambda impl: impl is CFSDP and not SELFTEST,
-                                             zero_use=lambda impl: impl is TORCH or SELFTEST),
-            before_micro=_branches(**accumulating), after_micro=_note_state_and_grads),
-        # without the flag: torch aborts (gloo: a reduce-scatter of another size on each
-        # rank); cfsdp reduces the whole unit, and each parameter some rank used gets its
-        # gradient on every rank, None only where no rank used it: torch with the flag is
-        # the oracle where every branch is used by some rank (rank s % W uses none in step s).
-        # ``gain`` frozen: a rank holding no row of it that did not use it cannot tell that
-        # from no rank using it (None; torch with the flag: an empty gradient)
-        "unused_on_some_ranks": lambda: Scenario(
-            kind="mlp_branch", ref=False,
-            configure=_reduce_scatter_unused(lambda impl: impl is TORCH or SELFTEST,
-                                             freeze=("gain",)),
-            before_micro=_branches(root=lambda s, m, r: r != s % WORLD,
-                                   block=lambda s, m, r: r != s % WORLD),
-            after_micro=_note_state_and_grads),
-    }
+
+
+def _both(impl) -> bool:
+    return True
 
 
 def _compile_body(blk):
@@ -382,8 +346,47 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
     "requires_grad_toggled_kept_grads": lambda: Scenario(
         kind="mlp_branch", ref=False, set_to_none=False, before_micro=_toggle_requires_grad,
         after_micro=_note_state_and_grads),
-    **(_rs_unused_scenarios() if hasattr(torch_fsdp.FSDPModule, "set_reduce_scatter_unused_params")
-       else {}),
+    **({
+        "reduce_scatter_unused_params": lambda: Scenario(
+            kind="mlp_branch", ref=False,
+            configure=_reduce_scatter_unused(_both, freeze=("in_proj.weight",)),
+            before_micro=_RS_RANK_DEPENDENT, after_micro=_note_state_and_grads),
+        "reduce_scatter_unused_params_mp": lambda: Scenario(
+            kind="mlp_branch", ref=False,
+            configure=_reduce_scatter_unused(_both, freeze=("in_proj.weight",)),
+            unit_kw={"mp_policy": _BF16_FP32}, before_micro=_RS_RANK_DEPENDENT,
+            after_micro=_note_state_and_grads),
+        # the unit not reached by the synchronising backward (step 1) reduces what the
+        # no-sync ones accumulated, with zeros for what they left without a gradient
+        "reduce_scatter_unused_params_accumulate": lambda: Scenario(
+            kind="mlp_branch", ref=False, micro=3, configure=_reduce_scatter_unused(_both),
+            before_micro=_branches(**_RS_ACCUMULATING,
+                                   order=lambda s, m: (0,) if (s, m) in ((1, 2), (2, 0), (2, 1), (2, 2))
+                                   else (0, 1)),
+            after_micro=_note_state_and_grads),
+        # torch 2.13 fails here (AssertionError "FSDP reduce-scatter expects uniform gradient
+        # dtype": bf16 zeros beside fp32 accumulated gradients; 2.15 casts the zeros). The
+        # oracle is torch without the flag on the same model whose branches not used are
+        # used times 0: every parameter gets a gradient, zeros where the flag reduces zeros
+        "reduce_scatter_unused_params_accumulate_mp": lambda: Scenario(
+            kind="mlp_branch", ref=False, micro=3, unit_kw={"mp_policy": _BF16_FP32},
+            configure=_reduce_scatter_unused(lambda impl: impl is CFSDP and not SELFTEST,
+                                             zero_use=lambda impl: impl is TORCH or SELFTEST),
+            before_micro=_branches(**_RS_ACCUMULATING), after_micro=_note_state_and_grads),
+        # without the flag: torch aborts (gloo: a reduce-scatter of another size on each
+        # rank); cfsdp reduces the whole unit, and each parameter some rank used gets its
+        # gradient on every rank, None only where no rank used it: torch with the flag is
+        # the oracle where every branch is used by some rank (rank s % W uses none in step s).
+        # ``gain`` frozen: a rank holding no row of it that did not use it cannot tell that
+        # from no rank using it (None; torch with the flag: an empty gradient)
+        "unused_on_some_ranks": lambda: Scenario(
+            kind="mlp_branch", ref=False,
+            configure=_reduce_scatter_unused(lambda impl: impl is TORCH or SELFTEST,
+                                             freeze=("gain",)),
+            before_micro=_branches(root=lambda s, m, r: r != s % WORLD,
+                                   block=lambda s, m, r: r != s % WORLD),
+            after_micro=_note_state_and_grads),
+    } if hasattr(torch_fsdp.FSDPModule, "set_reduce_scatter_unused_params") else {}),
     "all_reduce_hook": lambda: Scenario(optim="sgd", configure=_halve_in_hook, ref_grad_scale=0.5),
     "compiled_block": lambda: Scenario(prepare=_every_block(_compile_body)),
     "force_sum_reduction": lambda: Scenario(configure=_force_sum),
