@@ -21,7 +21,9 @@ AT_4 = ("strategy_parity[strategy=HYBRID|strategy_parity[strategy=_HYBRID|hybrid
         "|orig_param_attributes[strategy=HYBRID|orig_param_attributes[strategy=_HYBRID"
         "|no_sync_dtypes[strategy=HYBRID_SHARD,config=bf16,"
         "|no_sync_dtypes[strategy=_HYBRID_SHARD_ZERO2,config=cpu_offload,"
-        "|orig_param_writes[strategy=FULL_SHARD")
+        "|orig_param_writes[strategy=FULL_SHARD"
+        "|no_sync_unit_not_reached[strategy=HYBRID|no_sync_unit_not_reached[strategy=_HYBRID"
+        "|params_unused_on_some_ranks[strategy=HYBRID|params_unused_on_some_ranks[strategy=_HYBRID")
 WORKER = SplitWorker("worker_strategies.py", [Launch("2", 2), Launch("4", 4, only=AT_4)],
                      timeout=LAUNCH_TIMEOUT_S)
 
