@@ -98,6 +98,7 @@ class _FSState:
         self.auto_reshard = reshard_after_forward is None
         self.ustate = UnitState(unit, name, True if reshard_after_forward is None else reshard_after_forward)
         self.ustate.reshard_after_backward = True
+        self.ustate.pre_backward_each_output = True
         self.ustate.root_reshards_after_forward = not self.auto_reshard
         self.post_optim_event = None
         self._to_run: set[int] = set()  # modules of this call yet to run forward in this pass

@@ -77,7 +77,9 @@ class MLPBlock(nn.Module):
     def __init__(self, d: int):
         super().__init__()
         self.lin = nn.Linear(d, d)
-        self.ckpt = False  # activation checkpointing inside the unit's own forward
+        # activation checkpointing inside the unit's own forward: False, True (non-reentrant)
+        # or "reentrant" (torch.utils.checkpoint's use_reentrant=True)
+        self.ckpt: bool | str = False
         self.fail = False  # raise once, to test reset_iter_state
 
     def _body(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ class MLPBlock(nn.Module):
             self.fail = False
             raise InjectedFailure("injected failure in a block's forward")
         if self.ckpt:
-            return checkpoint(self._body, x, use_reentrant=False)
+            return checkpoint(self._body, x, use_reentrant=self.ckpt == "reentrant")
         return self._body(x)
 
 
@@ -101,12 +103,18 @@ class MLP(nn.Module):
         self.out = nn.Linear(9, 3)
         self.scale = nn.Parameter(torch.tensor([1.25]))
         self.order = order  # the blocks, in the order forward calls them
+        # each block call under a reentrant checkpoint around the unit (the block's own
+        # forward hooks run again in the recompute)
+        self.ckpt_around_blocks = False
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         # the elementwise op runs in the input's dtype: shows whether fully_shard cast it
         hid = F.gelu(_linear(self.in_proj, torch.tanh(x - self.shift)))
         for i in self.order:
-            hid = self.blocks[i](hid)
+            if self.ckpt_around_blocks:
+                hid = checkpoint(self.blocks[i], hid, use_reentrant=True)
+            else:
+                hid = self.blocks[i](hid)
         return _linear(self.out, hid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

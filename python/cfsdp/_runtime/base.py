@@ -14,7 +14,9 @@ post-forward                ``reshard_after_forward(for_backward)``, or
                             ``end_forward_views()`` for a unit that stays unsharded
                             (the wrapper face: ``UnitState.keeps_views_for_backward``)
 pre-backward                ``unshard()``, ``use_forward_views()``,
-                            ``take_grad_for_backward()``
+                            ``take_grad_for_backward()`` (once per backward; the
+                            composable face's again after its post-backward: [Note:
+                            recompute])
 gradient ready              ``post_backward_fn(unit, grad)`` (set by the hooks, called
                             by :func:`hook_grad_ready`, once per iteration: [Note: one
                             post-backward per iteration]), then ``keep_unsharded_grad``

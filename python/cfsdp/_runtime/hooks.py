@@ -39,6 +39,16 @@ from .base import PendingReduce, TrainingState, UnitContract
 # and a forward that starts while its unit is in BACKWARD_PRE (a checkpointed
 # region wrapping a whole unit) skips the pre/post-forward logic, as torch's
 # FSDP1 does: no unshard, no reshard, no new hooks.
+#
+# A reentrant checkpoint differentiates each recompute in a backward of its own,
+# so the unit's gradient is accumulated, and its post-backward runs (reduce,
+# reshard), once per checkpointed call of a unit called several times in one
+# forward, before the next call's recompute.  torch's FSDP2 runs the pre-backward
+# of every output gradient (``FSDPParamGroup.pre_backward``: unshard, a no-op when
+# unsharded), so the earlier call's recompute finds the unit unsharded again:
+# ``UnitState.pre_backward_each_output``.  torch's FSDP1 runs it once per
+# backward (``_ran_pre_backward_hook``) and that recompute fails on the resharded
+# parameters; the wrapper face does the same.
 
 BACKWARD_PRE = "BACKWARD_PRE"
 BACKWARD_POST = "BACKWARD_POST"
@@ -147,6 +157,11 @@ class UnitState:
         self.backward_prefetch_states: Optional[list["UnitState"]] = None
         # False: backward needs no parameter values (e.g. an embedding), skip the unshard
         self.unshard_in_backward = True
+        # The composable face (torch's FSDP2): the pre-backward runs for every output
+        # gradient, also after the unit's post-backward in the same backward (a reentrant
+        # checkpoint's recompute of an earlier call: [Note: recompute]); the wrapper face
+        # (torch's FSDP1): once per backward.
+        self.pre_backward_each_output = False
         # The wrapper face (torch's FSDP1): a unit that stays unsharded after forward shows
         # its registered parameters again (``end_forward_views``), unless this is True and
         # backward will follow (SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 keep the forward's views
@@ -252,8 +267,10 @@ class UnitState:
     @dynamo_disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
         check_not_compiled_autograd()
-        if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-            return grad
+        ts = self.training_state
+        if ts is TrainingState.BACKWARD_PRE or (
+                ts is TrainingState.BACKWARD_POST and not self.pre_backward_each_output):
+            return grad  # [Note: recompute]
         root = self.root
         if root is None:
             raise AssertionError("cfsdp: backward before lazy init")

@@ -51,6 +51,35 @@ def _ckpt_in_forward(blk):
     return blk
 
 
+def _ckpt_reentrant_in_forward(blk):
+    blk.ckpt = "reentrant"
+    return blk
+
+
+def _ckpt_reentrant_around_blocks(impl, model):
+    """cfsdp: each block call under a reentrant checkpoint around the unit (the recompute runs
+    the unit's hooks again); torch: the reentrant checkpoint inside the unit's forward, the
+    same gradients bitwise (each call's recompute is differentiated in a backward of its own,
+    and its gradient reduced there).  torch 2.13's own placement around the unit is wrong
+    when a unit is called twice (README): after backward the unit stays unsharded, its
+    registered parameters the unsharded ones holding a gradient never reduced, and the
+    sharded parameters lack a call's gradient."""
+    if impl is TORCH or SELFTEST:
+        for blk in model.blocks:
+            blk.ckpt = "reentrant"
+    else:
+        model.ckpt_around_blocks = True
+
+
+_MP_BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _mp(**kw) -> Scenario:
+    """``Scenario(**kw)`` under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)."""
+    return Scenario(optim="sgd", unit_kw={"mp_policy": _MP_BF16_FP32},
+                    root_kw={"mp_policy": _MP_BF16_FP32}, mp=_MP_BF16_FP32, **kw)
+
+
 def _eval_forward(require_sharded: Callable[[Impl], bool]):
     """After each step, an eval-mode no_grad forward; its output is compared with torch's.
 
@@ -287,6 +316,19 @@ FEATURES: dict[str, Callable[[], Scenario]] = {
         unit_kw={"reshard_after_forward": True}, after_step=_eval_forward(lambda impl: True)),
     "checkpoint_in_forward": lambda: Scenario(prepare=_every_block(_ckpt_in_forward)),
     "checkpoint_wrapper": lambda: Scenario(prepare=_every_block(checkpoint_wrapper)),
+    # reentrant checkpointing (torch.utils.checkpoint(use_reentrant=True)) in each block's
+    # forward; ``called_twice``: block 1 called twice in one forward, each call's recompute
+    # differentiated in a backward of its own, so the unit reduces and reshards after the
+    # later call's, then the earlier call's recompute needs it unsharded again (torch's
+    # pre-backward of every output gradient unshards; cfsdp's ran once per backward and that
+    # recompute failed: "aten.addmm.default got mixed torch.Tensor and DTensor")
+    "checkpoint_reentrant_mp": lambda: _mp(prepare=_every_block(_ckpt_reentrant_in_forward)),
+    "checkpoint_reentrant_called_twice": lambda: Scenario(
+        kind="mlp_twice", prepare=_every_block(_ckpt_reentrant_in_forward)),
+    "checkpoint_reentrant_called_twice_mp": lambda: _mp(
+        kind="mlp_twice", prepare=_every_block(_ckpt_reentrant_in_forward)),
+    "checkpoint_reentrant_around_units_called_twice": lambda: Scenario(
+        kind="mlp_twice", configure=_ckpt_reentrant_around_blocks),
     "ignored_params": lambda: Scenario(
         root_kw=lambda model: {"ignored_params": {model.out.weight, model.out.bias}},
         ref=False),  # ignored grads are not reduced: ranks diverge, torch is the only oracle
