@@ -237,7 +237,7 @@ class CalledTwice(nn.Module):
 
 
 @h.subtest(grid={"case": ["first_on_input", "first_needs_weights", "two_forwards",
-                          "forward_without_backward"],
+                          "forward_without_backward", "no_sync"],
                  "strategy": [SS.FULL_SHARD, SS.SHARD_GRAD_OP, SS.NO_SHARD],
                  "use_orig_params": [False, True]})
 def unit_called_twice(ctx, case: str, strategy, use_orig_params: bool):
@@ -254,8 +254,13 @@ def unit_called_twice(ctx, case: str, strategy, use_orig_params: bool):
     forward whose output is dropped before each step's: torch's hook stays on the node of
     that forward, never run, and its optimizer step fails on the unreduced gradient
     (RuntimeError: size mismatch); cfsdp reduces it at the end of backward, so the oracle is
-    torch without that forward (it changes nothing).  Bitwise torch's: losses, the
-    gradients the optimizer sees, the state dict."""
+    torch without that forward (it changes nothing).  ``no_sync``: as ``first_needs_weights``,
+    each step's backward after one inside ``no_sync()``: every call has a node of its own
+    under every strategy (torch's post-forward swaps ``.data`` to the fp32 shard, also with
+    SHARD_GRAD_OP / NO_SHARD and on the root), so the calls' bf16 gradients are added one by
+    one to no_sync's (cfsdp's SHARD_GRAD_OP / NO_SHARD kept one node: their sum was added,
+    other bf16 roundings).  Bitwise torch's: losses, the gradients the optimizer sees, the
+    state dict."""
     mm = Mismatches(ctx)
     mp = MixedPrecision(param_dtype=BF16, buffer_dtype=BF16)
     torch.manual_seed(0)
@@ -274,6 +279,9 @@ def unit_called_twice(ctx, case: str, strategy, use_orig_params: bool):
         def loss_of(model, xs, extra_forward=case == "forward_without_backward" and w is CFSDP):
             if extra_forward:
                 model(xs[1])
+            if case == "no_sync":
+                with model.no_sync():
+                    square_loss(model, xs[1]).backward()
             loss = square_loss(model, xs[0])
             return loss + square_loss(model, xs[1]) if case == "two_forwards" else loss
 

@@ -8,8 +8,8 @@ A *unit* is the set of parameters communicated together: one wrapped module
 in :class:`UnitContract`, and nothing else:
 
 ==========================  ======================================================
-pre-forward                 ``before_forward()``, ``unshard()``, ``use_forward_views()``,
-                            then, with grad enabled, ``record_grad_node()``
+pre-forward                 ``before_forward()``, ``unshard()``, with grad enabled
+                            ``record_grad_node()``, ``use_forward_views()``
 post-forward                ``reshard_after_forward(for_backward)``, or
                             ``end_forward_views()`` for a unit that stays unsharded
                             (the wrapper face: ``UnitState.keeps_views_for_backward``)
@@ -285,14 +285,20 @@ def accumulate_sharded(u: ShardedReduceTarget, out: torch.Tensor, divided: bool,
 # post-accumulate-grad hook fires once per node, so a unit that may have several
 # (the wrapper's; ``fully_shard``'s flat parameter keeps its dtype, one node, as torch
 # FSDP2's unsharded parameters) records the node of its first grad-enabled forward
-# (``record_grad_node``, after the pre-forward's unshard, as torch's) in
-# ``first_grad_node``, and the hook acts only inside that node (``current_autograd_node``);
-# in another it leaves the gradient on the parameter, to accumulate, and marks the unit
-# ``grad_waiting``.  (Acting in each node reduced each call's gradient on its own, summed
-# in full precision: other numbers than torch's; and the first reduction resharded the
-# unit before the earlier call's backward, which may need its parameters: a freed-storage
-# error.)  Full precision, SHARD_GRAD_OP and NO_SHARD (no reshard between the calls) have
-# one node: nothing changes.  The end of backward forgets the node.  A grad-enabled forward
+# (``record_grad_node``, after the pre-forward's unshard and before its views, as torch's)
+# in ``first_grad_node``, and the hook acts only inside that node
+# (``current_autograd_node``); in another it leaves the gradient on the parameter, to
+# accumulate, and marks the unit ``grad_waiting``.  (Acting in each node reduced each
+# call's gradient on its own, summed in full precision: other numbers than torch's; and
+# the first reduction resharded the unit before the earlier call's backward, which may
+# need its parameters: a freed-storage error.)  torch's post-forward swaps ``.data`` to the
+# full-precision shard under every strategy, the root's unit included, so every forward
+# has its own node; cfsdp's SHARD_GRAD_OP, NO_SHARD and root units stay unsharded between
+# the calls, so a later forward's ``record_grad_node`` makes it a node of its own
+# (``new_grad_node``).  The nodes' order matters once ``flat_param.grad`` holds a
+# gradient (``no_sync()``'s): torch adds each call's gradient to it in turn, one node would
+# add their sum (other bf16 roundings).  Full precision has one node throughout.  The end
+# of backward forgets the node.  A grad-enabled forward
 # that no backward follows leaves its node recorded, never to run; torch's unit then never
 # reduces (its optimizer step fails on the unsharded gradient).  cfsdp's end of backward
 # takes a gradient still waiting (``take_waiting_grad``) through the reduction (or
@@ -331,6 +337,16 @@ def hook_grad_ready(unit: UnitContract) -> None:
 # ---------------------------------------------------------------------------
 # tensors and views
 # ---------------------------------------------------------------------------
+
+
+def new_grad_node(p: torch.Tensor, other_dtype: torch.dtype) -> None:
+    """Views of ``p`` made from now on get a new ``AccumulateGrad`` node, as after a
+    ``.data`` swap to ``other_dtype`` and back (what torch FSDP1's reshard and unshard do
+    under mixed precision): autograd drops a live node when ``.data`` changes dtype
+    ([Note: one post-backward per iteration])."""
+    data = p.data
+    p.data = torch.empty(0, dtype=other_dtype, device=data.device)
+    p.data = data
 
 
 def alloc_storage(t: torch.Tensor) -> None:

@@ -203,9 +203,9 @@ class UnitState:
             nxt = self._neighbour(+1)
             if nxt is not None and nxt.unit is not None:
                 nxt.unit.unshard(async_op=True)
-        u.use_forward_views()
         if torch.is_grad_enabled():  # [Note: one post-backward per iteration] in base.py
             u.record_grad_node()
+        u.use_forward_views()
 
     @dynamo_disable
     def post_forward(self, output: Any) -> Any:

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..._fqn import FLAT_PARAM
 from .. import comm, device
-from ..base import UnshardStates, alloc_storage, free_storage
+from ..base import UnshardStates, alloc_storage, free_storage, new_grad_node
 from ..reduce import scale_cast_add
 from ..replaced import WRAPPER, mark_replaced
 from ..views import as_tp, changed_mask, hook_flat_grad, split_views, tp_views
@@ -235,14 +235,21 @@ class FlatLifecycle(UnshardStates):
             self._views_bound = True
 
     def record_grad_node(self) -> None:
-        """A grad-enabled forward, after its unshard: the first since the last backward
-        records the flat parameter's ``AccumulateGrad`` node, the one node the
-        gradient-ready hook acts in ([Note: one post-backward per iteration] in base.py;
-        torch's ``_register_post_backward_hook``).  Mixed precision swaps ``.data``
-        between dtypes, so a later forward may make another node."""
+        """A grad-enabled forward, after its unshard and before its views: the first since
+        the last backward records the flat parameter's ``AccumulateGrad`` node, the one
+        node the gradient-ready hook acts in ([Note: one post-backward per iteration] in
+        base.py; torch's ``_register_post_backward_hook``).  Under mixed precision each
+        later forward gets a node of its own, as torch's: its post-forward swaps ``.data``
+        to the full-precision shard and its unshard back, every strategy, the root
+        included (the accumulation order of several calls' gradients onto an earlier
+        one, no_sync()'s, follows the nodes)."""
         p = self.flat_param
-        if self.first_grad_node is None and p.requires_grad:
+        if not p.requires_grad:
+            return
+        if self.first_grad_node is None:
             self.first_grad_node = p.expand_as(p).grad_fn.next_functions[0][0]
+        elif self.uses_mp:
+            new_grad_node(p, self.dtype)
 
     def end_forward_views(self) -> None:
         """A unit that stays unsharded after forward or backward: the modules show the
