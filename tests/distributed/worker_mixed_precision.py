@@ -27,12 +27,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision, StateDictType
 from torch.distributed.fsdp import ShardingStrategy as SS
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, CheckpointWrapper, checkpoint_wrapper)
+from torch.utils.checkpoint import checkpoint
 
 import _harness as h
 from cfsdp import FullyShardedDataParallel as CFSDP
 from parity_common import CPU, Mismatches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+CKPT_PREFIX = "_checkpoint_wrapped_module."
 
 CONFIGS = {
     "bf16": MixedPrecision(param_dtype=BF16, buffer_dtype=BF16),
@@ -288,6 +292,105 @@ def unit_called_twice(ctx, case: str, strategy, use_orig_params: bool):
         losses, grads = [], []
         train_steps(model, opt, inputs, losses, grads, loss_of)
         record.append((losses, grads, model.state_dict()))
+    compare_records(mm, record)
+    mm.raise_if_any()
+
+
+class CheckpointNet(nn.Module):
+    """``out(b(a(inp(x))))``, or ``out(a(b(a(inp(x)))))`` (``twice``), ``a`` and ``b`` Blocks."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.a, self.b = Block(7), Block(7)
+        self.out = nn.Linear(7, 1)
+        self.twice = twice
+
+    def forward(self, x):
+        h = self.b(self.a(self.inp(x)))
+        return self.out(self.a(h) if self.twice else h)
+
+
+def _reentrant(m: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.REENTRANT)
+
+
+# (placement, strategy, use_orig_params): representatives, not the product (a few seconds)
+REENTRANT_CASES = {
+    f"{p}-{s.name}-uop{int(u)}": (p, s, u) for p, s, u in [
+        ("inside", SS.FULL_SHARD, False), ("inside", SS.SHARD_GRAD_OP, True),
+        ("inside", SS.NO_SHARD, False),
+        ("outside", SS.FULL_SHARD, True), ("outside", SS.SHARD_GRAD_OP, False),
+        ("outside", SS.NO_SHARD, True),
+        ("whole", SS.FULL_SHARD, False), ("whole", SS.NO_SHARD, True),
+        ("outside_twice", SS.FULL_SHARD, True), ("outside_twice", SS.SHARD_GRAD_OP, True),
+        ("outside_twice", SS.NO_SHARD, True), ("outside_twice", SS.FULL_SHARD, False),
+        ("inside_twice", SS.FULL_SHARD, True), ("inside_twice", SS.SHARD_GRAD_OP, False),
+        ("inside_twice", SS.SHARD_GRAD_OP, True), ("inside_twice", SS.NO_SHARD, False),
+        ("inside_twice", SS.NO_SHARD, True)]}
+
+
+@h.subtest(grid={"case": list(REENTRANT_CASES)})
+def reentrant_checkpoint(ctx, case: str):
+    """Reentrant activation checkpointing (``CheckpointImpl.REENTRANT``,
+    ``torch.utils.checkpoint(use_reentrant=True)``): the forward runs without grad, and each
+    recompute is differentiated in a backward of its own.  ``inside``: FSDP(checkpoint_wrapper(
+    Block)); ``outside``: checkpoint_wrapper(FSDP(Block)), the recompute runs the unit's forward
+    hooks again; ``whole``: checkpoint(model, x) around the root.  Each under
+    ``param_dtype=bf16``; each step's backward after one inside ``no_sync()``; bitwise torch's
+    losses, the gradients the optimizer sees and the state dict.
+
+    ``outside_twice``: ``a`` called twice (``outside``, fp32): the earlier call's recompute runs
+    after the later call's post-backward; with ``use_orig_params=True`` cfsdp's pre-forward
+    of that recompute dropped the reduced gradient (every original parameter's ``.grad`` was
+    still None, which it took for a ``zero_grad``): other gradients than torch's.  torch's
+    with ``param_dtype=bf16`` reduces one call's gradient only (its hook sits on the node of
+    the first recompute, the other call's recompute makes another; README), so fp32 here.
+    ``inside_twice``: ``a`` called twice (``inside``, bf16): torch fails (FULL_SHARD /
+    SHARD_GRAD_OP with use_orig_params=False: a size mismatch in its post-backward) or trains
+    on other gradients (use_orig_params=True: ``a``'s ``.grad`` None; NO_SHARD: a call's
+    gradient dropped); cfsdp reduces the sum of both calls' gradients once, at the end of
+    backward (neither recompute runs in the node of the forward), which is torch's gradient
+    without checkpointing, bitwise: that is the oracle (cfsdp failed on SHARD_GRAD_OP /
+    NO_SHARD: "mat1 and mat2 must have the same dtype", or a freed storage)."""
+    placement, strategy, use_orig_params = REENTRANT_CASES[case]
+    mm = Mismatches(ctx)
+    twice = placement.endswith("_twice")
+    mp = None if placement == "outside_twice" else MixedPrecision(param_dtype=BF16, buffer_dtype=BF16)
+    torch.manual_seed(0)
+    base = CheckpointNet(twice)
+    record = []
+    for w in (TorchFSDP, CFSDP):
+        model = copy.deepcopy(base)
+        kw = dict(process_group=ctx.pg, device_id=CPU, mixed_precision=mp, sharding_strategy=strategy,
+                  use_orig_params=use_orig_params)
+        oracle_without_ac = placement == "inside_twice" and w is TorchFSDP
+        if placement in ("outside", "outside_twice"):
+            model.a, model.b = _reentrant(w(model.a, **kw)), _reentrant(w(model.b, **kw))
+            model = w(model, **kw)
+        elif placement.startswith("inside") and not oracle_without_ac:
+            model.a, model.b = _reentrant(model.a), _reentrant(model.b)
+            model = w(model, auto_wrap_policy=ModuleWrapPolicy({CheckpointWrapper}), **kw)
+        else:
+            model = w(model, auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + ctx.rank)
+        inputs = [(torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)) for _ in range(3)]
+
+        def loss_of(model, xs):
+            def one(x):
+                if placement != "whole":
+                    return square_loss(model, x)
+                out = checkpoint(model, x.requires_grad_(), use_reentrant=True)
+                return out.float().pow(2).mean()
+            with model.no_sync():
+                one(xs[1]).backward()
+            return one(xs[0])
+
+        losses, grads = [], []
+        train_steps(model, opt, inputs, losses, grads, loss_of)
+        record.append((losses, [[(n.replace(CKPT_PREFIX, ""), g) for n, g in s] for s in grads],
+                       {k.replace(CKPT_PREFIX, ""): v for k, v in model.state_dict().items()}))
     compare_records(mm, record)
     mm.raise_if_any()
 

@@ -8,8 +8,9 @@ A *unit* is the set of parameters communicated together: one wrapped module
 in :class:`UnitContract`, and nothing else:
 
 ==========================  ======================================================
-pre-forward                 ``before_forward()``, ``unshard()``, with grad enabled
-                            ``record_grad_node()``, ``use_forward_views()``
+pre-forward                 ``before_forward()`` (not in a recompute inside backward:
+                            [Note: recompute] in hooks.py), ``unshard()``, with grad
+                            enabled ``record_grad_node()``, ``use_forward_views()``
 post-forward                ``reshard_after_forward(for_backward)``, or
                             ``end_forward_views()`` for a unit that stays unsharded
                             (the wrapper face: ``UnitState.keeps_views_for_backward``)

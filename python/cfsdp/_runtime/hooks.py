@@ -49,6 +49,14 @@ from .base import PendingReduce, TrainingState, UnitContract
 # ``UnitState.pre_backward_each_output``.  torch's FSDP1 runs it once per
 # backward (``_ran_pre_backward_hook``) and that recompute fails on the resharded
 # parameters; the wrapper face does the same.
+#
+# A forward that runs inside a backward (a recompute of a unit whose earlier call's
+# post-backward ran already: reentrant checkpointing around the unit) is part of the
+# step that backward belongs to, not a new one: it skips the unit's ``before_forward``
+# (with ``use_orig_params=True`` the wrapper's unit drops its flat gradient there when
+# every original parameter's ``.grad`` is None, which is what they show until the end
+# of backward: the reduced gradient of the later call was dropped).  torch's FSDP1
+# clears those gradients in the root's pre-forward and first pre-backward only.
 
 BACKWARD_PRE = "BACKWARD_PRE"
 BACKWARD_POST = "BACKWARD_POST"
@@ -193,7 +201,8 @@ class UnitState:
         u = self.unit
         if u is None:
             return
-        u.before_forward()
+        if not root.callback_queued:  # a recompute in backward is no new step: [Note: recompute]
+            u.before_forward()
         u.unshard()
         if self.forward_prefetch_states is not None:
             for st in self.forward_prefetch_states:
