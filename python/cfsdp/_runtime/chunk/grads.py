@@ -127,8 +127,8 @@ class ChunkGrads:
 
     def _forget_got_grads(self) -> None:
         self._got_all = False
-        if self._got_some:
-            self._got_some = False
+        self._got_some = False
+        if any(self._got_grad):  # recorded by note_grads or a followed user .grad
             self._got_grad[:] = bytes(len(self.params))
 
     def _unused(self, grad: torch.Tensor) -> list[int]:
@@ -594,8 +594,9 @@ class ChunkGrads:
                 if buf is None:
                     buf = self._unsharded_grad_buffer()
                 buf[q.nat_off : q.nat_off + q.numel].view(q.shape).copy_(c)
-                if not self._got_every_grad():  # torch reduces it: [Note: unused parameters]
-                    self._got_grad[i] = 1
+                # torch reduces it: [Note: unused parameters] (also where a later node of
+                # this backward leaves the parameter without a gradient of its own)
+                self._got_grad[i] = 1
 
     def _check_assigned_grad(self, q: Any, c: torch.Tensor) -> None:
         """A ``.grad`` the user assigned to ``q``'s unsharded parameter where nothing was shown
