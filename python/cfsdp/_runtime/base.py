@@ -340,6 +340,14 @@ def hook_grad_ready(unit: UnitContract) -> None:
 # ---------------------------------------------------------------------------
 
 
+def issue_reduction(pending: list, unit: "UnitContract", grad: torch.Tensor) -> None:
+    """Issue ``unit``'s reduction of ``grad`` with one reduction in flight: the older ones in
+    ``pending`` are finished first."""
+    while pending:
+        pending.pop(0).finish()
+    pending.append(unit.reduce_grad(grad))
+
+
 def new_grad_node(p: torch.Tensor, other_dtype: torch.dtype) -> None:
     """Views of ``p`` made from now on get a new ``AccumulateGrad`` node, as after a
     ``.data`` swap to ``other_dtype`` and back (what torch FSDP1's reshard and unshard do
@@ -413,5 +421,6 @@ __all__ = [
     "TrainingState", "UnitContract", "ShardedReduceTarget", "UnshardStates", "PendingReduce",
     "FinishedReduce",
     "accumulate_sharded", "hook_grad_ready", "alloc_storage", "free_storage", "set_grad",
+    "issue_reduction",
     "all_none", "views_or_none", "WRAPPER_CLASS_MARK", "wrappers_in",
 ]

@@ -29,7 +29,7 @@ import torch
 
 from .._compile import check_not_compiled_autograd, dynamo_disable
 from .._torch import core as _torch_core
-from .base import PendingReduce, TrainingState, UnitContract
+from .base import PendingReduce, TrainingState, UnitContract, issue_reduction
 
 # [Note: recompute]
 # Activation checkpointing runs a module's forward again in backward, after
@@ -332,10 +332,7 @@ class UnitState:
         if not self.sync_gradients:
             unit.keep_unsharded_grad(grad)
         else:
-            # Keep one reduction in flight: finish older ones before issuing.
-            while root.pending:
-                root.pending.pop(0).finish()
-            root.pending.append(unit.reduce_grad(grad))
+            issue_reduction(root.pending, unit, grad)
 
     def keeps_unsharded_after_backward(self) -> bool:
         """Whether backward leaves this unit unsharded.  The wrapper face (like

@@ -19,7 +19,8 @@ from ... import _core
 from ..._torch import fsdp2 as _fsdp2
 from ..._torch.dtensor import DTensorSpec, redistribute_local_tensor
 from .. import comm, device
-from ..base import FinishedReduce, PendingReduce, accumulate_sharded, all_none, views_or_none
+from ..base import (FinishedReduce, PendingReduce, accumulate_sharded, all_none, issue_reduction,
+                    views_or_none)
 from ..reduce import divide_factors
 from .launch import Launches
 
@@ -142,7 +143,7 @@ class ChunkGrads:
             self._forget_got_grads()
             return []
         out = [i for i, q in enumerate(self.params)
-               if q.requires_grad and not self._got_grad[i] and not (had and had[i])
+               if q.requires_grad and not self._got_grad[i] and (had is None or had[i] is None)
                and not bool(q.local_view(grad).any())]
         self._forget_got_grads()
         return out
@@ -179,12 +180,12 @@ class ChunkGrads:
         if pub is not None and all(map(operator.is_, grads, pub.shown)):
             if not all_none(grads):
                 self.saved_grad = pub.buf  # the gradients as published: add to them
-                self._had_grad = tuple(g is not None for g in grads)  # [Note: unused parameters]
+                self._had_grad = grads  # [Note: unused parameters]
             return
         self._pub = None  # dropped or replaced: the user's ([Note: gradient ownership])
         if all_none(grads):
             return
-        self._had_grad = tuple(g is not None for g in grads)
+        self._had_grad = grads
         # gradients the user assigned: copied into a new buffer the reduction adds to
         buf = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -212,29 +213,15 @@ class ChunkGrads:
     # ``reduce_scatter_unused_params``, so without that flag the other parameters' gradients
     # may differ from torch's in the last bit from 3 ranks on (README).
 
-    def _reduce_layout(self) -> Optional[tuple]:
-        """``(mask, plan, plan_bytes, shard_numel, spans, rows)`` of the trainable parameters
-        ([Note: trainable layout]); None when every parameter is trainable (the unit's
-        own plan) or none is."""
+    def _reduce_layout(self) -> Optional["_TrainableLayout"]:
+        """The trainable parameters' reduce-scatter layout ([Note: trainable layout]); None
+        when every parameter is trainable (the unit's own plan) or none is."""
         mask = self._rg_mask
         if mask is None or all(mask) or not any(mask):
             return None
         lay = self._sub_layout
-        if lay is not None and lay[0] == mask:
-            return lay
-        plan, spans, rows, off = [], [], [], 0
-        for q, rg in zip(self.params, mask):
-            if not rg:
-                continue
-            plan.append((q.nat_off, q.numel, q.chunk_numel, off, max(q.outer, 1)))
-            rows.append(max(q.rows, 1))
-            if spans and spans[-1][0] + spans[-1][2] == q.shard_off and spans[-1][1] + spans[-1][2] == off:
-                dst, src, n = spans[-1]
-                spans[-1] = (dst, src, n + q.chunk_numel)  # adjacent: one copy
-            else:
-                spans.append((q.shard_off, off, q.chunk_numel))
-            off += q.chunk_numel
-        lay = self._sub_layout = (mask, plan, comm.pack_plan(plan), off, tuple(spans), rows)
+        if lay is None or lay.mask != mask:
+            lay = self._sub_layout = _TrainableLayout(self.params, mask, self.world_size)
         return lay
 
     def _expander(self, out: torch.Tensor):
@@ -243,11 +230,11 @@ class ChunkGrads:
         if out.numel() == self.shard_numel:
             return None
         lay = self._sub_layout
-        if lay is None or lay[3] != out.numel():
+        if lay is None or lay.numel != out.numel():
             raise AssertionError(
                 f"cfsdp: a reduced shard of {out.numel()} elements, expected {self.shard_numel} "
                 "or the trainable layout's")
-        spans = lay[4]
+        spans = lay.spans
 
         def expand(part: torch.Tensor) -> torch.Tensor:
             full = torch.zeros(self.shard_numel, dtype=part.dtype, device=part.device)
@@ -330,9 +317,7 @@ class ChunkGrads:
         else:
             return
         self.take_grad_for_backward()
-        while pending:
-            pending.pop(0).finish()
-        pending.append(self.reduce_grad(grad))
+        issue_reduction(pending, self, grad)
 
     def _redistribute_partial(self, grad: torch.Tensor) -> None:
         """The TP parameters whose gradient arrived as a partial sum over TP ranks (e.g.
@@ -385,8 +370,8 @@ class ChunkGrads:
         if lay is None:
             out, plan, plan_bytes = self._reduce_out(), self._plan, self._plan_bytes
         else:
-            out = torch.empty(lay[3], dtype=self.reduce_dtype, device=self.device)
-            plan, plan_bytes = lay[1], lay[2]
+            out = torch.empty(lay.numel, dtype=self.reduce_dtype, device=self.device)
+            plan, plan_bytes = lay.plan, lay.plan_bytes
         self.grad_unsharded = False
         # on shared memory the pack runs piece by piece into the shared slots (no
         # rank-major buffer); on the process group it is chunk_pack, then the collective
@@ -399,7 +384,8 @@ class ChunkGrads:
             return self.new_grad_buffer()  # reduce straight into the gradient
         return torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
-    def _reduce_on_streams(self, ctx, grad: torch.Tensor, lay: Optional[tuple]) -> FinishedReduce:
+    def _reduce_on_streams(self, ctx, grad: torch.Tensor,
+                           lay: Optional["_TrainableLayout"]) -> FinishedReduce:
         """[Note: stream protocol] in streams.py: pack, reduce-scatter (``async_op=False``)
         and fold in on the reduce-scatter stream (HSDP's all-reduce and an all-reduce hook
         on the all-reduce stream, which the fold then follows); finished when it returns,
@@ -412,11 +398,7 @@ class ChunkGrads:
         W, S = self.world_size, self.shard_numel
         launches = self.launches()
         if lay is not None:  # [Note: trainable layout]
-            S = lay[3]
-            launches = self._sub_launches = (
-                self._sub_launches if self._sub_launches is not None and self._sub_launches[0] is lay
-                else (lay, Launches(lay[1], lay[5], W, S)))
-            launches = launches[1]
+            S, launches = lay.numel, lay.launches()
         grad = grad.contiguous()
         layer.record_stream(grad, rs)  # made on the current stream, read on this one
         with layer.on(rs):
@@ -672,6 +654,38 @@ def _weak_note_grads(unit: ChunkGrads):
             u.note_grads(grad_outputs)
 
     return hook
+
+
+class _TrainableLayout:
+    """The reduce-scatter layout of a unit's trainable parameters ([Note: trainable layout]):
+    their chunk plan (the unit's own entries, each at its offset in the smaller shard), the
+    shard size, the spans that copy the result back into the unit's shard (adjacent
+    parameters merged into one copy), and the streams' path's launches (made when first
+    asked for)."""
+
+    __slots__ = ("mask", "plan", "plan_bytes", "numel", "spans", "rows", "world_size", "_launches")
+
+    def __init__(self, params: list, mask: tuple, world_size: int):
+        plan, spans, rows, off = [], [], [], 0
+        for q, rg in zip(params, mask):
+            if not rg:
+                continue
+            plan.append(q.plan_entry(off))
+            rows.append(max(q.rows, 1))
+            if spans and spans[-1][0] + spans[-1][2] == q.shard_off and spans[-1][1] + spans[-1][2] == off:
+                dst, src, n = spans[-1]
+                spans[-1] = (dst, src, n + q.chunk_numel)  # adjacent: one copy
+            else:
+                spans.append((q.shard_off, off, q.chunk_numel))
+            off += q.chunk_numel
+        self.mask, self.plan, self.plan_bytes = mask, plan, comm.pack_plan(plan)
+        self.numel, self.spans, self.rows = off, tuple(spans), rows
+        self.world_size, self._launches = world_size, None
+
+    def launches(self) -> Launches:
+        if self._launches is None:
+            self._launches = Launches(self.plan, self.rows, self.world_size, self.numel)
+        return self._launches
 
 
 class _Published:

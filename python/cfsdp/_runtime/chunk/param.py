@@ -119,6 +119,11 @@ class ChunkParam:
         """The shape of this rank's chunk (``torch.chunk(p, W, dim)[rank]``)."""
         return (*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :])
 
+    def plan_entry(self, shard_off: int) -> tuple:
+        """This parameter's entry of a chunk plan (``comm.pack_plan``), its chunk at
+        ``shard_off`` of the shard (an empty parameter's chunk has no blocks: outer 1)."""
+        return (self.nat_off, self.numel, self.chunk_numel, shard_off, max(self.outer, 1))
+
     def local_view(self, buf: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the parameter in a shard-sized ``buf`` (the shard, a sharded
         gradient)."""

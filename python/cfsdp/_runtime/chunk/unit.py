@@ -122,15 +122,12 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self._ext_params = tuple(q for q in self.params if q.ext is not None)
         self.natural_numel = nat
         self.shard_numel = shard
-        # (an empty parameter's chunk has no blocks to speak of: outer 1 then)
-        self._plan = [(q.nat_off, q.numel, q.chunk_numel, q.shard_off, max(q.outer, 1))
-                      for q in self.params]
+        self._plan = [q.plan_entry(q.shard_off) for q in self.params]
         self._plan_bytes = comm.pack_plan(self._plan)
         self._launches: Optional[Launches] = None  # made by launches(): the streams' path
-        # the trainable parameters' reduce-scatter layout, and its launches (the streams'
-        # path), when some are frozen ([Note: trainable layout] in grads.py)
-        self._sub_layout: Optional[tuple] = None
-        self._sub_launches: Optional[tuple] = None
+        # the trainable parameters' reduce-scatter layout when some are frozen
+        # ([Note: trainable layout] in grads.py)
+        self._sub_layout = None
         self._split_sizes = [q.numel for q in self.params]
 
         # This rank's shard, straight from the original parameters (on the meta
@@ -168,7 +165,7 @@ class ChunkUnit(ShardedParams, ChunkLifecycle, ChunkGrads):
         self._got_all = False  # some backward gave every parameter a gradient
         self._got_some = False  # _got_grad records a backward that gave some none
         self._got_grad = bytearray(len(self.params))
-        # which parameters held a sharded gradient the reduction adds to (None: none did)
+        # the sharded gradients the reduction adds to, as the parameters held them (None: none)
         self._had_grad: Optional[tuple] = None
         # set_reduce_scatter_unused_params; whether the unit was ever unsharded (torch
         # reduces zeros only for parameters that have their unsharded parameter)

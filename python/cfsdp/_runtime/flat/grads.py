@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from ... import _core
 from .. import comm, device
-from ..base import FinishedReduce, PendingReduce, accumulate_sharded, all_none, set_grad, views_or_none
+from ..base import (FinishedReduce, PendingReduce, accumulate_sharded, all_none, issue_reduction,
+                    set_grad, views_or_none)
 from ..reduce import scale_cast_add
 from ..views import as_tp
 
@@ -196,9 +197,7 @@ class FlatGrads:
         if not self.grad_unsharded or grad is None:
             return
         self.flat_param.grad = None
-        while pending:
-            pending.pop(0).finish()
-        pending.append(self.reduce_grad(grad))
+        issue_reduction(pending, self, grad)
 
     # [Note: units outside a backward]
     # The end of every backward visits every unit of the root, also those whose module
