@@ -169,6 +169,27 @@ class _Sided(nn.Module):
         return self.head(h)
 
 
+def _wrapped_sided(base: nn.Module, wrapper, kw: dict) -> nn.Module:
+    """``base`` copied, its ``side`` unit and the root wrapped by ``wrapper``."""
+    model = copy.deepcopy(base)
+    model.side = wrapper(model.side, **kw)
+    return wrapper(model, **kw)
+
+
+def _compare_runs(mm: Mismatches, cfsdp_run: tuple, torch_run: tuple, loss_what: str) -> None:
+    """Bitwise: the losses, each step's gradients the optimizer sees, the final parameters
+    (``(losses, grads, params, ...)`` of each run)."""
+    (cl, cg, cp), (tl, tg, tp) = cfsdp_run[:3], torch_run[:3]
+    for i, (a, b) in enumerate(zip(cl, tl)):
+        mm.tensors(f"{loss_what} {i}", a, b)
+    for s, (ga, gb) in enumerate(zip(cg, tg)):
+        mm.check(len(ga) == len(gb), f"step {s}: {len(ga)} grads vs torch {len(gb)}")
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            mm.tensors(f"step {s}: grad of parameter #{i} the optimizer sees", a, b)
+    for i, (a, b) in enumerate(zip(cp, tp)):
+        mm.tensors(f"local parameter #{i} at the end", a, b)
+
+
 @h.subtest(grid={"strategy": GRID_STRATEGIES, "use_orig_params": [False, True],
                  "config": ["fp32", "bf16_reduce_fp32"]})
 def no_sync_unit_not_reached(ctx, strategy, use_orig_params: bool, config: str):
@@ -200,9 +221,7 @@ def no_sync_unit_not_reached(ctx, strategy, use_orig_params: bool, config: str):
 
     record = []
     for wrapper in (TorchFSDP, CFSDP):
-        model = copy.deepcopy(base)
-        model.side = wrapper(model.side, **kw)
-        model = wrapper(model, **kw)
+        model = _wrapped_sided(base, wrapper, kw)
         model.module.zero_side = wrapper is TorchFSDP  # the oracle reaches the unit
         opt = make_optim("sgd", model.parameters())
         losses, grads = [], []
@@ -220,14 +239,8 @@ def no_sync_unit_not_reached(ctx, strategy, use_orig_params: bool, config: str):
             opt.step()
         record.append((losses, grads, [p.detach().clone() for p in model.parameters()],
                        model.state_dict()))
-    (tl, tg, tp, tsd), (cl, cg, cp, csd) = record
-    for i, (a, b) in enumerate(zip(cl, tl)):
-        mm.tensors(f"loss of micro-batch {i}", a, b)
-    for s, (ga, gb) in enumerate(zip(cg, tg)):
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            mm.tensors(f"step {s}: grad of parameter #{i} the optimizer sees", a, b)
-    for i, (a, b) in enumerate(zip(cp, tp)):
-        mm.tensors(f"local parameter #{i} at the end", a, b)
+    _compare_runs(mm, record[1], record[0], "loss of micro-batch")
+    csd = record[1][3]
     if config != "fp32":
         mm.raise_if_any()
         return
@@ -269,9 +282,7 @@ def params_unused_on_some_ranks(ctx, strategy, use_orig_params: bool):
                for _ in range(4)]
     record = []
     for wrapper in (TorchFSDP, CFSDP):
-        model = copy.deepcopy(base)
-        model.side = wrapper(model.side, **kw)
-        model = wrapper(model, **kw)
+        model = _wrapped_sided(base, wrapper, kw)
         opt = make_optim("adamw", model.parameters())
         losses, grads = [], []
         for step, chunks in enumerate(batches):
@@ -288,15 +299,7 @@ def params_unused_on_some_ranks(ctx, strategy, use_orig_params: bool):
                           for p in model.parameters()])
             opt.step()
         record.append((losses, grads, [p.detach().clone() for p in model.parameters()]))
-    (tl, tg, tp), (cl, cg, cp) = record
-    for i, (a, b) in enumerate(zip(cl, tl)):
-        mm.tensors(f"loss at step {i}", a, b)
-    for s, (ga, gb) in enumerate(zip(cg, tg)):
-        mm.check(len(ga) == len(gb), f"step {s}: {len(ga)} grads vs torch {len(gb)}")
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            mm.tensors(f"step {s}: grad of parameter #{i} the optimizer sees", a, b)
-    for i, (a, b) in enumerate(zip(cp, tp)):
-        mm.tensors(f"local parameter #{i} at the end", a, b)
+    _compare_runs(mm, record[1], record[0], "loss at step")
     mm.raise_if_any()
 
 
